@@ -1,0 +1,1 @@
+"""The pdserve operator: renders PDService objects into Kubernetes objects and reconciles them."""
