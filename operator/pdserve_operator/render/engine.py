@@ -1,0 +1,299 @@
+"""The engine pools: a StatefulSet of vLLM engines, a headless Service and a PodDisruptionBudget per pool.
+
+Why a StatefulSet: stable pod names make engine logs and metrics traceable across restarts, and the headless Service
+gives the router per-pod endpoints through EndpointSlices. Pods start in parallel (engines do not depend on each
+other) and roll one at a time.
+
+The engine command line is what vLLM 0.32 accepts (`vllm serve MODEL ...`, KNOWLEDGE.md). NIXL specifics:
+- `--kv-transfer-config` names NixlConnector with `kv_producer` on prefill and `kv_consumer` on decode, and an
+  `engine_id` of `$(POD_NAME)-$(POD_UID)`: unique per pod *incarnation*, so a restarted pod is never mistaken by
+  decode engines for the stale peer it replaces (vLLM issue 49238). Kubernetes expands `$(VAR)` in args.
+- `VLLM_NIXL_SIDE_CHANNEL_HOST` is the pod IP, the port fixed per PDService, so `remote_host:remote_port` in
+  `kv_transfer_params` is reachable from any decode pod.
+- UCX defaults prefer RDMA and name transports explicitly: a silent fallback to TCP is the most common invisible
+  PD failure (10-40x TTFT). `placement.rdma=off` selects TCP on purpose. Users override with spec.engine.ucx/env.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.api import defaults
+from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.v1alpha1 import EnvVar, PDService, PoolSpec
+from pdserve_operator.render import placement
+from pdserve_operator.render.names import EngineRole, child_name, labels, selector_labels
+from pdserve_operator.render.objects import metadata
+
+ENGINE_CONTAINER = "vllm"
+MODEL_MOUNT_ROOT = "/models"
+
+
+def pool_spec(pds: PDService, role: EngineRole) -> PoolSpec:
+    return pds.spec.prefill if role == "prefill" else pds.spec.decode
+
+
+def desired_replicas(pool: PoolSpec) -> int:
+    """Replicas the StatefulSet gets: the spec's, clamped into the autoscaling bounds when autoscaling is on."""
+    scaling = pool.autoscaling
+    if scaling is None or not scaling.enabled:
+        return pool.effective_replicas()
+    low = defaults.AUTOSCALING_MIN if scaling.min_replicas is None else scaling.min_replicas
+    high = defaults.AUTOSCALING_MAX if scaling.max_replicas is None else scaling.max_replicas
+    start = low if pool.replicas is None else pool.replicas
+    return max(low, min(high, start))
+
+
+def _model_source(pds: PDService) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The model argument for vLLM plus the volumes and mounts that make it reachable."""
+    uri = pds.spec.model.uri
+    if uri.startswith("hf://"):
+        return uri.removeprefix("hf://"), [], []
+    if uri.startswith("pvc://"):
+        claim, _, path = uri.removeprefix("pvc://").partition("/")
+        mount = f"{MODEL_MOUNT_ROOT}/{claim}"
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return (
+            f"{mount}/{path}".rstrip("/"),
+            [volume],
+            [{"name": "model", "mountPath": mount, "readOnly": True}],
+        )
+    # An absolute path already on the node: mount it read-only at the same path.
+    volume = {"name": "model", "hostPath": {"path": uri, "type": "Directory"}}
+    return uri, [volume], [{"name": "model", "mountPath": uri, "readOnly": True}]
+
+
+def kv_transfer_config(pds: PDService, role: EngineRole) -> dict[str, Any]:
+    engine = pds.spec.engine
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": engine.kv_buffer_device or defaults.KV_BUFFER_DEVICE,
+        "engine_id": "$(POD_NAME)-$(POD_UID)",
+        "kv_load_failure_policy": engine.kv_load_failure_policy or defaults.KV_LOAD_FAILURE_POLICY,
+        "kv_connector_extra_config": {
+            "kv_lease_duration": engine.kv_lease_seconds or defaults.KV_LEASE_SECONDS,
+        },
+    }
+
+
+def engine_args(pds: PDService, role: EngineRole) -> list[str]:
+    """`vllm serve` arguments (after `serve`), flags owned by pdserve first, user args last."""
+    spec, pool = pds.spec, pool_spec(pds, role)
+    engine = spec.engine
+    model_arg, _, _ = _model_source(pds)
+    args = [
+        model_arg,
+        "--served-model-name",
+        spec.model.name,
+        "--port",
+        str(engine.port or defaults.ENGINE_PORT),
+        "--tensor-parallel-size",
+        str(pool.effective_tp()),
+    ]
+    if pool.effective_dp() > 1:
+        args += ["--data-parallel-size", str(pool.effective_dp())]
+    if spec.model.revision:
+        args += ["--revision", spec.model.revision]
+    args += [
+        "--block-size",
+        str(engine.block_size or defaults.BLOCK_SIZE),
+        "--kv-cache-dtype",
+        engine.kv_cache_dtype or defaults.KV_CACHE_DTYPE,
+    ]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if pool.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(pool.max_num_seqs)]
+    if pool.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
+    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(pds, role), separators=(",", ":"))]
+    return args + list(engine.args) + list(pool.args)
+
+
+def _env(var: EnvVar) -> dict[str, Any]:
+    return var.model_dump(by_alias=True, exclude_none=True)
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def engine_env(pds: PDService, role: EngineRole) -> list[dict[str, Any]]:
+    spec, pool = pds.spec, pool_spec(pds, role)
+    engine = spec.engine
+    rdma = placement.rdma_policy(pds) != "off"
+    ucx = engine.ucx
+    transports = (ucx.transports if ucx else None) or ("rc,cuda_copy,cuda_ipc" if rdma else "tcp,cuda_copy")
+    env: list[dict[str, Any]] = [
+        # Downward API first: later entries may reference them with $(VAR).
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_UID", "metadata.uid"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+        {
+            "name": "VLLM_NIXL_SIDE_CHANNEL_PORT",
+            "value": str(engine.side_channel_port or defaults.SIDE_CHANNEL_PORT),
+        },
+        {"name": "UCX_TLS", "value": transports},
+        {"name": "PDSERVE_KV_COMPAT", "value": kv_compat_hash(spec)},
+    ]
+    if ucx and ucx.net_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": ucx.net_devices})
+    if spec.model.hf_token_secret:
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": spec.model.hf_token_secret, "key": "HF_TOKEN"}},
+            }
+        )
+    # User env last so it can override pdserve's UCX choices (never the owned names: validation rejects those).
+    user = {var.name: _env(var) for var in [*engine.env, *pool.env]}
+    overridden = {e["name"] for e in env} & user.keys()
+    env = [e for e in env if e["name"] not in overridden]
+    return env + list(user.values())
+
+
+def _resources(pds: PDService, role: EngineRole) -> dict[str, Any]:
+    pool = pool_spec(pds, role)
+    requests: dict[str, str] = dict(pool.resources.requests) if pool.resources else {}
+    limits: dict[str, str] = dict(pool.resources.limits) if pool.resources else {}
+    extended: dict[str, str] = {}
+    gpus = pool.effective_gpus()
+    if gpus > 0:
+        gpu_name = (pds.spec.placement.gpu_resource_name if pds.spec.placement else None) or defaults.GPU_RESOURCE
+        extended[gpu_name] = str(gpus)
+    if placement.rdma_policy(pds) == "required":
+        rdma = pool.rdma
+        name = (rdma.resource_name if rdma else None) or defaults.RDMA_RESOURCE
+        extended[name] = str((rdma.count if rdma else None) or defaults.RDMA_COUNT)
+    # Extended resources cannot be overcommitted: requests must equal limits.
+    out: dict[str, Any] = {}
+    if requests or extended:
+        out["requests"] = {**requests, **extended}
+    if limits or extended:
+        out["limits"] = {**limits, **extended}
+    return out
+
+
+def _probes(port_name: str) -> dict[str, Any]:
+    def http(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": "/health", "port": port_name},
+            "periodSeconds": period,
+            "failureThreshold": failures,
+            "timeoutSeconds": timeout,
+        }
+
+    return {
+        # Loading weights (and downloading them from the hub) can take many minutes: 10 s x 360 = 1 hour.
+        "startupProbe": http(10, 360),
+        "readinessProbe": http(5, 3),
+        "livenessProbe": http(10, 6),
+    }
+
+
+def statefulset(pds: PDService, role: EngineRole) -> dict[str, Any]:
+    spec, pool = pds.spec, pool_spec(pds, role)
+    engine = spec.engine
+    name = child_name(pds, role)
+    _, model_volumes, model_mounts = _model_source(pds)
+    pod_labels = {**labels(pds, role), KV_COMPAT_LABEL: kv_compat_hash(spec)}
+    container: dict[str, Any] = {
+        "name": ENGINE_CONTAINER,
+        "image": engine.image,
+        "command": ["vllm", "serve"],
+        "args": engine_args(pds, role),
+        "env": engine_env(pds, role),
+        "ports": [
+            {"name": "http", "containerPort": engine.port or defaults.ENGINE_PORT, "protocol": "TCP"},
+            {
+                "name": "nixl",
+                "containerPort": engine.side_channel_port or defaults.SIDE_CHANNEL_PORT,
+                "protocol": "TCP",
+            },
+        ],
+        "resources": _resources(pds, role),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
+        **_probes("http"),
+        # RDMA memory registration pins pages: NIXL/UCX need IPC_LOCK.
+        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+    }
+    if engine.image_pull_policy:
+        container["imagePullPolicy"] = engine.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": defaults.ENGINE_TERMINATION_GRACE_SECONDS,
+        "containers": [container],
+        "volumes": [
+            {
+                "name": "dshm",
+                "emptyDir": {"medium": "Memory", "sizeLimit": engine.shm_size or defaults.SHM_SIZE},
+            },
+            *model_volumes,
+        ],
+        "tolerations": placement.tolerations(pds, pool),
+        "topologySpreadConstraints": placement.topology_spread(pds, role),
+    }
+    selector = placement.node_selector(pds, pool)
+    if selector:
+        pod_spec["nodeSelector"] = selector
+    affinity = placement.affinity(pds, role)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(pds, name, role),
+        "spec": {
+            "serviceName": name,
+            "replicas": desired_replicas(pool),
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+            "selector": {"matchLabels": selector_labels(pds, role)},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def headless_service(pds: PDService, role: EngineRole) -> dict[str, Any]:
+    engine = pds.spec.engine
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(pds, child_name(pds, role), role),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(pds, role),
+            "ports": [
+                {
+                    "name": "http",
+                    "port": engine.port or defaults.ENGINE_PORT,
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                },
+                {
+                    "name": "nixl",
+                    "port": engine.side_channel_port or defaults.SIDE_CHANNEL_PORT,
+                    "targetPort": "nixl",
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+
+
+def disruption_budget(pds: PDService, role: EngineRole) -> dict[str, Any]:
+    pool = pool_spec(pds, role)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(pds, child_name(pds, role), role),
+        "spec": {
+            "maxUnavailable": defaults.POOL_MAX_UNAVAILABLE if pool.max_unavailable is None else pool.max_unavailable,
+            "selector": {"matchLabels": selector_labels(pds, role)},
+        },
+    }

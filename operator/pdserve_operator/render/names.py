@@ -1,0 +1,67 @@
+"""Deterministic names and labels of everything rendered for a PDService.
+
+Selector labels are a strict subset of the object labels and never include anything that changes over the life of
+a PDService (a StatefulSet's selector is immutable): the kv-compat hash is a pod label, never a selector label.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pdserve.api.kvcompat import KV_COMPAT_LABEL
+from pdserve.api.v1alpha1 import PDService
+
+Role = Literal["prefill", "decode", "router"]
+EngineRole = Literal["prefill", "decode"]
+ENGINE_ROLES: tuple[EngineRole, ...] = ("prefill", "decode")
+ROLE_LABEL = "pdserve.io/role"
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+PART_OF_LABEL = "app.kubernetes.io/part-of"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+VERSION_LABEL = "app.kubernetes.io/version"
+MANAGED_BY = "pdserve-operator"
+APP_NAME = "pdserve"
+
+__all__ = [
+    "COMPONENT_LABEL",
+    "ENGINE_ROLES",
+    "INSTANCE_LABEL",
+    "KV_COMPAT_LABEL",
+    "MANAGED_BY",
+    "MANAGED_BY_LABEL",
+    "NAME_LABEL",
+    "ROLE_LABEL",
+    "EngineRole",
+    "Role",
+    "child_name",
+    "labels",
+    "owner_labels",
+    "selector_labels",
+]
+
+
+def child_name(pds: PDService, role: Role) -> str:
+    """`<pdservice>-<role>`: the name of every object of that role (StatefulSet, Service, PDB, ...)."""
+    return f"{pds.metadata.name}-{role}"
+
+
+def owner_labels(pds: PDService) -> dict[str, str]:
+    """Labels on every rendered object; the operator lists its children (and prunes them) by these."""
+    return {
+        NAME_LABEL: APP_NAME,
+        INSTANCE_LABEL: pds.metadata.name,
+        PART_OF_LABEL: APP_NAME,
+        MANAGED_BY_LABEL: MANAGED_BY,
+    }
+
+
+def selector_labels(pds: PDService, role: Role) -> dict[str, str]:
+    """The immutable selector of one role's pods."""
+    return {NAME_LABEL: APP_NAME, INSTANCE_LABEL: pds.metadata.name, ROLE_LABEL: role}
+
+
+def labels(pds: PDService, role: Role) -> dict[str, str]:
+    """Object labels of one role's objects."""
+    return {**owner_labels(pds), COMPONENT_LABEL: role, ROLE_LABEL: role}

@@ -1,0 +1,154 @@
+"""Generate the PDService CustomResourceDefinition from the pydantic models.
+
+Kubernetes wants a *structural* OpenAPI v3 schema: every node typed, no `$ref`, no `anyOf` of types, no
+`title`/`default` noise. pydantic emits JSON Schema 2020-12 with `$defs` and `anyOf [{...}, {"type": "null"}]` for
+optional fields. The conversion is a single recursive walk:
+
+1. `$ref` -> inline the referenced definition (the models have no recursion, so this terminates);
+2. `anyOf` with a `null` branch -> the non-null branch (absent is how Kubernetes says null);
+3. `const` (Literal of one value) -> a one-element `enum`;
+4. drop `title` and `default` (defaults live in `pdserve.api.defaults`, not in stored objects);
+5. keep `description`, constraints, `enum`, `x-kubernetes-*` extensions; rename the CEL key.
+
+The result is wrapped in the CRD with the status subresource and printer columns. `pdserve crd` prints it and a
+test compares it with the checked-in `crds/pdservice.yaml`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from pdserve.api import v1alpha1
+from pdserve.api.v1alpha1 import MAX_NAME_LENGTH, NAME_PATTERN, PDServiceSpec, PDServiceStatus
+
+_DROP = frozenset({"title", "default"})
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_structural(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _structural(merged, defs)
+    if "anyOf" in node:
+        branches = [b for b in node["anyOf"] if b != {"type": "null"}]
+        if len(branches) == 1:
+            rest = {k: v for k, v in node.items() if k != "anyOf"}
+            return _structural({**branches[0], **rest}, defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP or key == "$defs":
+            continue
+        if key == "const":
+            out["enum"] = [value]
+        elif key in {"properties", "patternProperties"}:
+            out[key] = {name: _structural(sub, defs) for name, sub in value.items()}
+        else:
+            out[key] = _structural(value, defs)
+    if "properties" in out or isinstance(out.get("additionalProperties"), bool):
+        # Structural schemas forbid properties beside additionalProperties and boolean additionalProperties;
+        # unknown fields are pruned by the API server and rejected by kubectl's strict field validation.
+        out.pop("additionalProperties", None)
+    if "enum" in out and "type" not in out:
+        out["type"] = _json_type(out["enum"][0])
+    return out
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return "string"
+
+
+def openapi_schema(model: type[v1alpha1.ApiModel]) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of one model."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    schema: dict[str, Any] = _structural(raw, raw.get("$defs", {}))
+    return schema
+
+
+def _root_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": v1alpha1.PDService.__doc__ or "",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string", "description": "API version: pdserve.io/v1alpha1."},
+            "kind": {"type": "string", "description": "Kind: PDService."},
+            # Kubernetes lets a CRD restrict metadata.name only; the name feeds child names (Services need DNS-1035,
+            # StatefulSet pods need room for their controller-revision-hash label).
+            "metadata": {
+                "type": "object",
+                "description": "Standard object metadata.",
+                "properties": {
+                    "name": {"type": "string", "maxLength": MAX_NAME_LENGTH, "pattern": NAME_PATTERN},
+                },
+            },
+            "spec": openapi_schema(PDServiceSpec),
+            "status": openapi_schema(PDServiceStatus),
+        },
+    }
+
+
+def _printer_columns() -> list[dict[str, Any]]:
+    def column(name: str, path: str, kind: str = "string", **extra: Any) -> dict[str, Any]:
+        return {"name": name, "type": kind, "jsonPath": path, **extra}
+
+    return [
+        column("Model", ".spec.model.name"),
+        column("Prefill-Ready", ".status.prefill.readyReplicas", "integer"),
+        column("Prefill-Desired", ".status.prefill.desiredReplicas", "integer"),
+        column("Decode-Ready", ".status.decode.readyReplicas", "integer"),
+        column("Decode-Desired", ".status.decode.desiredReplicas", "integer"),
+        column("Available", '.status.conditions[?(@.type=="Available")].status'),
+        column("Age", ".metadata.creationTimestamp", "date"),
+    ]
+
+
+def custom_resource_definition() -> dict[str, Any]:
+    """The whole CRD object."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{v1alpha1.PLURAL}.{v1alpha1.GROUP}",
+            "labels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/part-of": "pdserve"},
+        },
+        "spec": {
+            "group": v1alpha1.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": v1alpha1.KIND,
+                "listKind": f"{v1alpha1.KIND}List",
+                "plural": v1alpha1.PLURAL,
+                "singular": v1alpha1.SINGULAR,
+                "shortNames": list(v1alpha1.SHORT_NAMES),
+                "categories": ["all", "pdserve"],
+            },
+            "versions": [
+                {
+                    "name": v1alpha1.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": _printer_columns(),
+                    "schema": {"openAPIV3Schema": _root_schema()},
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """The CRD as YAML text, exactly as checked in at crds/pdservice.yaml."""
+    header = "# Generated by `pdserve crd` from pdserve/api/v1alpha1.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump(custom_resource_definition(), sort_keys=False, width=120)

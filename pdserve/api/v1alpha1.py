@@ -1,0 +1,477 @@
+"""PDService v1alpha1: the pydantic models that are the single source of truth for the API.
+
+The CRD in `crds/pdservice.yaml` is generated from these models (`pdserve crd`), never edited by hand. Conventions:
+camelCase aliases, `extra="forbid"`, a description on every field, constraints in the schema, cross-field rules as
+CEL `x-kubernetes-validations` attached with `json_schema_extra` (see `crdgen.py`), and no defaults in the
+generated schema: defaults live here, so the API server stores what the user wrote and the operator decides what
+an absent field means (a later pdserve version can change a default without rewriting stored objects).
+
+Field design follows the anchors of the field: llm-d's modelservice values (model URI schemes, per-role pools),
+Dynamo's DynamoGraphDeployment (per-component replicas/resources), KServe's LLMInferenceService (prefill/decode
+split with a router), LeaderWorkerSet (topology placement).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic.alias_generators import to_camel
+
+GROUP = "pdserve.io"
+VERSION = "v1alpha1"
+KIND = "PDService"
+PLURAL = "pdservices"
+SINGULAR = "pdservice"
+SHORT_NAMES = ["pds"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Child names are "<name>-prefill-<ordinal>" and StatefulSet pods get a controller-revision-hash label of
+# "<sts name>-<10 chars>", which must fit in 63 characters; Services need DNS-1035 names (leading letter).
+MAX_NAME_LENGTH = 40
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+# Kubernetes resource quantity, e.g. "500m", "16Gi", "2".
+Quantity = Annotated[
+    str,
+    StringConstraints(pattern=r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkKMGTPE]i?)?$"),
+]
+# A label key such as "topology.kubernetes.io/zone" (optional DNS prefix, then a name).
+LabelKey = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+        r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        max_length=316,
+    ),
+]
+# An extended resource name such as "nvidia.com/gpu" or "rdma/ib".
+ResourceName = Annotated[
+    str, StringConstraints(pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
+]
+ImageRef = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^\S+$")]
+
+
+class ApiModel(BaseModel):
+    """Base for every API model: camelCase on the wire, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+        # Keep the user's field order when dumping; makes `pdserve render` diffs readable.
+        protected_namespaces=(),
+    )
+
+
+def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    """json_schema_extra carrying CEL rules; crdgen turns the key into `x-kubernetes-validations`."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+
+
+# --------------------------------------------------------------------------------------------------- Kubernetes bits
+
+
+class EnvVar(ApiModel):
+    """An environment variable, shaped like core/v1 EnvVar (valueFrom is passed through unchanged)."""
+
+    name: str = Field(min_length=1, description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        description="A core/v1 EnvVarSource (fieldRef, secretKeyRef, configMapKeyRef, resourceFieldRef).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class Toleration(ApiModel):
+    """A pod toleration, shaped like core/v1 Toleration."""
+
+    key: str | None = Field(default=None, description="Taint key the toleration applies to; empty matches all.")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value to match when operator is Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; empty matches all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="How long a NoExecute taint is tolerated before eviction."
+    )
+
+
+class ComputeResources(ApiModel):
+    """CPU and memory (and any extra resources) of a container, as Kubernetes quantities."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests, e.g. cpu: '8'.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits, e.g. memory: 64Gi.")
+
+
+# ----------------------------------------------------------------------------------------------------------- model
+
+
+class ModelSpec(ApiModel):
+    """The model being served and where its weights come from."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Served model name: what clients send as `model` and what /v1/models lists.",
+    )
+    uri: str = Field(
+        pattern=r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|/.*)$",
+        description=(
+            "Where the weights come from: `hf://org/name` (downloaded by the engine from the Hugging Face hub), "
+            "`pvc://claim/path` (a PersistentVolumeClaim mounted read-only), or an absolute path already on the node."
+        ),
+    )
+    revision: str | None = Field(
+        default=None,
+        max_length=128,
+        description="Model revision (hf:// only): a branch, tag or commit. Pin a commit for reproducible KV compat.",
+    )
+    hf_token_secret: str | None = Field(
+        default=None,
+        description="Name of a Secret with key HF_TOKEN, for gated hf:// models.",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("!has(self.revision) || self.uri.startsWith('hf://')", "revision applies to hf:// models only"),
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- engine
+
+
+class UcxSpec(ApiModel):
+    """UCX transport settings for NIXL; the defaults prefer RDMA and fail loudly rather than silently use TCP."""
+
+    transports: str | None = Field(
+        default=None,
+        description="UCX_TLS value. Default `rc,cuda_copy,cuda_ipc` with RDMA, `tcp,cuda_copy` without it.",
+    )
+    net_devices: str | None = Field(default=None, description="UCX_NET_DEVICES value, e.g. mlx5_0:1. Default all.")
+
+
+class EngineSpec(ApiModel):
+    """The inference engine, shared by both pools because P and D must agree on it to exchange KV cache."""
+
+    image: ImageRef = Field(description="vLLM image, e.g. vllm/vllm-openai:v0.32.0.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Image pull policy; Kubernetes' default when absent."
+    )
+    kv_connector: Literal["nixl"] | None = Field(
+        default=None,
+        description="KV transfer connector between prefill and decode. Only `nixl` (vLLM NixlConnector) today.",
+    )
+    kv_buffer_device: Literal["cuda", "cpu"] | None = Field(
+        default=None, description="Where NIXL registers KV buffers. Default cuda."
+    )
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = Field(
+        default=None, description="KV cache dtype (vLLM --kv-cache-dtype). Default auto."
+    )
+    block_size: Literal[1, 8, 16, 32, 64, 128] | None = Field(
+        default=None, description="KV cache block size in tokens (vLLM --block-size). Default 16."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, le=10_485_760, description="Maximum context length (vLLM --max-model-len)."
+    )
+    attention: Literal["standard", "mla"] | None = Field(
+        default=None,
+        description=(
+            "Attention family. `standard` (default) cannot pair a prefill TP larger than the decode TP; "
+            "`mla` (DeepSeek-style latent attention) replicates KV and allows it."
+        ),
+    )
+    port: int | None = Field(default=None, ge=1, le=65535, description="Engine HTTP port. Default 8000.")
+    side_channel_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT). Default 5600.",
+    )
+    kv_lease_seconds: int | None = Field(
+        default=None, ge=1, le=3600, description="How long prefill holds un-pulled KV blocks. Default 30."
+    )
+    kv_load_failure_policy: Literal["fail", "recompute"] | None = Field(
+        default=None,
+        description="What decode does when a KV pull fails: fail (HTTP 500) or recompute. Default fail.",
+    )
+    ucx: UcxSpec | None = Field(default=None, description="UCX transport overrides.")
+    args: list[str] = Field(default_factory=list, description="Extra engine arguments for both pools.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both pools.")
+    shm_size: Quantity | None = Field(default=None, description="Size of the /dev/shm emptyDir. Default 16Gi.")
+
+
+# ------------------------------------------------------------------------------------------------------------ pools
+
+
+class RdmaSpec(ApiModel):
+    """The RDMA device resource a pod requests (e.g. from the RDMA shared device plugin)."""
+
+    resource_name: ResourceName | None = Field(default=None, description="Extended resource name. Default rdma/ib.")
+    count: int | None = Field(default=None, ge=1, le=64, description="Devices per pod. Default 1.")
+
+
+class AutoscalingSpec(ApiModel):
+    """SLO-driven autoscaling of one pool (prefill scales on TTFT, decode on inter-token latency)."""
+
+    enabled: bool | None = Field(default=None, description="Turn autoscaling on. Default false.")
+    min_replicas: int | None = Field(default=None, ge=0, description="Lower bound. Default 1.")
+    max_replicas: int | None = Field(default=None, ge=1, description="Upper bound. Default 8.")
+    target_milliseconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="SLO target for this pool (TTFT for prefill, ITL for decode); defaults to spec.slo.",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "(has(self.minReplicas) ? self.minReplicas : 1) <= (has(self.maxReplicas) ? self.maxReplicas : 8)",
+                "minReplicas must be <= maxReplicas",
+            ),
+        )
+    )
+
+
+class PoolSpec(ApiModel):
+    """One engine pool (prefill or decode): its size, parallelism, hardware and extra settings."""
+
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=1024,
+        description="Engine pods. Default 1. Ignored while autoscaling is enabled.",
+    )
+    tensor_parallel_size: int | None = Field(
+        default=None, ge=1, le=64, description="vLLM --tensor-parallel-size. Default 1."
+    )
+    data_parallel_size: int | None = Field(
+        default=None, ge=1, le=64, description="vLLM --data-parallel-size inside one pod. Default 1."
+    )
+    gpus_per_pod: int | None = Field(
+        default=None, ge=0, le=64, description="GPUs per pod. Default tensorParallelSize x dataParallelSize."
+    )
+    rdma: RdmaSpec | None = Field(default=None, description="RDMA device request; used unless placement.rdma=off.")
+    resources: ComputeResources | None = Field(default=None, description="CPU and memory of the engine container.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Extra node selector for this pool.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Extra tolerations for this pool.")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="vLLM --max-num-seqs for this pool.")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="vLLM --max-num-batched-tokens for this pool."
+    )
+    args: list[str] = Field(default_factory=list, description="Extra engine arguments for this pool.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for this pool.")
+    autoscaling: AutoscalingSpec | None = Field(default=None, description="SLO-driven autoscaling.")
+    max_unavailable: int | None = Field(
+        default=None, ge=0, description="PodDisruptionBudget maxUnavailable for the pool. Default 1."
+    )
+
+    def effective_replicas(self) -> int:
+        return 1 if self.replicas is None else self.replicas
+
+    def effective_tp(self) -> int:
+        return self.tensor_parallel_size or 1
+
+    def effective_dp(self) -> int:
+        return self.data_parallel_size or 1
+
+    def effective_gpus(self) -> int:
+        if self.gpus_per_pod is not None:
+            return self.gpus_per_pod
+        return self.effective_tp() * self.effective_dp()
+
+
+# ------------------------------------------------------------------------------------------------------- placement
+
+
+class PlacementSpec(ApiModel):
+    """Where engine pods go: GPU nodes, RDMA, co-location of prefill and decode, and spreading."""
+
+    gpu_resource_name: ResourceName | None = Field(default=None, description="GPU resource. Default nvidia.com/gpu.")
+    gpu_node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node selector for GPU nodes of both pools, e.g. the GPU product label.",
+    )
+    tolerations: list[Toleration] | None = Field(
+        default=None,
+        description="Tolerations for both pools. Default tolerates nvidia.com/gpu (the usual GPU-pool taint).",
+    )
+    rdma: Literal["required", "preferred", "off"] | None = Field(
+        default=None,
+        description=(
+            "RDMA policy. required: request the RDMA resource (pods only fit RDMA nodes). preferred: no request, "
+            "prefer nodes labelled with rdmaNodeLabel. off: TCP only (expect 10-40x worse TTFT). Default required."
+        ),
+    )
+    rdma_node_label: LabelKey | None = Field(
+        default=None,
+        description="Node label marking RDMA-capable nodes, for rdma=preferred. Default pdserve.io/rdma.",
+    )
+    topology_key: LabelKey | None = Field(
+        default=None,
+        description=(
+            "Node label of the domain prefill and decode should share: a rack, NVLink domain or zone, e.g. "
+            "topology.kubernetes.io/zone."
+        ),
+    )
+    colocation: Literal["required", "preferred", "none"] | None = Field(
+        default=None,
+        description="Whether prefill and decode must/should share a topologyKey domain. Default preferred.",
+    )
+    spread_key: LabelKey | None = Field(
+        default=None,
+        description="Node label to spread each pool's pods over for availability. Default kubernetes.io/hostname.",
+    )
+    max_skew: int | None = Field(default=None, ge=1, description="Spread max skew. Default 1.")
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "!has(self.colocation) || self.colocation == 'none' || has(self.topologyKey)",
+                "topologyKey is required when colocation is required or preferred",
+            ),
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------------------- router
+
+
+class RoutingSpec(ApiModel):
+    """How the router sends each request."""
+
+    disaggregation_threshold: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Prompts with at least this many uncached prompt tokens go through prefill then decode; shorter or "
+            "cached ones go straight to decode. 0 disaggregates everything. Default 256."
+        ),
+    )
+    prefix_aware: bool | None = Field(
+        default=None, description="Prefer engines likely to hold the prompt's prefix in cache. Default true."
+    )
+    fallback_to_decode: bool | None = Field(
+        default=None,
+        description="When no prefill engine can serve, prefill on decode instead of 503. Default true.",
+    )
+
+
+class RouterSpec(ApiModel):
+    """The PD router: the OpenAI-compatible endpoint in front of the pools."""
+
+    replicas: int | None = Field(default=None, ge=0, le=64, description="Router pods. Default 2.")
+    image: ImageRef | None = Field(default=None, description="Router image. Default the pdserve image.")
+    port: int | None = Field(default=None, ge=1, le=65535, description="Service and container port. Default 8080.")
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] | None = Field(
+        default=None, description="Router Service type. Default ClusterIP."
+    )
+    routing: RoutingSpec | None = Field(default=None, description="Routing policy settings.")
+    resources: ComputeResources | None = Field(default=None, description="Router container resources.")
+
+
+# ------------------------------------------------------------------------------------------------------------ slo
+
+
+class SloSpec(ApiModel):
+    """Latency objectives the autoscaler keeps: TTFT drives prefill, inter-token latency drives decode."""
+
+    ttft_milliseconds: float | None = Field(default=None, gt=0, description="Time-to-first-token target.")
+    itl_milliseconds: float | None = Field(default=None, gt=0, description="Inter-token latency target.")
+    percentile: Literal[50, 90, 95, 99] | None = Field(
+        default=None, description="Percentile the targets apply to. Default 90."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------- spec
+
+
+class PDServiceSpec(ApiModel):
+    """Desired state of a prefill/decode disaggregated model deployment."""
+
+    model: ModelSpec = Field(description="The model being served.")
+    engine: EngineSpec = Field(description="Engine settings shared by both pools (they define KV compatibility).")
+    prefill: PoolSpec = Field(default_factory=PoolSpec, description="The prefill pool (compute-bound).")
+    decode: PoolSpec = Field(default_factory=PoolSpec, description="The decode pool (memory-bandwidth-bound).")
+    placement: PlacementSpec | None = Field(default=None, description="Node selection and topology.")
+    router: RouterSpec | None = Field(default=None, description="The PD router.")
+    slo: SloSpec | None = Field(default=None, description="Latency objectives for autoscaling.")
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "(has(self.engine.attention) && self.engine.attention == 'mla') || "
+                "(has(self.prefill.tensorParallelSize) ? self.prefill.tensorParallelSize : 1) <= "
+                "(has(self.decode.tensorParallelSize) ? self.decode.tensorParallelSize : 1)",
+                "prefill.tensorParallelSize must be <= decode.tensorParallelSize for standard attention",
+            ),
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------------------- status
+
+
+class Condition(ApiModel):
+    """A metav1.Condition."""
+
+    type: str = Field(description="Condition type: Available, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    observed_generation: int | None = Field(default=None, description="Generation the condition was set for.")
+    last_transition_time: str = Field(description="When the status last flipped (RFC 3339).")
+    reason: str = Field(description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable details.")
+
+
+class PoolStatus(ApiModel):
+    """Observed state of one pool."""
+
+    replicas: int = Field(default=0, description="Pods created by the StatefulSet.")
+    ready_replicas: int = Field(default=0, description="Pods ready to serve.")
+    desired_replicas: int = Field(default=0, description="Pods wanted (spec or autoscaler).")
+
+
+class PDServiceStatus(ApiModel):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = Field(default=None, description="Last spec generation acted on.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Available, Progressing, Degraded.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    prefill: PoolStatus | None = Field(default=None, description="Prefill pool.")
+    decode: PoolStatus | None = Field(default=None, description="Decode pool.")
+    router_endpoint: str | None = Field(default=None, description="In-cluster URL of the router's Service.")
+    kv_compat_hash: str | None = Field(default=None, description="Hash of what P and D must agree on.")
+
+
+class ObjectMeta(ApiModel):
+    """The part of metav1.ObjectMeta the renderer uses."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
+        pattern=NAME_PATTERN,
+        description="Object name; a DNS-1035 label short enough for the names derived from it.",
+    )
+    namespace: str = Field(default="default", description="Namespace.")
+    uid: str | None = Field(default=None, description="Object UID (set by the API server).")
+    generation: int | None = Field(default=None, description="Spec generation (set by the API server).")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+
+
+class PDService(ApiModel):
+    """A prefill/decode disaggregated model deployment."""
+
+    api_version: Literal["pdserve.io/v1alpha1"] = Field(default="pdserve.io/v1alpha1", description="API version.")
+    kind: Literal["PDService"] = Field(default="PDService", description="Kind.")
+    metadata: ObjectMeta = Field(description="Standard object metadata.")
+    spec: PDServiceSpec = Field(description="Desired state.")
+    status: PDServiceStatus | None = Field(default=None, description="Observed state.")
