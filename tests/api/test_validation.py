@@ -1,0 +1,175 @@
+"""Validation: every rule fires on the field it names, valid examples pass, pydantic errors become problems."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve.api.validation import InvalidSpecError, Problem, parse_or_raise, validate
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def base() -> dict[str, Any]:
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDService",
+        "metadata": {"name": "svc"},
+        "spec": {
+            "model": {"name": "m", "uri": "hf://org/model"},
+            "engine": {"image": "vllm/vllm-openai:v0.32.0"},
+        },
+    }
+
+
+def with_spec(**patch: Any) -> dict[str, Any]:
+    doc = base()
+    for dotted, value in patch.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return doc
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in EXAMPLES.glob("*.yaml") if p.name != "invalid.yaml"))
+def test_examples_are_valid(path: str) -> None:
+    for doc in yaml.safe_load_all((EXAMPLES / path).read_text()):
+        assert validate(doc) == []
+
+
+CASES: list[tuple[str, dict[str, Any], str, str]] = [
+    (
+        "gpus below TP",
+        with_spec(prefill__tensorParallelSize=2, prefill__gpusPerPod=1, decode__tensorParallelSize=2),
+        "spec.prefill.gpusPerPod",
+        "cannot hold tensorParallelSize 2",
+    ),
+    (
+        "prefill TP above decode TP",
+        with_spec(prefill__tensorParallelSize=4, decode__tensorParallelSize=2),
+        "spec.prefill.tensorParallelSize",
+        "larger than decode TP 2",
+    ),
+    (
+        "decode TP not a multiple",
+        with_spec(prefill__tensorParallelSize=2, decode__tensorParallelSize=3),
+        "spec.decode.tensorParallelSize",
+        "not a multiple",
+    ),
+    (
+        "autoscaling bounds",
+        with_spec(decode__autoscaling={"minReplicas": 3, "maxReplicas": 2}),
+        "spec.decode.autoscaling.minReplicas",
+        "greater than maxReplicas 2",
+    ),
+    (
+        "autoscaling min above default max",
+        with_spec(prefill__autoscaling={"minReplicas": 9}),
+        "spec.prefill.autoscaling.minReplicas",
+        "greater than maxReplicas 8",
+    ),
+    (
+        "colocation without key",
+        with_spec(placement={"colocation": "required"}),
+        "spec.placement.topologyKey",
+        "needs a topologyKey",
+    ),
+    (
+        "revision on pvc",
+        with_spec(model={"name": "m", "uri": "pvc://claim/x", "revision": "main"}),
+        "spec.model.revision",
+        "hf:// models only",
+    ),
+    (
+        "token on a path",
+        with_spec(model={"name": "m", "uri": "/models/x", "hfTokenSecret": "s"}),
+        "spec.model.hfTokenSecret",
+        "hf:// models only",
+    ),
+    (
+        "owned flag",
+        with_spec(engine={"image": "i", "args": ["--kv-transfer-config={}"]}),
+        "spec.engine.args[0]",
+        "--kv-transfer-config is set by pdserve",
+    ),
+    (
+        "owned pool flag",
+        with_spec(decode__args=["--foo", "--tensor-parallel-size", "2"]),
+        "spec.decode.args[1]",
+        "use spec.<pool>.tensorParallelSize",
+    ),
+    (
+        "owned env",
+        with_spec(prefill__env=[{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "1"}]),
+        "spec.prefill.env[0].name",
+        "set by pdserve",
+    ),
+    (
+        "duplicate env",
+        with_spec(engine={"image": "i", "env": [{"name": "A", "value": "1"}, {"name": "A"}]}),
+        "spec.engine.env[1].name",
+        "defined twice",
+    ),
+    (
+        "port clash",
+        with_spec(engine={"image": "i", "port": 5600}),
+        "spec.engine.sideChannelPort",
+        "cannot both use port 5600",
+    ),
+    ("cpu engines with rdma required", with_spec(decode__gpusPerPod=0), "spec.decode.gpusPerPod", "placement.rdma=off"),
+    (
+        "unknown connector",
+        with_spec(engine={"image": "i", "kvConnector": "lmcache"}),
+        "spec.engine.kvConnector",
+        "'nixl'",
+    ),
+    ("unknown field", with_spec(decode__replica=2), "spec.decode.replica", "unknown field"),
+    ("missing engine", {**base(), "spec": {"model": {"name": "m", "uri": "hf://o/m"}}}, "spec.engine", "missing"),
+    ("bad uri", with_spec(model={"name": "m", "uri": "s3://bucket/x"}), "spec.model.uri", "pattern"),
+    ("bad name", {**base(), "metadata": {"name": "Bad_Name"}}, "metadata.name", "pattern"),
+    ("negative replicas", with_spec(prefill__replicas=-1), "spec.prefill.replicas", "greater than or equal to 0"),
+]
+
+
+@pytest.mark.parametrize(("case", "doc", "field", "fragment"), CASES, ids=[c[0] for c in CASES])
+def test_rule_names_field_and_fix(case: str, doc: dict[str, Any], field: str, fragment: str) -> None:
+    problems = validate(doc)
+    matching = [p for p in problems if p.field == field]
+    assert matching, f"{case}: no problem at {field}; got {problems}"
+    assert any(fragment in p.message for p in matching), matching
+
+
+def test_all_problems_reported_at_once() -> None:
+    doc = yaml.safe_load((EXAMPLES / "invalid.yaml").read_text())
+    fields = {p.field for p in validate(doc)}
+    assert {
+        "spec.model.revision",
+        "spec.prefill.gpusPerPod",
+        "spec.prefill.tensorParallelSize",
+        "spec.decode.autoscaling.minReplicas",
+        "spec.engine.args[0]",
+        "spec.engine.sideChannelPort",
+    } <= fields
+
+
+def test_mla_allows_larger_prefill_tp() -> None:
+    doc = with_spec(prefill__tensorParallelSize=4, decode__tensorParallelSize=2)
+    assert validate(doc)
+    doc["spec"]["engine"]["attention"] = "mla"
+    assert validate(doc) == []
+
+
+def test_parse_or_raise() -> None:
+    assert parse_or_raise(base()).metadata.name == "svc"
+    broken = copy.deepcopy(base())
+    broken["spec"]["prefill"] = {"tensorParallelSize": 2}
+    with pytest.raises(InvalidSpecError) as info:
+        parse_or_raise(broken)
+    assert info.value.problems == [Problem("spec.prefill.tensorParallelSize", info.value.problems[0].message)]
+    assert "spec.prefill.tensorParallelSize" in str(info.value)

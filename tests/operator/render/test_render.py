@@ -1,0 +1,218 @@
+"""Behaviour of the renderer that users and the router rely on, asserted object by object."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.router_config import RouterConfig
+from pdserve.api.v1alpha1 import PDService
+from pdserve.api.validation import InvalidSpecError
+from pdserve_operator.render import render
+
+
+def pds(**spec: Any) -> PDService:
+    base: dict[str, Any] = {
+        "model": {"name": "served", "uri": "hf://org/model"},
+        "engine": {"image": "vllm/vllm-openai:v0.32.0"},
+    }
+    base.update(spec)
+    return PDService.model_validate({"metadata": {"name": "svc", "namespace": "ns", "uid": "u-1"}, "spec": base})
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [obj] = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def engine_container(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    sts = by_kind(objects, "StatefulSet", f"svc-{role}")
+    container: dict[str, Any] = sts["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def arg_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_object_inventory_and_order() -> None:
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in render(pds())]
+    assert kinds == [
+        ("ServiceAccount", "svc-router"),
+        ("Role", "svc-router"),
+        ("RoleBinding", "svc-router"),
+        ("ConfigMap", "svc-router"),
+        ("Service", "svc-prefill"),
+        ("StatefulSet", "svc-prefill"),
+        ("PodDisruptionBudget", "svc-prefill"),
+        ("Service", "svc-decode"),
+        ("StatefulSet", "svc-decode"),
+        ("PodDisruptionBudget", "svc-decode"),
+        ("Service", "svc-router"),
+        ("Deployment", "svc-router"),
+        ("PodDisruptionBudget", "svc-router"),
+    ]
+
+
+def test_every_object_is_owned() -> None:
+    for obj in render(pds()):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ns"
+        assert meta["labels"]["app.kubernetes.io/instance"] == "svc"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "pdserve-operator"
+        assert meta["labels"]["pdserve.io/role"] in {"prefill", "decode", "router"}
+        [owner] = meta["ownerReferences"]
+        assert owner == {
+            "apiVersion": "pdserve.io/v1alpha1",
+            "kind": "PDService",
+            "name": "svc",
+            "uid": "u-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@pytest.mark.parametrize(("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+def test_engine_command_line(role: str, kv_role: str) -> None:
+    objects = render(pds(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4}))
+    container = engine_container(objects, role)
+    assert container["command"] == ["vllm", "serve"]
+    args = container["args"]
+    assert args[0] == "org/model"
+    assert arg_value(args, "--served-model-name") == "served"
+    assert arg_value(args, "--port") == "8000"
+    assert arg_value(args, "--tensor-parallel-size") == ("2" if role == "prefill" else "4")
+    config = json.loads(arg_value(args, "--kv-transfer-config"))
+    assert config["kv_connector"] == "NixlConnector"
+    assert config["kv_role"] == kv_role
+    # Unique per pod incarnation (KNOWLEDGE.md, stale NIXL peers): name and UID from the downward API.
+    assert config["engine_id"] == "$(POD_NAME)-$(POD_UID)"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST"), "$(POD_IP) must be defined first"
+    resources = container["resources"]
+    gpus = "2" if role == "prefill" else "4"
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == gpus
+    assert resources["limits"]["rdma/ib"] == "1"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_kv_compat_label_same_on_both_pools_and_changes_with_image() -> None:
+    first = render(pds())
+    labels = [
+        by_kind(first, "StatefulSet", f"svc-{r}")["spec"]["template"]["metadata"]["labels"]
+        for r in ("prefill", "decode")
+    ]
+    assert labels[0][KV_COMPAT_LABEL] == labels[1][KV_COMPAT_LABEL] == kv_compat_hash(pds().spec)
+    second = render(pds(engine={"image": "vllm/vllm-openai:v0.33.0"}))
+    new = by_kind(second, "StatefulSet", "svc-decode")["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL]
+    assert new != labels[0][KV_COMPAT_LABEL]
+    # The label never enters the (immutable) selector.
+    for sts in (o for o in second if o["kind"] == "StatefulSet"):
+        assert KV_COMPAT_LABEL not in sts["spec"]["selector"]["matchLabels"]
+
+
+def test_model_sources() -> None:
+    pvc = render(pds(model={"name": "m", "uri": "pvc://store/llama/v1"}))
+    container = engine_container(pvc, "decode")
+    assert container["args"][0] == "/models/store/llama/v1"
+    volumes = by_kind(pvc, "StatefulSet", "svc-decode")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "store", "readOnly": True}} in volumes
+    host = render(pds(model={"name": "m", "uri": "/mnt/w"}))
+    assert engine_container(host, "prefill")["args"][0] == "/mnt/w"
+    hf = render(pds(model={"name": "m", "uri": "hf://org/model", "revision": "abc", "hfTokenSecret": "tok"}))
+    container = engine_container(hf, "prefill")
+    assert arg_value(container["args"], "--revision") == "abc"
+    assert any(e["name"] == "HF_TOKEN" for e in container["env"])
+
+
+def test_rdma_policies() -> None:
+    required = engine_container(render(pds()), "decode")
+    assert "rdma/ib" in required["resources"]["limits"]
+    assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"} in required["env"]
+    off = render(pds(placement={"rdma": "off"}))
+    container = engine_container(off, "decode")
+    assert "rdma/ib" not in container["resources"]["limits"]
+    assert {"name": "UCX_TLS", "value": "tcp,cuda_copy"} in container["env"]
+    preferred = render(pds(placement={"rdma": "preferred", "rdmaNodeLabel": "example.com/ib"}))
+    affinity = by_kind(preferred, "StatefulSet", "svc-prefill")["spec"]["template"]["spec"]["affinity"]
+    term = affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["preference"]["matchExpressions"] == [{"key": "example.com/ib", "operator": "Exists"}]
+
+
+def test_user_env_overrides_ucx_default() -> None:
+    container = engine_container(
+        render(pds(engine={"image": "i", "env": [{"name": "UCX_TLS", "value": "all"}]})), "decode"
+    )
+    assert [e for e in container["env"] if e["name"] == "UCX_TLS"] == [{"name": "UCX_TLS", "value": "all"}]
+
+
+def test_colocation() -> None:
+    required = render(pds(placement={"topologyKey": "pdserve.io/rack", "colocation": "required"}))
+    for role in ("prefill", "decode"):
+        affinity = by_kind(required, "StatefulSet", f"svc-{role}")["spec"]["template"]["spec"]["affinity"]
+        [term] = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "pdserve.io/rack"
+        assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "svc"}
+    preferred = render(pds(placement={"topologyKey": "pdserve.io/rack"}))
+    affinity = by_kind(preferred, "StatefulSet", "svc-decode")["spec"]["template"]["spec"]["affinity"]
+    [term] = affinity["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"]["pdserve.io/role"] == "prefill"
+    none = render(pds(placement={"topologyKey": "pdserve.io/rack", "colocation": "none"}))
+    assert "affinity" not in by_kind(none, "StatefulSet", "svc-decode")["spec"]["template"]["spec"]
+
+
+def test_router_objects() -> None:
+    objects = render(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 100}}))
+    config = RouterConfig.model_validate(
+        yaml.safe_load(by_kind(objects, "ConfigMap", "svc-router")["data"]["router.yaml"])
+    )
+    assert config.served_model_name == "served"
+    assert config.port == 9000
+    assert config.policy.disaggregation_threshold_tokens == 100
+    assert config.prefill is not None and config.prefill.service_name == "svc-prefill"
+    assert config.decode is not None and config.decode.service_name == "svc-decode"
+    deployment = by_kind(objects, "Deployment", "svc-router")
+    assert deployment["spec"]["replicas"] == 3
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "svc-router"
+    assert pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
+    role = by_kind(objects, "Role", "svc-router")
+    assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in role["rules"]} == {
+        (("discovery.k8s.io",), ("endpointslices",)),
+        (("",), ("pods",)),
+    }
+    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in role["rules"])
+    # A routing change rolls the router through the config hash annotation.
+    other = render(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 200}}))
+    annotation = "pdserve.io/config-hash"
+    assert (
+        by_kind(other, "Deployment", "svc-router")["spec"]["template"]["metadata"]["annotations"][annotation]
+        != deployment["spec"]["template"]["metadata"]["annotations"][annotation]
+    )
+
+
+def test_autoscaling_clamps_replicas() -> None:
+    objects = render(pds(decode={"replicas": 20, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}))
+    assert by_kind(objects, "StatefulSet", "svc-decode")["spec"]["replicas"] == 5
+    objects = render(pds(decode={"autoscaling": {"enabled": True, "minReplicas": 3}}))
+    assert by_kind(objects, "StatefulSet", "svc-decode")["spec"]["replicas"] == 3
+
+
+def test_invalid_spec_is_not_rendered() -> None:
+    with pytest.raises(InvalidSpecError, match=r"spec\.prefill\.tensorParallelSize"):
+        render(pds(prefill={"tensorParallelSize": 2}))
+
+
+def test_render_is_deterministic() -> None:
+    assert render(pds()) == render(pds())
