@@ -1,0 +1,16 @@
+# The pdserve image: operator, router and engine simulator in one image (`pdserve operator|router|sim`).
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY pdserve ./pdserve
+COPY operator ./operator
+COPY runtime ./runtime
+RUN pip install --no-cache-dir --prefix=/install .
+
+FROM python:3.11-slim
+COPY --from=build /install /usr/local
+COPY crds /opt/pdserve/crds
+# Non-root, matching the router Deployment's securityContext (runAsUser 65532).
+USER 65532:65532
+ENTRYPOINT ["pdserve"]
+CMD ["--help"]

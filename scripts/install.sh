@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything pdserve needs on a fresh machine: a virtualenv with pdserve and its dev tools, and the local
+# Kubernetes cluster's binaries (built from Go modules once, then cached under $PDSERVE_CACHE_DIR).
+# Idempotent: a second run reuses the venv, the pip cache and the built binaries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export PDSERVE_CACHE_DIR="${PDSERVE_CACHE_DIR:-$HOME/.cache/pdserve}"
+mkdir -p "$PDSERVE_CACHE_DIR/pip"
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --cache-dir "$PDSERVE_CACHE_DIR/pip" --upgrade pip
+.venv/bin/python -m pip install --quiet --cache-dir "$PDSERVE_CACHE_DIR/pip" -e '.[dev]'
+
+if [ "${PDSERVE_SKIP_CLUSTER_BUILD:-0}" != "1" ]; then
+  # Builds kube-apiserver, controller-manager, scheduler, etcd, kwok, kubectl and helm (about half an hour cold on
+  # two cores; seconds when cached).
+  .venv/bin/pdserve dev cluster build
+fi

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs every check: lint, types, layer contracts, then the whole test suite (unit and local-cluster tiers).
+# Extra arguments go to pytest, e.g. `scripts/test.sh -m "not cluster"` for the quick tier.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+./scripts/install.sh
+
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy pdserve operator/pdserve_operator runtime/pdserve_runtime
+.venv/bin/lint-imports
+
+rc=0
+.venv/bin/python -m pytest "$@" || rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests" >&2
+  rc=0
+fi
+exit "$rc"
