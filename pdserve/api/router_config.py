@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 
@@ -41,6 +41,49 @@ class RoutingPolicyConfig(_Model):
     )
     max_prefill_attempts: int = Field(default=2, ge=1, description="Prefill tries per request, across engines.")
     max_decode_attempts: int = Field(default=2, ge=1, description="Decode tries per request, across engines.")
+    decode_load_weight: float = Field(
+        default=1.0, ge=0, description="Weight of the in-flight load score when choosing a decode engine."
+    )
+    decode_prefix_weight: float = Field(
+        default=1.0, ge=0, description="Weight of the prefix-affinity score when choosing a decode engine."
+    )
+    prefill_load_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="Weight of the in-flight prefill tokens score when choosing a prefill engine.",
+    )
+    prefill_prefix_weight: float = Field(
+        default=1.0, ge=0, description="Weight of the prefix-affinity score when choosing a prefill engine."
+    )
+    prefill_topology_weight: float = Field(
+        default=0.5,
+        ge=0,
+        description="Weight of sharing the decode engine's topology domain when choosing a prefill engine.",
+    )
+    prefix_cache_ttl_seconds: float = Field(
+        default=600.0, gt=0, description="How long the router assumes an engine keeps a prompt block cached."
+    )
+    prefix_tracker_max_blocks: int = Field(
+        default=200_000, ge=1, description="Bound on the prompt blocks the router remembers, across engines."
+    )
+
+
+class CircuitBreakerConfig(_Model):
+    """When an engine is ejected from routing after failures, and how it is probed back in."""
+
+    failure_threshold: int = Field(
+        default=3,
+        ge=1,
+        description="Consecutive failures (connect errors, 5xx, timeouts) that eject an engine.",
+    )
+    open_seconds: float = Field(default=5.0, gt=0, description="How long an ejected engine is left alone.")
+    probe_interval_seconds: float = Field(
+        default=1.0, gt=0, description="How often ejected engines are probed on their health path."
+    )
+    success_threshold: int = Field(
+        default=1, ge=1, description="Consecutive successful probes that bring an ejected engine back."
+    )
+    health_path: str = Field(default="/health", description="Engine path probed while an engine is ejected.")
 
 
 class RouterConfig(_Model):
@@ -66,3 +109,27 @@ class RouterConfig(_Model):
     request_timeout_seconds: float = Field(default=600.0, gt=0, description="Upper bound on one request.")
     connect_timeout_seconds: float = Field(default=2.0, gt=0, description="TCP connect timeout to an engine.")
     max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Request body size limit.")
+    read_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="Longest silence tolerated while reading from an engine (a stalled stream is ended).",
+    )
+    retry_after_seconds: int = Field(
+        default=2, ge=1, description="Retry-After sent with 503 answers when no engine can serve."
+    )
+    circuit_breaker: CircuitBreakerConfig = Field(
+        default_factory=CircuitBreakerConfig, description="Ejection of failing engines."
+    )
+
+    @model_validator(mode="after")
+    def _discovery_has_its_inputs(self) -> RouterConfig:
+        """Fail at load time, not at the first request, when the chosen discovery mode lacks its inputs."""
+        if self.discovery == "kubernetes" and self.decode is None:
+            raise ValueError("discovery=kubernetes needs a decode selector (prefill is optional)")
+        if self.discovery == "static":
+            if not self.static_decode:
+                raise ValueError("discovery=static needs at least one staticDecode URL")
+            for url in [*self.static_prefill, *self.static_decode]:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+        return self

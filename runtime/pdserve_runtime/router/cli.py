@@ -1,0 +1,142 @@
+"""`pdserve router`: run the PD router from a config file (Kubernetes mode) or from flags (static mode).
+
+    pdserve router --port 8080 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+    pdserve router --config /etc/pdserve/router.yaml
+
+Flags given together with --config override the file. The env variable PDSERVE_BIND_HOST, when set, is the
+listen address whatever else says (the local test cluster runs each pod as a process on its own loopback IP).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+from pydantic import ValidationError
+
+from pdserve.api.router_config import RouterConfig
+
+
+def load_config(
+    config_path: str | None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    prefill: tuple[str, ...] = (),
+    decode: tuple[str, ...] = (),
+    served_model_name: str | None = None,
+    threshold: int | None = None,
+    fallback: bool | None = None,
+) -> RouterConfig:
+    """The effective configuration: file, then flags, then PDSERVE_BIND_HOST. Raises click errors."""
+    data: dict[str, Any] = {}
+    if config_path is not None:
+        try:
+            loaded = yaml.safe_load(Path(config_path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise click.ClickException(f"cannot read router config {config_path}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise click.ClickException(f"router config {config_path} must be a YAML mapping")
+        data = loaded
+    elif not decode:
+        raise click.UsageError("give --config FILE, or at least one --decode URL (static mode)")
+    if prefill or decode:
+        data["discovery"] = "static"
+        data["staticPrefill"] = list(prefill)
+        data["staticDecode"] = list(decode)
+    data.setdefault("servedModelName", served_model_name or "")
+    if served_model_name is not None:
+        data["servedModelName"] = served_model_name
+    if host is not None:
+        data["host"] = host
+    if port is not None:
+        data["port"] = port
+    policy = dict(data.get("policy") or {})
+    if threshold is not None:
+        policy["disaggregationThresholdTokens"] = threshold
+    if fallback is not None:
+        policy["fallbackToDecode"] = fallback
+    data["policy"] = policy
+    bind = os.environ.get("PDSERVE_BIND_HOST")
+    if bind:
+        data["host"] = bind
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise click.ClickException(f"invalid router config:\n{exc}") from None
+
+
+@click.command("router")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="RouterConfig YAML (Kubernetes mode).")
+@click.option("--host", default=None, help="Listen address (default 0.0.0.0; PDSERVE_BIND_HOST wins).")
+@click.option("--port", type=int, default=None, help="Listen port (default 8080).")
+@click.option("--prefill", multiple=True, help="Prefill engine base URL (static mode, repeatable).")
+@click.option("--decode", multiple=True, help="Decode engine base URL (static mode, repeatable).")
+@click.option("--served-model-name", default=None, help="Model name for /v1/models (default: ask a decode engine).")
+@click.option(
+    "--disaggregation-threshold",
+    "threshold",
+    type=int,
+    default=None,
+    help="Uncached prompt tokens at or above which a request goes through prefill (0: always).",
+)
+@click.option("--fallback/--no-fallback", default=None, help="Let decode prefill locally when prefill fails.")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--access-log/--no-access-log", default=False, help="Log every request line (costs CPU).")
+def router(  # noqa: PLR0917 (click passes every option as an argument)
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    served_model_name: str | None,
+    threshold: int | None,
+    fallback: bool | None,
+    log_level: str,
+    access_log: bool,
+) -> None:
+    """Run the PD router (OpenAI-compatible endpoint)."""
+    config = load_config(
+        config_path,
+        host=host,
+        port=port,
+        prefill=prefill,
+        decode=decode,
+        served_model_name=served_model_name,
+        threshold=threshold,
+        fallback=fallback,
+    )
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    serve(config, access_log=access_log)
+
+
+def serve(config: RouterConfig, *, access_log: bool = False) -> None:
+    """Run the router until SIGINT/SIGTERM, on uvloop."""
+    import uvloop
+    from aiohttp import web
+
+    from pdserve_runtime.router.app import RouterApp
+
+    app = RouterApp(config).web_app()
+    log = logging.getLogger("pdserve.router")
+    log.info(
+        "Started router host=%s port=%d discovery=%s threshold=%d",
+        config.host,
+        config.port,
+        config.discovery,
+        config.policy.disaggregation_threshold_tokens,
+    )
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        loop=uvloop.new_event_loop(),
+        handler_cancellation=True,  # a client disconnect cancels the handler, which aborts upstream requests
+        access_log=logging.getLogger("aiohttp.access") if access_log else None,
+        backlog=2048,
+        print=None,
+    )

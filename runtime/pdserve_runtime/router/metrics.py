@@ -1,0 +1,141 @@
+"""The router's Prometheus metrics (all `pdserve_router_*`).
+
+- `pdserve_router_requests_total{route,outcome}`: every generation request once, when it ends. route is
+  pd / decode-only / fallback / none (refused before routing); outcome is success, client_error (4xx from the
+  router or an engine), upstream_error (engines failed), unavailable (no engine could take it), cancelled
+  (client went away) or timeout.
+- `pdserve_router_time_to_first_token_seconds{route}`, `pdserve_router_inter_token_latency_seconds{route}`,
+  `pdserve_router_e2e_request_latency_seconds{route}`: measured at the router, so they include prefill, the
+  KV handoff and the router itself: what a client sees. Buckets follow vLLM's so dashboards can overlay them.
+  ITL is observed per chunk read from the engine; when several SSE events arrive in one read their gap is
+  observed once (the client saw them together too).
+- `pdserve_router_routing_decision_seconds`: prompt analysis + scheduling, per request.
+- `pdserve_router_retries_total{stage}`, `pdserve_router_fallbacks_total{reason}`.
+- `pdserve_router_endpoint_errors_total{role,endpoint,kind}`, `pdserve_router_endpoint_ejections_total`.
+- `pdserve_router_endpoint_in_flight_requests{role,endpoint}`, `pdserve_router_endpoint_in_flight_tokens`,
+  `pdserve_router_endpoint_up{role,endpoint}` (1 usable, 0 not): read from the endpoint table at scrape time
+  by a custom collector, so the request path pays nothing for them.
+
+Each router owns its registry (no global state): several routers can run in one test process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve_runtime.router.endpoints import ROLES, EndpointTable
+from pdserve_runtime.router.policy.decision import Route
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+ROUTE_LABELS = (*(route.value for route in Route), "none")
+
+
+class _TableCollector(Collector):
+    """Exports per-endpoint gauges straight from the endpoint table at scrape time."""
+
+    def __init__(self, table: EndpointTable) -> None:
+        self._table = table
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily(
+            "pdserve_router_endpoint_in_flight_requests",
+            "Requests the router has in flight to each engine.",
+            labels=["role", "endpoint"],
+        )
+        tokens = GaugeMetricFamily(
+            "pdserve_router_endpoint_in_flight_tokens",
+            "Uncached prompt tokens the router has in flight to each prefill engine.",
+            labels=["role", "endpoint"],
+        )
+        up = GaugeMetricFamily(
+            "pdserve_router_endpoint_up",
+            "1 when the engine is ready and not ejected by the circuit breaker, else 0.",
+            labels=["role", "endpoint"],
+        )
+        for role in ROLES:
+            for state in self._table.states(role):
+                labels = [role, state.endpoint.label]
+                in_flight.add_metric(labels, state.in_flight)
+                tokens.add_metric(labels, state.in_flight_tokens)
+                up.add_metric(labels, 1.0 if state.usable else 0.0)
+        yield in_flight
+        yield tokens
+        yield up
+
+
+class RouterMetrics:
+    """All router metrics in one registry, with label children bound ahead of the hot path."""
+
+    def __init__(self, table: EndpointTable) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.requests = Counter(
+            "pdserve_router_requests",
+            "Generation requests by route and outcome.",
+            ["route", "outcome"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "pdserve_router_time_to_first_token_seconds",
+            "Time from request arrival at the router to the first response byte sent to the client.",
+            ["route"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "pdserve_router_inter_token_latency_seconds",
+            "Gap between consecutive stream chunks relayed to the client.",
+            ["route"],
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_request_latency_seconds",
+            "Time from request arrival to the last byte sent to the client.",
+            ["route"],
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.decision = Histogram(
+            "pdserve_router_routing_decision_seconds",
+            "Time to analyse the prompt and choose engines for one request.",
+            buckets=DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.retries = Counter(
+            "pdserve_router_retries", "Retries of a request stage on another engine.", ["stage"], registry=registry
+        )
+        self.fallbacks = Counter(
+            "pdserve_router_fallbacks",
+            "Requests that wanted prefill but were prefilled on the decode engine instead.",
+            ["reason"],
+            registry=registry,
+        )
+        self.endpoint_errors = Counter(
+            "pdserve_router_endpoint_errors",
+            "Failed requests to an engine, by kind (connect, timeout, status, protocol, stream).",
+            ["role", "endpoint", "kind"],
+            registry=registry,
+        )
+        self.ejections = Counter(
+            "pdserve_router_endpoint_ejections",
+            "Times the circuit breaker ejected an engine.",
+            ["role", "endpoint"],
+            registry=registry,
+        )
+        registry.register(_TableCollector(table))
+        # Bound children: labels() costs a dict lookup and a lock per call, so do it once.
+        self.ttft_by_route = {route: self.ttft.labels(route) for route in ROUTE_LABELS}
+        self.itl_by_route = {route: self.itl.labels(route) for route in ROUTE_LABELS}
+        self.e2e_by_route = {route: self.e2e.labels(route) for route in ROUTE_LABELS}

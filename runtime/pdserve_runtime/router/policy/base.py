@@ -1,0 +1,78 @@
+"""The plugin interfaces and the profile that runs them.
+
+A profile pick is: apply the filters in order (each may only remove candidates); if one candidate is left, take
+it; otherwise sum each scorer's [0, 1] scores times its weight, and let the picker choose by total. Scorers see
+the whole candidate list at once because the useful ones are relative (least loaded *among these*).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve_runtime.router.endpoints import EndpointState
+from pdserve_runtime.router.tokens import PromptInfo
+
+
+@dataclass(frozen=True, slots=True)
+class PickContext:
+    """Everything a plugin may look at besides the candidates."""
+
+    prompt: PromptInfo
+    # Leading prompt blocks each engine URL is believed to hold (prefix tracker), absent = none.
+    prefix_blocks: Mapping[str, int] = field(default_factory=dict)
+    # The endpoint already chosen on the other side (the decode engine when picking prefill, or the prefill
+    # engine holding the KV when re-picking decode): pairing filters and topology scorers use it.
+    peer: EndpointState | None = None
+    # URLs already tried for this request; retries go elsewhere.
+    excluded: Collection[str] = ()
+
+
+class Filter(Protocol):
+    """Removes candidates that must not be chosen."""
+
+    def filter(self, ctx: PickContext, candidates: Sequence[EndpointState]) -> list[EndpointState]: ...
+
+
+class Scorer(Protocol):
+    """Rates every candidate in [0, 1]; higher is better. Returns one score per candidate, in order."""
+
+    def score(self, ctx: PickContext, candidates: Sequence[EndpointState]) -> list[float]: ...
+
+
+class Picker(Protocol):
+    """Chooses one candidate given total scores (same order)."""
+
+    def pick(self, candidates: Sequence[EndpointState], totals: Sequence[float]) -> EndpointState: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Filters, weighted scorers and a picker: one way of choosing an endpoint of one pool."""
+
+    filters: Sequence[Filter]
+    scorers: Sequence[WeightedScorer]
+    picker: Picker
+
+    def pick(self, ctx: PickContext, candidates: Sequence[EndpointState]) -> EndpointState | None:
+        remaining = list(candidates)
+        for plugin in self.filters:
+            remaining = plugin.filter(ctx, remaining)
+            if not remaining:
+                return None
+        if len(remaining) == 1:
+            return remaining[0]
+        totals = [0.0] * len(remaining)
+        for weighted in self.scorers:
+            if weighted.weight == 0:
+                continue
+            for index, value in enumerate(weighted.scorer.score(ctx, remaining)):
+                totals[index] += weighted.weight * value
+        return self.picker.pick(remaining, totals)

@@ -1,0 +1,142 @@
+"""The scheduler: builds the decode and prefill profiles from the typed config and plans each request.
+
+Default profiles and why:
+
+- decode: available -> kv-compat with the peer (only on retries that reuse a prefill's KV) -> scores
+  `decodeLoadWeight` x least in-flight requests + `decodePrefixWeight` x prefix affinity -> max. Load first
+  because decode engines are where every stream's inter-token latency lives; prefix affinity equally, because
+  a decode-only request that hits the engine's cache skips its prefill entirely.
+- prefill: available -> kv-compat with the chosen decode -> scores `prefillPrefixWeight` x prefix affinity +
+  `prefillLoadWeight` x least in-flight prefill tokens + `prefillTopologyWeight` x same topology domain -> max.
+  Prefill time is dominated by uncached tokens, so the engine holding the prefix usually wins unless it is much
+  busier; topology is a tie-breaker-plus (half weight) since a cross-zone transfer costs less than a recompute.
+
+Planning order: pick decode first (it is the scarce, latency-critical side), compute the uncached tokens
+against it, decide PD vs decode-only, then pick a prefill engine that pairs with it. If PD is wanted and the
+chosen decode engine has no compatible prefill partner (mid-rollout), the decode pick is redone among engines
+that do have one before falling back.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from pdserve.api.router_config import RoutingPolicyConfig
+from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
+from pdserve_runtime.router.policy.base import PickContext, Profile, WeightedScorer
+from pdserve_runtime.router.policy.decision import Route, uncached_tokens, wants_prefill
+from pdserve_runtime.router.policy.filter_available import AvailableFilter
+from pdserve_runtime.router.policy.filter_kv_compat import KvCompatFilter
+from pdserve_runtime.router.policy.picker_max import MaxScorePicker
+from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight_requests, in_flight_tokens
+from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
+from pdserve_runtime.router.policy.scorer_topology import SameTopologyScorer
+from pdserve_runtime.router.prefix import PrefixTracker
+from pdserve_runtime.router.tokens import PromptInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The routing decision for one request (before any failure changes it)."""
+
+    route: Route
+    decode: EndpointState | None
+    prefill: EndpointState | None
+    uncached_tokens: int
+    prefix_blocks: Mapping[str, int]
+
+
+def decode_profile(policy: RoutingPolicyConfig, rng: random.Random | None = None) -> Profile:
+    return Profile(
+        filters=(AvailableFilter(), KvCompatFilter()),
+        scorers=(
+            WeightedScorer(LeastLoadScorer(in_flight_requests), policy.decode_load_weight),
+            WeightedScorer(PrefixAffinityScorer(), policy.decode_prefix_weight if policy.prefix_aware else 0.0),
+        ),
+        picker=MaxScorePicker(rng),
+    )
+
+
+def prefill_profile(
+    policy: RoutingPolicyConfig, topology_labels: Sequence[str], rng: random.Random | None = None
+) -> Profile:
+    return Profile(
+        filters=(AvailableFilter(), KvCompatFilter()),
+        scorers=(
+            WeightedScorer(PrefixAffinityScorer(), policy.prefill_prefix_weight if policy.prefix_aware else 0.0),
+            WeightedScorer(LeastLoadScorer(in_flight_tokens), policy.prefill_load_weight),
+            WeightedScorer(SameTopologyScorer(topology_labels), policy.prefill_topology_weight),
+        ),
+        picker=MaxScorePicker(rng),
+    )
+
+
+class Scheduler:
+    """Plans requests over the live endpoint table."""
+
+    def __init__(
+        self,
+        table: EndpointTable,
+        tracker: PrefixTracker,
+        policy: RoutingPolicyConfig,
+        topology_labels: Sequence[str] = (),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.table = table
+        self.tracker = tracker
+        self.policy = policy
+        self._decode = decode_profile(policy, rng)
+        self._prefill = prefill_profile(policy, topology_labels, rng)
+
+    def prefix_blocks(self, prompt: PromptInfo, now: float) -> Mapping[str, int]:
+        if not self.policy.prefix_aware or not prompt.block_hashes:
+            return {}
+        return self.tracker.match(prompt.block_hashes, now)
+
+    def pick_decode(
+        self,
+        prompt: PromptInfo,
+        prefix_blocks: Mapping[str, int],
+        *,
+        excluded: Collection[str] = (),
+        peer: EndpointState | None = None,
+        candidates: Sequence[EndpointState] | None = None,
+    ) -> EndpointState | None:
+        ctx = PickContext(prompt=prompt, prefix_blocks=prefix_blocks, peer=peer, excluded=excluded)
+        return self._decode.pick(ctx, self.table.states("decode") if candidates is None else candidates)
+
+    def pick_prefill(
+        self,
+        prompt: PromptInfo,
+        prefix_blocks: Mapping[str, int],
+        decode: EndpointState,
+        *,
+        excluded: Collection[str] = (),
+    ) -> EndpointState | None:
+        ctx = PickContext(prompt=prompt, prefix_blocks=prefix_blocks, peer=decode, excluded=excluded)
+        return self._prefill.pick(ctx, self.table.states("prefill"))
+
+    def plan(self, prompt: PromptInfo, now: float) -> Plan:
+        """Choose the decode engine, the route and (for PD) the prefill engine."""
+        blocks = self.prefix_blocks(prompt, now)
+        decode = self.pick_decode(prompt, blocks)
+        if decode is None:
+            return Plan(Route.DECODE_ONLY, None, None, prompt.tokens, blocks)
+        uncached = uncached_tokens(prompt.tokens, blocks.get(decode.url, 0), prompt.block_size)
+        if not wants_prefill(uncached, self.policy.disaggregation_threshold_tokens):
+            return Plan(Route.DECODE_ONLY, decode, None, uncached, blocks)
+        prefill = self.pick_prefill(prompt, blocks, decode)
+        if prefill is None:
+            # Mid-rollout the chosen decode engine may have no compatible prefill engine while others do.
+            compat = {state.endpoint.kv_compat for state in self.table.usable("prefill")}
+            pairable = [state for state in self.table.states("decode") if state.endpoint.kv_compat in compat]
+            alternative = self.pick_decode(prompt, blocks, candidates=pairable) if pairable else None
+            if alternative is not None:
+                decode = alternative
+                uncached = uncached_tokens(prompt.tokens, blocks.get(decode.url, 0), prompt.block_size)
+                prefill = self.pick_prefill(prompt, blocks, decode)
+        if prefill is None:
+            return Plan(Route.FALLBACK, decode, None, uncached, blocks)
+        return Plan(Route.PD, decode, prefill, uncached, blocks)
