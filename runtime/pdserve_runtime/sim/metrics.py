@@ -1,0 +1,156 @@
+"""Prometheus metrics with vLLM's names, labels (``engine``, ``model_name``) and bucket boundaries.
+
+Every simulator owns its own ``CollectorRegistry`` so several simulators can run in one process (tests).
+Bucket lists are the defaults of vLLM's Prometheus stat logger (vllm/v1/metrics/buckets.py) and of the
+NIXL connector's metrics; dashboards and PromQL written for vLLM work unchanged.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+NIXL_POST_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+NIXL_XFER_TIME_BUCKETS = NIXL_POST_TIME_BUCKETS[1:]
+NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))  # 2 KiB .. 8 GiB
+NIXL_DESCRIPTORS_BUCKETS = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count histogram buckets)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_value:
+                return tuple(out)
+            out.append(float(value))
+        scale *= 10
+
+
+class SimMetrics:
+    """All metrics of one simulated engine, pre-bound to its label values for cheap updates."""
+
+    def __init__(self, model_name: str, max_model_len: int, engine: str = "0") -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = ["model_name", "engine"]
+        values = (model_name, engine)
+        reg = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg).labels(*values)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg).labels(*values)
+
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Time per output token of each request in seconds.",
+            ITL_BUCKETS,
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue = hist("vllm:request_queue_time_seconds", "Time spent in WAITING phase.", REQUEST_LATENCY_BUCKETS)
+        self.inference = hist(
+            "vllm:request_inference_time_seconds", "Time spent in RUNNING phase.", REQUEST_LATENCY_BUCKETS
+        )
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds", "Time spent in PREFILL phase.", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode_time = hist(
+            "vllm:request_decode_time_seconds", "Time spent in DECODE phase.", REQUEST_LATENCY_BUCKETS
+        )
+        self.prompt_tokens_hist = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", token_buckets)
+        self.generation_tokens_hist = hist(
+            "vllm:request_generation_tokens", "Generated tokens per request.", token_buckets
+        )
+        self.max_tokens_param = hist(
+            "vllm:request_params_max_tokens", "The max_tokens request parameter.", token_buckets
+        )
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKENS_BUCKETS)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in RUNNING state.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests in WAITING state.")
+        waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by the reason they wait.",
+            [*labels, "reason"],
+            registry=reg,
+        )
+        self.waiting_capacity = waiting_by_reason.labels(*values, "capacity")
+        self.waiting_remote_kv = waiting_by_reason.labels(*values, "remote_kv")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits", "External (KV connector) prefix cache hits, in tokens."
+        )
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries", "External (KV connector) prefix cache queries, in tokens."
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from.",
+            [*labels, "source"],
+            registry=reg,
+        )
+        self.tokens_by_source = {s: by_source.labels(*values, s) for s in TOKEN_SOURCES}
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.success = {r: success.labels(*values, r) for r in FINISH_REASONS}
+
+        self.nixl_xfer_time = hist(
+            "vllm:nixl_xfer_time_seconds", "Transfer duration of NIXL KV cache transfers.", NIXL_XFER_TIME_BUCKETS
+        )
+        self.nixl_post_time = hist(
+            "vllm:nixl_post_time_seconds", "Post time of NIXL KV cache transfers.", NIXL_POST_TIME_BUCKETS
+        )
+        self.nixl_bytes = hist(
+            "vllm:nixl_bytes_transferred", "Bytes transferred per NIXL KV cache transfer.", NIXL_BYTES_BUCKETS
+        )
+        self.nixl_descriptors = hist(
+            "vllm:nixl_num_descriptors", "Descriptors per NIXL KV cache transfer.", NIXL_DESCRIPTORS_BUCKETS
+        )
+        self.nixl_failed_transfers = counter(
+            "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV cache transfers."
+        )
+        self.nixl_failed_notifications = counter(
+            "vllm:nixl_num_failed_notifications", "Number of failed NIXL KV cache notifications."
+        )
+        self.nixl_expired = counter(
+            "vllm:nixl_num_kv_expired_reqs", "Requests whose held KV expired before decode pulled it."
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,85 @@
+"""A cheap, deterministic stand-in for a real tokenizer, and the simulator's deterministic "model output".
+
+Tokenization (documented approximation of a BPE tokenizer, ~1 token per short word):
+1. The text is split into pieces with ``\\w+|[^\\w\\s]``: runs of word characters, and single punctuation
+   characters. Whitespace separates pieces and is not a token of its own.
+2. A piece of ``n`` characters becomes ``ceil(n / 6)`` tokens (long words cost more, as in BPE).
+3. Each token's id is ``VOCAB_OFFSET + crc32(chunk) % VOCAB_SIZE`` where ``chunk`` is that 6-character slice:
+   stable across processes and runs (unlike ``hash()``), so prefix caching sees identical ids for identical
+   text on every engine.
+
+Chat messages are flattened with a tiny fixed template (``<|role|>`` header line, the content, a newline,
+then ``<|assistant|>``) before tokenizing, so the system prompt and earlier turns form a shared prefix.
+
+Generation: the output is a deterministic function of the prompt: token ``i`` of a request is the word
+``WORDS[(seed + i * 7919) % len(WORDS)]`` with a leading space, where ``seed`` derives from the prompt's token
+ids. Every generated word is one token under the rules above, so re-tokenizing the output gives the count.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import Sequence
+
+VOCAB_SIZE = 32000
+VOCAB_OFFSET = 100
+#: Ids below VOCAB_OFFSET are "special"; the simulated end-of-sequence token.
+EOS_TOKEN_ID = 2
+_CHUNK = 6
+_PIECES = re.compile(r"\w+|[^\w\s]")
+
+# Short common words (<= 6 letters, so each is exactly one token). Generated text cycles through them.
+_WORD_TEXT = """the of and to in is was for on that with as by at from his her they this are be it an had not or have
+    which one you were all their has been more when can there would who will so about into than its them
+    some could only other new time first two may then these like over any such after most also what made
+    well where many before must through back years much being way under world should long just both each
+    those while great state three since never under water city light river house small place again point
+    north south east west early house field green stone paper music story market garden window summer
+    winter spring autumn forest island bridge harbor valley signal engine memory cache batch token prompt
+    decode router stream packet server"""
+WORDS: tuple[str, ...] = tuple(dict.fromkeys(w for w in _WORD_TEXT.split() if len(w) <= _CHUNK))
+#: The JSON-escaped form of each generated piece (" word"), precomputed for the streaming hot path.
+WORD_PIECES: tuple[str, ...] = tuple(" " + w for w in WORDS)
+WORD_IDS: tuple[int, ...] = tuple(VOCAB_OFFSET + zlib.crc32(w.encode()) % VOCAB_SIZE for w in WORDS)
+_STRIDE = 7919
+
+
+def tokenize(text: str) -> list[int]:
+    """Token ids of ``text`` under the approximation described in the module docstring."""
+    ids: list[int] = []
+    append = ids.append
+    crc32 = zlib.crc32
+    for piece in _PIECES.findall(text):
+        if len(piece) <= _CHUNK:
+            append(VOCAB_OFFSET + crc32(piece.encode()) % VOCAB_SIZE)
+        else:
+            for start in range(0, len(piece), _CHUNK):
+                append(VOCAB_OFFSET + crc32(piece[start : start + _CHUNK].encode()) % VOCAB_SIZE)
+    return ids
+
+
+def flatten_chat(messages: Sequence[tuple[str, str]]) -> str:
+    """Render (role, content) pairs with the simulator's fixed chat template."""
+    parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def generation_seed(prompt_ids: Sequence[int]) -> int:
+    """A stable seed for the output of a prompt (same prompt -> same text on every engine)."""
+    # Hash the first and last 64 ids and the length: cheap for long prompts, still prompt-specific.
+    head = ",".join(map(str, prompt_ids[:64]))
+    tail = ",".join(map(str, prompt_ids[-64:]))
+    return zlib.crc32(f"{len(prompt_ids)}|{head}|{tail}".encode())
+
+
+def word_index(seed: int, position: int) -> int:
+    """Index into WORDS of the generated token at ``position`` (0-based) for ``seed``."""
+    return (seed + position * _STRIDE) % len(WORDS)
+
+
+def json_string_body(text: str) -> str:
+    """``text`` JSON-escaped without the surrounding quotes (for hand-built JSON in the hot path)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
