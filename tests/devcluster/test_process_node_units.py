@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pdserve.devcluster.process_node.backoff import CrashBackoff
 from pdserve.devcluster.process_node.expansion import expand
 from pdserve.devcluster.process_node.imagemap import ImageMap, ImageMapError, NotMappedError
-from pdserve.devcluster.process_node.ipam import LoopbackAllocator, block_for, listening_ipv4_addresses
+from pdserve.devcluster.process_node.ipam import PodIPAllocator, listening_ipv4_addresses, loopback_cidr
 from pdserve.devcluster.process_node.podenv import (
     ContainerConfigError,
     PodAddresses,
@@ -182,7 +182,7 @@ def test_image_map_file_comes_first_and_is_validated(tmp_path: Path) -> None:
 
 # --- loopback IPs --------------------------------------------------------------------------------------
 def test_allocator_is_stable_round_robin_and_skips_busy_addresses() -> None:
-    allocator = LoopbackAllocator(7, busy=lambda: {"127.7.0.2"})
+    allocator = PodIPAllocator("127.7.0.0/16", busy=lambda: {"127.7.0.2"})
     first = allocator.allocate("a")
     assert first == "127.7.0.1"
     assert allocator.allocate("a") == first
@@ -193,17 +193,23 @@ def test_allocator_is_stable_round_robin_and_skips_busy_addresses() -> None:
     # A restarted node keeps a pod's reported IP when it belongs to the block and is free.
     assert allocator.allocate("d", preferred="127.7.0.1") == "127.7.0.1"
     assert allocator.allocate("e", preferred="127.0.0.1") != "127.0.0.1"
+    assert allocator.allocate("f", preferred="127.7.0.3") != "127.7.0.3"  # b holds it
 
 
-def test_allocator_wraps_last_octet_and_avoids_127_0_0_1() -> None:
-    allocator = LoopbackAllocator(3, busy=set)
-    addresses = [allocator.allocate(str(i)) for i in range(300)]
-    assert len(set(addresses)) == 300
-    assert all(a.startswith("127.3.") and not a.endswith((".0", ".255")) for a in addresses)
-    assert "127.3.1.1" in addresses
-    assert 2 <= block_for("/some/workdir") <= 254
-    with pytest.raises(ValueError):
-        LoopbackAllocator(0)
+def test_allocator_covers_the_block_and_never_hands_out_127_0_0_1() -> None:
+    allocator = PodIPAllocator("198.18.0.0/16", seed="/work/a", busy=set)
+    addresses = [allocator.allocate(str(i)) for i in range(600)]
+    assert len(set(addresses)) == 600
+    assert all(a.startswith("198.18.") and not a.endswith((".0", ".255")) for a in addresses)
+    # Different work directories start at different offsets of a shared block.
+    other = PodIPAllocator("198.18.0.0/16", seed="/work/b", busy=set)
+    assert other.allocate("x") not in addresses[:10]
+    tiny = PodIPAllocator("127.0.0.0/30", busy=set)
+    assert {tiny.allocate("1"), tiny.allocate("2")} == {"127.0.0.2", "127.0.0.3"}
+    with pytest.raises(RuntimeError, match="no free pod address"):
+        tiny.allocate("3")
+    cidr = loopback_cidr("/some/workdir")
+    assert cidr.startswith("127.") and cidr.endswith(".0.0/16") and not cidr.startswith(("127.0.", "127.1."))
 
 
 def test_listening_addresses_are_read_from_proc(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import click
 
 from pdserve.devcluster.process_node.agent import ProcessNode
 from pdserve.devcluster.process_node.imagemap import ImageMap, ImageMapError
-from pdserve.devcluster.process_node.ipam import LoopbackAllocator, block_for
+from pdserve.devcluster.process_node.ipam import PodIPAllocator, loopback_cidr
 from pdserve.devcluster.process_node.kube import Kube
 from pdserve.devcluster.process_node.node import CAPACITY, HOST_IP
 from pdserve.devcluster.process_node.podworker import NodeContext, host_environment
@@ -68,7 +68,7 @@ def main(
     node_name: str,
     workdir: Path,
     image_map: Path | None,
-    ip_block: int | None,
+    pod_cidr: str | None,
     shutdown_grace: float,
     backoff_initial: float,
     backoff_max: float,
@@ -84,7 +84,8 @@ def main(
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         images = ImageMap.load(image_map)
-    except ImageMapError as exc:
+        allocator = PodIPAllocator(pod_cidr or loopback_cidr(str(workdir.resolve())), seed=str(workdir.resolve()))
+    except (ImageMapError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     workdir = workdir.resolve()
     ctx = NodeContext(
@@ -92,7 +93,7 @@ def main(
         node_name=node_name,
         workdir=workdir,
         image_map=images,
-        allocator=LoopbackAllocator(ip_block or block_for(str(workdir))),
+        allocator=allocator,
         host_ip=HOST_IP,
         base_env=host_environment(kubeconfig),
         allocatable=dict(CAPACITY),

@@ -57,10 +57,10 @@ class ProcessNode:
         Heartbeat(self.ctx.kube, self.ctx.node_name, node.get("metadata", {}).get("uid"), self.stopping).start()
         threading.Thread(target=self._watch_forever, name="pod-watch", daemon=True).start()
         log.info(
-            "Process node ready node=%s workdir=%s loopback=127.%s.0.0/16",
+            "Process node ready node=%s workdir=%s podCIDR=%s",
             self.ctx.node_name,
             self.ctx.workdir,
-            self.ctx.allocator.block,
+            self.ctx.allocator.cidr,
         )
         self.stopping.wait()
         self._shutdown()

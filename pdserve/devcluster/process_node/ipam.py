@@ -1,13 +1,18 @@
-"""Loopback pod IPs: one address of 127.0.0.0/8 per pod.
+"""Pod IPs: one local address per pod.
 
 Linux routes all of 127.0.0.0/8 to the loopback interface, so a process can bind any 127.x.y.z without
-configuration. Each process node hands out addresses from its own /16 block ``127.B.0.0`` (B chosen from the
-work directory unless given), so two local clusters on one machine rarely overlap, and it skips any address
-that some socket is already listening on (read from /proc/net/tcp), so they never collide.
+configuration; by default each process node hands out addresses from its own /16 block ``127.B.0.0`` (B
+chosen from the work directory unless given). kube-apiserver, however, refuses loopback addresses in
+EndpointSlices, so the local cluster makes a non-loopback block local the same way (``ip route add local
+198.18.0.0/16 dev lo table local``, see ``pdserve.devcluster.pod_network``) and passes it as ``--pod-cidr``
+(``PDSERVE_POD_CIDR``); the allocator then hands out addresses of that block instead.
 
-Allocation walks the block round-robin instead of reusing the lowest free address: a pod recreated under the
-same name gets a new IP, as on a real node, and stale endpoints can't silently reach a new pod. An allocation
-is stable per pod UID, and a pod that already reports an IP keeps it when the process node restarts.
+Either way, the allocator skips any address that some socket is already listening on (read from
+/proc/net/tcp), so clusters sharing a block on one machine do not collide, and it starts at an offset derived
+from the work directory so they rarely even try. It walks the block round-robin instead of reusing the
+lowest free address: a pod recreated under the same name gets a new IP, as on a real node, and stale
+endpoints can't silently reach a new pod. An allocation is stable per pod UID, and a pod that already
+reports an IP keeps it when the process node restarts. 127.0.0.1 is never handed out.
 """
 
 from __future__ import annotations
@@ -38,36 +43,41 @@ def listening_ipv4_addresses(proc_net_tcp: Path = Path("/proc/net/tcp")) -> set[
     return found
 
 
-def block_for(seed: str) -> int:
-    """A second octet in 2..254 derived from ``seed`` (127.0.x.x and 127.1.x.x are left to others)."""
-    return 2 + int.from_bytes(hashlib.sha256(seed.encode()).digest()[:4], "big") % 253
+def _seed_number(seed: str) -> int:
+    return int.from_bytes(hashlib.sha256(seed.encode()).digest()[:4], "big")
 
 
-class LoopbackAllocator:
-    """Hands out 127.B.x.y addresses (y in 1..254), stable per pod UID."""
+def loopback_cidr(seed: str) -> str:
+    """A 127.B.0.0/16 block with B in 2..254 derived from ``seed`` (127.0/16 and 127.1/16 left to others)."""
+    return f"127.{2 + _seed_number(seed) % 253}.0.0/16"
 
-    def __init__(self, block: int, busy: Callable[[], set[str]] = listening_ipv4_addresses) -> None:
-        if not 1 <= block <= 255:
-            raise ValueError(f"loopback block must be 1..255, got {block}")
-        self.block = block
+
+class PodIPAllocator:
+    """Hands out the addresses of ``cidr`` (none ending in .0 or .255), stable per pod UID."""
+
+    def __init__(self, cidr: str, seed: str = "", busy: Callable[[], set[str]] = listening_ipv4_addresses) -> None:
+        network = ipaddress.IPv4Network(cidr, strict=False)
+        self.cidr = str(network)
+        self._base = int(network.network_address)
+        self._size = network.num_addresses
         self._busy = busy
         self._by_uid: dict[str, str] = {}
-        self._next = 0
+        self._next = _seed_number(seed) % self._size if seed else 0
         self._lock = threading.Lock()
+        self._network = network
+        if not any(self._usable(str(address)) for address in list(network)[:512]):
+            raise ValueError(f"pod CIDR {cidr} has no usable address")
 
-    def _address(self, index: int) -> str:
-        # 254 usable last octets per third octet: skip .0 and .255 so addresses look ordinary.
-        third, fourth = divmod(index, 254)
-        return f"127.{self.block}.{third}.{fourth + 1}"
-
-    @property
-    def capacity(self) -> int:
-        return 256 * 254
+    @staticmethod
+    def _usable(address: str) -> bool:
+        return address != "127.0.0.1" and not address.endswith((".0", ".255"))
 
     def owns(self, ip: str) -> bool:
         """Whether ``ip`` is an address this allocator could hand out."""
-        parts = ip.split(".")
-        return len(parts) == 4 and parts[:2] == ["127", str(self.block)] and parts[3] not in ("0", "255")
+        try:
+            return ipaddress.IPv4Address(ip) in self._network and self._usable(ip)
+        except ValueError:
+            return False
 
     def allocate(self, uid: str, preferred: str | None = None) -> str:
         """The pod's address: its current one, ``preferred`` when free and ours, else the next free one."""
@@ -79,13 +89,13 @@ class LoopbackAllocator:
                 self._by_uid[uid] = preferred
                 return preferred
             busy = self._busy()
-            for _ in range(self.capacity):
-                candidate = self._address(self._next)
-                self._next = (self._next + 1) % self.capacity
-                if candidate not in taken and candidate not in busy:
+            for _ in range(self._size):
+                candidate = str(ipaddress.IPv4Address(self._base + self._next))
+                self._next = (self._next + 1) % self._size
+                if self._usable(candidate) and candidate not in taken and candidate not in busy:
                     self._by_uid[uid] = candidate
                     return candidate
-            raise RuntimeError(f"no free loopback address left in 127.{self.block}.0.0/16")
+            raise RuntimeError(f"no free pod address left in {self.cidr}")
 
     def release(self, uid: str) -> None:
         with self._lock:

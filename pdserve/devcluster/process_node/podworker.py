@@ -31,7 +31,7 @@ from typing import Any
 
 from pdserve.devcluster.process_node.backoff import CrashBackoff
 from pdserve.devcluster.process_node.imagemap import ImageMap, NotMappedError
-from pdserve.devcluster.process_node.ipam import LoopbackAllocator
+from pdserve.devcluster.process_node.ipam import PodIPAllocator
 from pdserve.devcluster.process_node.kube import ApiException, Kube
 from pdserve.devcluster.process_node.podenv import (
     ContainerConfigError,
@@ -62,7 +62,7 @@ class NodeContext:
     node_name: str
     workdir: Path
     image_map: ImageMap
-    allocator: LoopbackAllocator
+    allocator: PodIPAllocator
     host_ip: str
     base_env: dict[str, str]
     allocatable: dict[str, str]
