@@ -1,0 +1,226 @@
+"""The IO layer: the few Kubernetes API calls the reconciler makes, each counted and timed out.
+
+It speaks raw REST through the official client's ApiClient (auth, TLS and kubeconfig handling come from the
+library) rather than the typed or dynamic clients: the dynamic client would need discovery requests, and the
+typed client cannot send `application/apply-patch+yaml`. Every call goes through `_request`, which counts it in
+Prometheus (and in `self.requests`, for tests and the benchmark) and applies connect/read timeouts.
+
+Writes go through `_write`, which first asks the leader guard: a replica that is not (or no longer) the leader
+raises `NotLeaderError` instead of writing, so two replicas never both act.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from pdserve_operator import metrics
+from pdserve_operator.kinds import EVENT, PDSERVICE, Kind, kind_of
+
+FIELD_MANAGER = "pdserve-operator"
+# (connect, read) seconds for every request; applies of big StatefulSets still finish in well under a second.
+REQUEST_TIMEOUT = (5.0, 30.0)
+log = logging.getLogger("pdserve.operator.api")
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the API server, with its status code and the server's message."""
+
+    def __init__(self, code: int, message: str, reason: str = "") -> None:
+        self.code = code
+        self.reason = reason
+        super().__init__(f"HTTP {code} {reason}: {message}")
+
+    @property
+    def not_found(self) -> bool:
+        return self.code == 404
+
+    @property
+    def conflict(self) -> bool:
+        return self.code == 409
+
+    @property
+    def retriable(self) -> bool:
+        """Server-side trouble or throttling: retry with backoff. 4xx other than 409/429 means a bad request."""
+        return self.code in (0, 409, 429) or self.code >= 500
+
+
+class NotLeaderError(Exception):
+    """Raised instead of writing when this replica does not hold the leader Lease."""
+
+
+def load_client(kubeconfig: str | None) -> k8s.ApiClient:
+    """An ApiClient from a kubeconfig file (dev, tests) or the pod's ServiceAccount (in-cluster)."""
+    configuration = k8s.Configuration()
+    if kubeconfig:
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
+    else:
+        try:
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    return k8s.ApiClient(configuration)
+
+
+@dataclass
+class Response:
+    code: int
+    body: dict[str, Any]
+
+
+class KubeApi:
+    """The reconciler's view of the API: apply, delete, status patch, events, leases."""
+
+    def __init__(self, client: k8s.ApiClient, is_leader: Callable[[], bool] = lambda: True) -> None:
+        self._client = client
+        self._is_leader = is_leader
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.writes: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------------------------------------------ plumbing
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        kind: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Response:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            method_, url, headers_, body_, post = self._client.param_serialize(
+                method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
+            )
+            raw = self._client.call_api(method_, url, headers_, body_, post, _request_timeout=REQUEST_TIMEOUT)
+            data = raw.read()  # type: ignore[no-untyped-call]
+            code = raw.status
+        except k8s.ApiException as exc:  # raised by the REST layer for transport-level failures
+            code, data = exc.status or 0, (exc.body or str(exc)).encode() if isinstance(exc.body, str) else b""
+        except Exception as exc:  # connection refused, timeouts: counted and surfaced as retriable
+            metrics.API_REQUESTS.labels(method, kind, "error").inc()
+            self.requests[f"{method} {kind}"] += 1
+            raise ApiError(0, str(exc), "ConnectionError") from exc
+        metrics.API_REQUESTS.labels(method, kind, str(code)).inc()
+        self.requests[f"{method} {kind}"] += 1
+        try:
+            parsed = json.loads(data) if data else {}
+        except ValueError:
+            parsed = {"message": data.decode(errors="replace")}
+        if not 200 <= code < 300:
+            raise ApiError(code, str(parsed.get("message", parsed)), str(parsed.get("reason", "")))
+        return Response(code, parsed)
+
+    def _write(self, verb: str, kind: str) -> None:
+        if not self._is_leader():
+            raise NotLeaderError(f"not the leader; refusing to {verb} {kind}")
+        metrics.WRITES.labels(verb, kind).inc()
+        self.writes[f"{verb} {kind}"] += 1
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    @property
+    def total_writes(self) -> int:
+        return sum(self.writes.values())
+
+    # -------------------------------------------------------------------------------------------------- writes
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply `obj` under our field manager, forcing conflicts (we are its controller)."""
+        kind = kind_of(obj)
+        meta = obj["metadata"]
+        self._write("apply", kind.kind)
+        response = self._request(
+            "PATCH",
+            kind.object_path(meta["namespace"], meta["name"]),
+            kind.kind,
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+        return response.body
+
+    def delete(self, kind: Kind, namespace: str, name: str, uid: str) -> None:
+        """Delete with a UID precondition (never a same-named successor); background propagation."""
+        self._write("delete", kind.kind)
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "preconditions": {"uid": uid},
+            "propagationPolicy": "Background",
+        }
+        try:
+            self._request("DELETE", kind.object_path(namespace, name), kind.kind, body=body)
+        except ApiError as exc:
+            if exc.not_found:
+                return
+            raise
+
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """JSON-merge-patch the status subresource of a PDService."""
+        self._write("status", PDSERVICE.kind)
+        path = PDSERVICE.object_path(namespace, name) + "/status"
+        return self._request(
+            "PATCH", path, PDSERVICE.kind, body={"status": patch}, content_type="application/merge-patch+json"
+        ).body
+
+    def post_event(self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str) -> None:
+        """A core/v1 Event about `involved` (a PDService). Failures are logged, never raised: events are advisory."""
+        meta = involved["metadata"]
+        namespace = meta.get("namespace", "default")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion", PDSERVICE.api_version),
+                "kind": involved.get("kind", PDSERVICE.kind),
+                "name": meta["name"],
+                "namespace": namespace,
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self._write("event", EVENT.kind)
+            self._request("POST", EVENT.collection_path(namespace), EVENT.kind, body=event)
+        except (ApiError, NotLeaderError) as exc:
+            log.warning("Failed to post event reason=%s pdservice=%s/%s error=%s", reason, namespace, meta["name"], exc)
+
+    # ------------------------------------------------------------------------------------- raw (leader election)
+
+    def get(self, path: str, kind: str) -> dict[str, Any]:
+        return self._request("GET", path, kind).body
+
+    def create_raw(self, path: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        metrics.WRITES.labels("create", kind).inc()
+        return self._request("POST", path, kind, body=body).body
+
+    def replace_raw(self, path: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        metrics.WRITES.labels("update", kind).inc()
+        return self._request("PUT", path, kind, body=body).body
+
+    def list(self, path: str, kind: str, label_selector: str = "") -> list[dict[str, Any]]:
+        query = [("labelSelector", label_selector)] if label_selector else []
+        return list(self._request("GET", path, kind, query=query).body.get("items", []))

@@ -1,0 +1,90 @@
+"""`pdserve operator`: run the PDService operator from a kubeconfig (development) or in-cluster (ServiceAccount)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+
+import click
+
+log = logging.getLogger("pdserve.operator")
+
+
+@click.command("operator")
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), help="Kubeconfig; default in-cluster.")
+@click.option("--namespace", "-n", "namespaces", multiple=True, help="Watch only this namespace (repeatable).")
+@click.option("--all-namespaces", "-A", is_flag=True, help="Watch every namespace (cluster-wide mode).")
+@click.option("--metrics-port", type=int, default=8080, show_default=True, help="Prometheus /metrics port; 0=off.")
+@click.option("--health-port", type=int, default=8081, show_default=True, help="Liveness /healthz port; 0=off.")
+@click.option("--bind", default="0.0.0.0", show_default=True, help="Address of the metrics and health servers.")
+@click.option("--leader-elect/--no-leader-elect", default=True, show_default=True, help="Lease leader election.")
+@click.option("--lease-name", default="pdserve-operator", show_default=True, help="Name of the leader Lease.")
+@click.option("--lease-namespace", help="Namespace of the Lease; default $POD_NAMESPACE, the watched one, or default.")
+@click.option("--lease-seconds", type=float, default=15.0, show_default=True, help="Lease duration.")
+@click.option("--renew-deadline", type=float, default=10.0, show_default=True, help="Stop acting after this.")
+@click.option("--retry-period", type=float, default=2.0, show_default=True, help="Lease acquire/renew period.")
+@click.option("--identity", help="Leader identity; default hostname + random suffix.")
+@click.option("--workers", type=int, default=4, show_default=True, help="Concurrent reconciles (distinct objects).")
+@click.option("--resync-seconds", type=float, default=60.0, show_default=True, help="Periodic full resync.")
+@click.option("--watch-timeout", type=int, default=270, show_default=True, help="Server-side watch timeout (s).")
+@click.option("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+def operator(  # noqa: PLR0917 - click passes every option as an argument
+    kubeconfig: str | None,
+    namespaces: tuple[str, ...],
+    all_namespaces: bool,
+    metrics_port: int,
+    health_port: int,
+    bind: str,
+    leader_elect: bool,
+    lease_name: str,
+    lease_namespace: str | None,
+    lease_seconds: float,
+    renew_deadline: float,
+    retry_period: float,
+    identity: str | None,
+    workers: int,
+    resync_seconds: float,
+    watch_timeout: int,
+    log_format: str,
+    log_level: str,
+) -> None:
+    """Run the PDService operator."""
+    if bool(namespaces) == all_namespaces:
+        raise click.UsageError("give either --namespace NS (repeatable) or --all-namespaces")
+    if renew_deadline >= lease_seconds:
+        raise click.UsageError("--renew-deadline must be shorter than --lease-seconds")
+    from pdserve_operator import logs
+    from pdserve_operator.runner import Options, run
+
+    logs.setup(log_format, log_level)
+    if kubeconfig:
+        os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)  # kopf's login reads it
+    options = Options(
+        kubeconfig=kubeconfig,
+        namespaces=list(namespaces),
+        metrics_port=metrics_port,
+        health_port=health_port,
+        bind=bind,
+        leader_elect=leader_elect,
+        lease_name=lease_name,
+        lease_namespace=lease_namespace
+        or os.environ.get("POD_NAMESPACE")
+        or (namespaces[0] if namespaces else "default"),
+        lease_seconds=lease_seconds,
+        renew_deadline=renew_deadline,
+        retry_period=retry_period,
+        identity=identity or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
+        workers=workers,
+        resync_seconds=resync_seconds,
+        watch_timeout=watch_timeout,
+    )
+    try:
+        import uvloop
+
+        uvloop.run(run(options))
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        asyncio.run(run(options))

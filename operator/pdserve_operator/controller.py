@@ -1,0 +1,139 @@
+"""The controller: informer cache + work queue + reconcile workers + resync timer, gated by leader election.
+
+kopf's watch handlers (handlers.py) only feed the cache and enqueue the owning PDService; the workers here run the
+one level-triggered reconcile path (reconcile.py) in threads (the Kubernetes client is synchronous), one key at a
+time per PDService. A periodic resync re-queues every PDService so that drift in objects we do not watch, or a
+missed event, is corrected within `resync_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pdserve_operator import metrics
+from pdserve_operator.api import KubeApi, NotLeaderError
+from pdserve_operator.reconcile import RetryLaterError, reconcile
+from pdserve_operator.store import OwnerKey, Store
+
+log = logging.getLogger("pdserve.operator.controller")
+
+
+class Controller:
+    def __init__(
+        self,
+        api: KubeApi,
+        store: Store | None = None,
+        *,
+        workers: int = 4,
+        resync_seconds: float = 60.0,
+        is_leader: Callable[[], bool] = lambda: True,
+    ) -> None:
+        from pdserve_operator.workqueue import WorkQueue
+
+        self.api = api
+        self.store = store or Store()
+        self.queue: WorkQueue[OwnerKey] = WorkQueue()
+        self.workers = workers
+        self.resync_seconds = resync_seconds
+        self.is_leader = is_leader
+
+    # ------------------------------------------------------------------------------------------ event intake
+
+    def on_owner_event(self, event: Mapping[str, Any]) -> None:
+        obj = event.get("object") or {}
+        if not obj.get("metadata"):
+            return
+        meta = obj["metadata"]
+        namespace, name = meta.get("namespace", "default"), meta["name"]
+        if event.get("type") == "DELETED":
+            self.store.delete_owner(namespace, name)
+            log.info("Forgot deleted PDService pdservice=%s/%s", namespace, name)
+            return
+        self.store.put_owner(dict(obj))
+        self.enqueue((namespace, name))
+
+    def on_child_event(self, event: Mapping[str, Any]) -> None:
+        obj = event.get("object") or {}
+        if not obj.get("metadata") or "kind" not in obj:
+            return
+        owner = self.store.delete(obj) if event.get("type") == "DELETED" else self.store.put(dict(obj))
+        metrics.CACHED_OBJECTS.set(self.store.size())
+        if owner is not None and self.store.owner(*owner) is not None:
+            self.enqueue(owner)
+
+    def enqueue(self, key: OwnerKey) -> None:
+        if self.is_leader():
+            self.queue.add(key)
+            metrics.QUEUE_DEPTH.set(len(self.queue))
+
+    def enqueue_all(self) -> None:
+        for key in self.store.owner_keys():
+            self.enqueue(key)
+
+    # ---------------------------------------------------------------------------------------------- workers
+
+    async def run(self, stop: asyncio.Event) -> None:
+        tasks = [asyncio.create_task(self._worker(i)) for i in range(self.workers)]
+        tasks.append(asyncio.create_task(self._resync(stop)))
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _resync(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(self.resync_seconds)
+            self.enqueue_all()
+
+    async def _worker(self, index: int) -> None:
+        while True:
+            key = await self.queue.get()
+            metrics.QUEUE_DEPTH.set(len(self.queue))
+            try:
+                if self.is_leader():
+                    await self._process(key)
+            finally:
+                self.queue.done(key)
+
+    async def _process(self, key: OwnerKey) -> None:
+        namespace, name = key
+        started = time.perf_counter()
+        try:
+            outcome = await asyncio.to_thread(reconcile, namespace, name, self.store, self.api)
+        except NotLeaderError:
+            log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)
+            metrics.RECONCILES.labels("not_leader").inc()
+            return
+        except RetryLaterError as exc:
+            delay = self.queue.retry(key)
+            metrics.RECONCILES.labels("error").inc()
+            metrics.RECONCILE_ERRORS.inc()
+            log.warning("Retrying reconcile pdservice=%s/%s delay=%.1fs error=%s", namespace, name, delay, exc)
+            return
+        except Exception:
+            delay = self.queue.retry(key)
+            metrics.RECONCILES.labels("error").inc()
+            metrics.RECONCILE_ERRORS.inc()
+            log.exception("Reconcile crashed pdservice=%s/%s delay=%.1fs", namespace, name, delay)
+            return
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+        self.queue.forget(key)
+        metrics.RECONCILES.labels(outcome.result).inc()
+        if outcome.result not in ("noop", "gone"):
+            log.info(
+                "Reconciled pdservice=%s/%s result=%s applied=%d pruned=%d status_written=%s seconds=%.3f",
+                namespace,
+                name,
+                outcome.result,
+                len(outcome.applied),
+                len(outcome.pruned),
+                outcome.status_written,
+                time.perf_counter() - started,
+            )

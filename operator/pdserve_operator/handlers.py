@@ -1,0 +1,65 @@
+"""kopf registration only: watch PDServices and every child kind, feed the controller. No logic here.
+
+All handlers are `on.event` (level-triggered, no kopf bookkeeping written to objects) and return None. Child kinds
+are watched with a server-side label selector (`app.kubernetes.io/managed-by=pdserve-operator`), so the operator
+never streams the cluster's unrelated Pods or ConfigMaps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from pdserve.api.v1alpha1 import GROUP, PLURAL, VERSION
+from pdserve_operator.controller import Controller
+from pdserve_operator.kinds import OBSERVED, Kind
+from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
+
+CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+
+def _matches(kind: Kind) -> Any:
+    return lambda resource: resource.group == kind.group and resource.plural == kind.plural
+
+
+def configure(settings: kopf.OperatorSettings, *, server_timeout: int = 270, client_timeout: int = 300) -> None:
+    """kopf settings: bookkeeping in annotations, bounded watches and requests, server-side child selectors."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.pdserve.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.pdserve.io")
+    settings.persistence.finalizer = "kopf.pdserve.io/finalizer"  # never added: there are no deletion handlers
+    # The API server ends each watch after server_timeout; the client gives up slightly later if it hears nothing.
+    settings.watching.server_timeout = server_timeout
+    settings.watching.client_timeout = client_timeout
+    settings.watching.connect_timeout = 10
+    settings.networking.connect_timeout = 10
+    settings.networking.request_timeout = 60
+    settings.posting.level = 30  # kopf's own events: warnings and errors only
+    for kind in OBSERVED:
+        settings.watching.label_selectors[_matches(kind)] = CHILD_SELECTOR
+
+
+def register(controller: Controller, registry: kopf.OperatorRegistry) -> None:
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        # The kubernetes client's own loader: in-cluster ServiceAccount first, else $KUBECONFIG (set by the CLI);
+        # it understands every kubeconfig auth method (client certificates, tokens, exec plugins).
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.probe(id="reconciler", registry=registry)
+    def probe(**_: Any) -> dict[str, Any]:
+        return {"leader": controller.is_leader(), "queued": len(controller.queue), "cached": controller.store.size()}
+
+    async def pdservice_event(event: dict[str, Any], **_: Any) -> None:
+        controller.on_owner_event(event)
+
+    kopf.on.event(GROUP, VERSION, PLURAL, id="pdservices", registry=registry)(pdservice_event)  # type: ignore[arg-type]
+
+    for kind in OBSERVED:
+
+        async def child_event(event: dict[str, Any], **_: Any) -> None:
+            controller.on_child_event(event)
+
+        kopf.on.event(
+            group=kind.group, version=kind.version, plural=kind.plural, id=f"observe-{kind.plural}", registry=registry
+        )(child_event)  # type: ignore[arg-type]

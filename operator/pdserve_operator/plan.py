@@ -1,0 +1,121 @@
+"""The pure planner: from the rendered objects and the observed children to the writes a reconcile must make.
+
+Algorithm:
+1. `desired_objects` takes the renderer's output and adjusts the fields the operator deliberately leaves to others:
+   a StatefulSet's `spec.replicas` while that pool's autoscaling is enabled. The autoscaler scales the StatefulSet
+   (its scale subresource); the operator only keeps the value inside [minReplicas, maxReplicas]. It does so by
+   re-applying the observed value, clamped, so it keeps owning the field (dropping it from the apply would make the
+   API server reset it to 1) without ever fighting the autoscaler. On creation the renderer's value is used.
+2. Every desired object is stamped with its applied-hash and compared with the observed object of the same kind and
+   name (`drift.apply_reason`); only those with a reason are applied.
+3. Every observed child that this PDService controls (controller ownerReference with its UID) but that the render
+   no longer produces is pruned. Objects carrying our labels but owned by another UID (a PDService of the same name
+   that was deleted and re-created, waiting for garbage collection) are left alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.api import defaults
+from pdserve.api.v1alpha1 import PDService
+from pdserve_operator import drift
+from pdserve_operator.kinds import MANAGED, Kind, kind_of
+from pdserve_operator.render.engine import pool_spec
+from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL
+
+ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
+
+
+def key_of(obj: Mapping[str, Any]) -> ObjectKey:
+    meta = obj["metadata"]
+    return (obj["kind"], meta.get("namespace", ""), meta["name"])
+
+
+@dataclass(frozen=True)
+class Apply:
+    """One server-side apply: the stamped object and why it is needed (for logs and events)."""
+
+    obj: dict[str, Any]
+    reason: str
+
+    @property
+    def kind(self) -> Kind:
+        return kind_of(self.obj)
+
+
+@dataclass(frozen=True)
+class Prune:
+    """One delete of a child the render no longer produces, with a UID precondition."""
+
+    kind: Kind
+    namespace: str
+    name: str
+    uid: str
+
+
+@dataclass
+class Plan:
+    applies: list[Apply] = field(default_factory=list)
+    prunes: list[Prune] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.applies and not self.prunes
+
+
+def clamp_autoscaled_replicas(pds: PDService, sts: dict[str, Any], observed: dict[str, Any] | None) -> None:
+    """In place: while autoscaling is on, keep the observed replicas of an existing StatefulSet, within bounds."""
+    role = sts["metadata"].get("labels", {}).get(ROLE_LABEL)
+    if role not in ENGINE_ROLES or observed is None:
+        return
+    scaling = pool_spec(pds, role).autoscaling
+    if scaling is None or not scaling.enabled:
+        return
+    current = observed.get("spec", {}).get("replicas")
+    if not isinstance(current, int):
+        return
+    low = defaults.AUTOSCALING_MIN if scaling.min_replicas is None else scaling.min_replicas
+    high = defaults.AUTOSCALING_MAX if scaling.max_replicas is None else scaling.max_replicas
+    sts["spec"]["replicas"] = max(low, min(high, current))
+
+
+def desired_objects(
+    pds: PDService, rendered: Iterable[dict[str, Any]], observed: Mapping[ObjectKey, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The rendered objects with the fields left to others adjusted, each stamped with its applied-hash."""
+    result = []
+    for original in rendered:
+        obj = copy.deepcopy(original)
+        if obj["kind"] == "StatefulSet":
+            clamp_autoscaled_replicas(pds, obj, observed.get(key_of(obj)))
+        result.append(drift.stamp(obj))
+    return result
+
+
+def controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
+    """True when `obj` has a controller ownerReference to `owner_uid`."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == owner_uid and ref.get("controller") for ref in refs)
+
+
+def make_plan(desired: Iterable[dict[str, Any]], observed: Mapping[ObjectKey, dict[str, Any]], owner_uid: str) -> Plan:
+    """Applies for desired objects that differ from what is observed; prunes for owned leftovers."""
+    plan = Plan()
+    wanted: set[ObjectKey] = set()
+    for obj in desired:
+        key = key_of(obj)
+        wanted.add(key)
+        reason = drift.apply_reason(obj, observed.get(key))
+        if reason is not None:
+            plan.applies.append(Apply(obj, reason))
+    managed_kinds = {kind.kind: kind for kind in MANAGED}
+    for key, obj in sorted(observed.items()):
+        kind = managed_kinds.get(key[0])
+        if kind is None or key in wanted or not controlled_by(obj, owner_uid):
+            continue
+        plan.prunes.append(Prune(kind, key[1], key[2], obj["metadata"]["uid"]))
+    return plan

@@ -1,0 +1,214 @@
+"""The one reconcile path: observed PDService + children -> applies, prunes, status. Level-triggered.
+
+It never asks why it runs (create, update, a child's event, a resync timer, a restart): it reads the latest state
+from the informer cache, renders, plans, executes only the writes the plan contains, and writes status only when
+it changed. Running it twice in a row makes no writes the second time.
+
+Failure policy:
+- Invalid spec (the shared validation finds problems the CRD could not): status Degraded/InvalidSpec with every
+  problem, a Warning event when the problems change, children untouched, and *no* retry: nothing will change until
+  the user edits the spec, which produces a watch event and a new pass.
+- The API refused an object (4xx other than conflict/throttling): Degraded/ApplyFailed with the server's message
+  and an event; no hot retry (the periodic resync tries again).
+- Transient errors (connection, 5xx, 409, 429): `RetryLaterError` after recording status where possible; the work queue
+  re-queues the PDService with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pdserve.api.v1alpha1 import PDService
+from pdserve.api.validation import Problem, validate
+from pdserve_operator import plan as planner
+from pdserve_operator import status as status_mod
+from pdserve_operator.api import ApiError, KubeApi
+from pdserve_operator.render import render
+from pdserve_operator.store import Store
+
+log = logging.getLogger("pdserve.operator.reconcile")
+
+
+class RetryLaterError(Exception):
+    """A transient failure: the work queue retries this PDService with backoff."""
+
+
+@dataclass
+class Outcome:
+    """What one pass did, for metrics, logs and tests."""
+
+    result: str  # noop | applied | invalid | gone | failed
+    applied: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+    status_written: bool = False
+    events: list[str] = field(default_factory=list)
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _spec_document(body: dict[str, Any]) -> dict[str, Any]:
+    # Validation and the models see what the user wrote; status is ours and kopf-free.
+    return {key: value for key, value in body.items() if key != "status"}
+
+
+def _condition(status: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for condition in (status or {}).get("conditions") or []:
+        if condition.get("type") == type_:
+            return dict(condition)
+    return {}
+
+
+def _transition_events(old: dict[str, Any] | None, new: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Events for condition changes a user cares about: becoming (un)available, a new Degraded reason."""
+    events = []
+    was, now = _condition(old, "Available"), _condition(new, "Available")
+    if was.get("status") != now.get("status"):
+        if now.get("status") == "True":
+            events.append(("Normal", "Available", now.get("message", "")))
+        elif was:
+            events.append(("Warning", "Unavailable", now.get("message", "")))
+    was, now = _condition(old, "Degraded"), _condition(new, "Degraded")
+    if now.get("status") == "True" and (was.get("reason"), was.get("message")) != (now["reason"], now["message"]):
+        events.append(("Warning", now["reason"], now.get("message", "")))
+    elif now.get("status") == "False" and was.get("status") == "True":
+        events.append(("Normal", "Recovered", f"no longer degraded (was {was.get('reason')})"))
+    return events
+
+
+def reconcile(namespace: str, name: str, store: Store, api: KubeApi, now: Callable[[], str] = utc_now) -> Outcome:
+    """One pass for one PDService. Raises RetryLaterError (transient failure) or NotLeaderError (leadership lost)."""
+    body = store.owner(namespace, name)
+    if body is None:
+        return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
+    if body["metadata"].get("deletionTimestamp"):
+        return Outcome("gone")
+    document = _spec_document(body)
+    problems = validate(document)
+    if problems:
+        return _invalid(body=body, document=document, problems=problems, store=store, api=api, now=now)
+
+    pds = PDService.model_validate(document)
+    uid = body["metadata"]["uid"]
+    snapshot = store.snapshot(namespace, name)
+    desired = planner.desired_objects(pds, render(pds), snapshot.children)
+    the_plan = planner.make_plan(desired, snapshot.children, uid)
+
+    outcome = Outcome("noop" if the_plan.empty else "applied")
+    apply_errors: list[str] = []
+    transient: list[str] = []
+    for item in the_plan.applies:
+        label = f"{item.kind.kind} {item.obj['metadata']['name']}"
+        try:
+            store.put(api.apply(item.obj))
+        except ApiError as exc:
+            (transient if exc.retriable else apply_errors).append(f"{label}: {exc}")
+            log.warning("Failed to apply %s pdservice=%s/%s error=%s", label, namespace, name, exc)
+            continue
+        outcome.applied.append(f"{label} ({item.reason})")
+        verb = {"missing": "Created", "changed": "Updated"}.get(item.reason, "Reverted drift of")
+        log.info("%s %s pdservice=%s/%s reason=%s", verb, label, namespace, name, item.reason)
+        _event(api, body, "Normal", "Applied", f"{verb} {label} ({item.reason})", now=now, outcome=outcome)
+    for prune in the_plan.prunes:
+        label = f"{prune.kind.kind} {prune.name}"
+        try:
+            api.delete(prune.kind, prune.namespace, prune.name, prune.uid)
+        except ApiError as exc:
+            (transient if exc.retriable else apply_errors).append(f"delete {label}: {exc}")
+            continue
+        store.delete({"kind": prune.kind.kind, "metadata": {"namespace": prune.namespace, "name": prune.name}})
+        outcome.pruned.append(label)
+        log.info("Pruned %s pdservice=%s/%s", label, namespace, name)
+        _event(
+            api, body, "Normal", "Pruned", f"Deleted {label}: the spec no longer produces it", now=now, outcome=outcome
+        )
+    for message in apply_errors:
+        _event(api, body, "Warning", "ApplyFailed", message, now=now, outcome=outcome)
+
+    new_status = status_mod.compute_status(
+        body,
+        store.snapshot(namespace, name),
+        pds=pds,
+        apply_errors=apply_errors,
+        applied=bool(outcome.applied or outcome.pruned),
+        now=now(),
+    )
+    _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)
+    if transient:
+        raise RetryLaterError("; ".join(transient))
+    return outcome
+
+
+def _invalid(
+    *,
+    body: dict[str, Any],
+    document: dict[str, Any],
+    problems: list[Problem],
+    store: Store,
+    api: KubeApi,
+    now: Callable[[], str],
+) -> Outcome:
+    meta = body["metadata"]
+    try:
+        pds: PDService | None = PDService.model_validate(document)
+    except ValueError:
+        pds = None  # the CRD should prevent this; report the pydantic problems anyway
+    log.warning(
+        "Rejected spec pdservice=%s/%s generation=%s problems=%s",
+        meta.get("namespace"),
+        meta["name"],
+        meta.get("generation"),
+        "; ".join(map(str, problems)),
+    )
+    snapshot = store.snapshot(meta.get("namespace", "default"), meta["name"])
+    new_status = status_mod.compute_status(body, snapshot, pds=pds, problems=problems, now=now())
+    outcome = Outcome("invalid")
+    _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)
+    return outcome
+
+
+def _event(
+    api: KubeApi,
+    body: dict[str, Any],
+    type_: str,
+    reason: str,
+    message: str,
+    *,
+    now: Callable[[], str],
+    outcome: Outcome,
+) -> None:
+    api.post_event(body, type_, reason, message, now())
+    outcome.events.append(f"{type_} {reason}: {message}")
+
+
+def _write_status(
+    *,
+    body: dict[str, Any],
+    new_status: dict[str, Any],
+    store: Store,
+    api: KubeApi,
+    now: Callable[[], str],
+    outcome: Outcome,
+) -> None:
+    old_status = body.get("status")
+    patch = status_mod.status_patch(old_status, new_status)
+    if patch is None:
+        return
+    meta = body["metadata"]
+    try:
+        updated = api.patch_status(meta.get("namespace", "default"), meta["name"], patch)
+    except ApiError as exc:
+        if exc.not_found:
+            return  # deleted meanwhile
+        raise RetryLaterError(f"status: {exc}") from exc
+    store.put_owner(updated)
+    outcome.status_written = True
+    if outcome.result == "noop":
+        outcome.result = "status"
+    for type_, reason, message in _transition_events(old_status, new_status):
+        _event(api, body, type_, reason, message, now=now, outcome=outcome)

@@ -1,0 +1,99 @@
+"""Composition root of the operator process: API client, cache, controller, leader election, kopf, servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import kopf
+import prometheus_client
+
+from pdserve_operator import handlers
+from pdserve_operator.api import KubeApi, load_client
+from pdserve_operator.controller import Controller
+from pdserve_operator.leader import LeaseElector
+
+log = logging.getLogger("pdserve.operator")
+
+
+@dataclass
+class Options:
+    kubeconfig: str | None
+    namespaces: list[str] = field(default_factory=list)  # empty: cluster-wide
+    metrics_port: int = 8080
+    health_port: int = 8081
+    bind: str = "0.0.0.0"
+    leader_elect: bool = True
+    lease_name: str = "pdserve-operator"
+    lease_namespace: str = "default"
+    lease_seconds: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+    identity: str = "pdserve-operator"
+    workers: int = 4
+    resync_seconds: float = 60.0
+    watch_timeout: int = 270
+
+
+async def run(options: Options) -> None:
+    client = load_client(options.kubeconfig)
+    elector: LeaseElector | None = None
+    api = KubeApi(client, is_leader=lambda: elector.is_leader() if elector else True)
+    controller = Controller(
+        api, workers=options.workers, resync_seconds=options.resync_seconds, is_leader=api_is_leader(lambda: elector)
+    )
+    if options.leader_elect:
+        # A separate KubeApi so lease traffic is not counted as reconcile traffic.
+        elector = LeaseElector(
+            KubeApi(client),
+            namespace=options.lease_namespace,
+            name=options.lease_name,
+            identity=options.identity,
+            lease_seconds=options.lease_seconds,
+            renew_deadline=options.renew_deadline,
+            retry_period=options.retry_period,
+            on_started_leading=controller.enqueue_all,
+        )
+    if options.metrics_port:
+        prometheus_client.start_http_server(options.metrics_port, addr=options.bind)
+
+    registry = kopf.OperatorRegistry()
+    handlers.register(controller, registry)
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings, server_timeout=options.watch_timeout, client_timeout=options.watch_timeout + 30)
+    stop = asyncio.Event()
+    liveness = f"http://{options.bind}:{options.health_port}/healthz" if options.health_port else None
+    log.info(
+        "Starting operator identity=%s namespaces=%s leader_elect=%s",
+        options.identity,
+        ",".join(options.namespaces) or "*",
+        options.leader_elect,
+    )
+    tasks = [asyncio.create_task(controller.run(stop))]
+    if elector is not None:
+        tasks.append(asyncio.create_task(elector.run(stop)))
+    try:
+        await kopf.operator(
+            registry=registry,
+            settings=settings,
+            standalone=True,  # no kopf peering: leader election is the Lease above
+            clusterwide=not options.namespaces,
+            namespaces=options.namespaces,
+            liveness_endpoint=liveness,
+        )
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        log.info("Stopped operator identity=%s", options.identity)
+
+
+def api_is_leader(elector_ref: Callable[[], LeaseElector | None]) -> Callable[[], bool]:
+    """A leader check that reads the elector lazily (it is built after the controller it notifies)."""
+
+    def check() -> bool:
+        elector = elector_ref()
+        return elector.is_leader() if elector is not None else True
+
+    return check

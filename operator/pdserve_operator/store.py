@@ -1,0 +1,123 @@
+"""An in-memory informer cache: the latest version of every PDService and every child the operator watches.
+
+kopf's watch streams feed it (one `on.event` handler per kind, filtered server-side by the managed-by label), and
+the reconciler reads observed state from it instead of listing children on every pass. This is what makes a
+reconcile cost zero API reads: the only requests it makes are writes, and a no-op reconcile makes none.
+
+Staleness is safe by construction: an out-of-date entry can only cause an unnecessary (idempotent) apply or a
+delayed prune, and the watch event that refreshes the entry also re-queues the owner for another pass. After an
+apply the response replaces the entry at once, so the next pass sees what the API server stored.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve_operator.plan import ObjectKey, key_of
+from pdserve_operator.render.names import INSTANCE_LABEL
+from pdserve_operator.status import Snapshot
+
+OwnerKey = tuple[str, str]  # (namespace, PDService name)
+_SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+
+def _resource_version(obj: Mapping[str, Any]) -> int:
+    # resourceVersions are opaque by contract but etcd revisions in practice; used only to drop an older copy that
+    # arrives after a newer one (an apply response racing its own watch event). Unparseable -> always accept.
+    try:
+        return int(obj.get("metadata", {}).get("resourceVersion") or -1)
+    except ValueError:
+        return -1
+
+
+class Store:
+    """Thread-safe: kopf handlers write from the event loop, reconciles read from worker threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners: dict[OwnerKey, dict[str, Any]] = {}
+        self._objects: dict[ObjectKey, dict[str, Any]] = {}
+        self._by_owner: dict[OwnerKey, set[ObjectKey]] = defaultdict(set)
+
+    # ---------------------------------------------------------------------------------------------------- owners
+
+    def put_owner(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        key = (meta.get("namespace", "default"), meta["name"])
+        with self._lock:
+            current = self._owners.get(key)
+            if current is None or _resource_version(body) >= _resource_version(current):
+                self._owners[key] = body
+
+    def delete_owner(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._owners.pop((namespace, name), None)
+
+    def owner(self, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self._owners.get((namespace, name))
+
+    def owner_keys(self) -> list[OwnerKey]:
+        with self._lock:
+            return sorted(self._owners)
+
+    # -------------------------------------------------------------------------------------------------- children
+
+    @staticmethod
+    def owner_of(obj: Mapping[str, Any]) -> OwnerKey | None:
+        """The PDService an object belongs to, by its instance label (all our children and their pods carry it)."""
+        meta = obj.get("metadata", {})
+        instance = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+        if not instance:
+            return None
+        return (meta.get("namespace", "default"), instance)
+
+    def put(self, obj: dict[str, Any]) -> OwnerKey | None:
+        """Insert or refresh an object; returns its owner key (to enqueue), or None if it has none."""
+        key = key_of(obj)
+        owner = self.owner_of(obj)
+        with self._lock:
+            current = self._objects.get(key)
+            if current is not None and _resource_version(obj) < _resource_version(current):
+                return owner
+            self._objects[key] = obj
+            if current is not None:
+                old_owner = self.owner_of(current)
+                if old_owner is not None and old_owner != owner:
+                    self._by_owner[old_owner].discard(key)
+            if owner is not None:
+                self._by_owner[owner].add(key)
+        return owner
+
+    def delete(self, obj: Mapping[str, Any]) -> OwnerKey | None:
+        key = key_of(obj)
+        with self._lock:
+            current = self._objects.pop(key, None)
+            owner = self.owner_of(current or obj)
+            if owner is not None:
+                self._by_owner[owner].discard(key)
+        return owner
+
+    def snapshot(self, namespace: str, name: str) -> Snapshot:
+        """Observed children, pods and router endpoint slices of one PDService (copies are not needed: callers
+        only read, and the store replaces whole objects rather than mutating them)."""
+        with self._lock:
+            keys = list(self._by_owner.get((namespace, name), ()))
+            objects = [self._objects[k] for k in keys if k in self._objects]
+        router_service = f"{name}-router"
+        children = {key_of(o): o for o in objects if o["kind"] not in ("Pod", "EndpointSlice")}
+        pods = [o for o in objects if o["kind"] == "Pod"]
+        slices = [
+            o
+            for o in objects
+            if o["kind"] == "EndpointSlice"
+            and (o["metadata"].get("labels") or {}).get(_SERVICE_NAME_LABEL) == router_service
+        ]
+        return Snapshot(children=children, pods=pods, endpoint_slices=slices)
+
+    def size(self) -> int:
+        with self._lock:
+            return len(self._objects) + len(self._owners)
