@@ -1,0 +1,298 @@
+"""The process node in the real local cluster: pods run as processes behind real EndpointSlices.
+
+Each test uses its own namespace. Pods use the test image ``pdserve-test/http`` (the image map runs it as
+``pdserve.devcluster.process_node.testserver``) and tolerate the process node's taint.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.devcluster.testing import ClusterHelper, wait_for
+
+pytestmark = pytest.mark.cluster
+
+Obj = dict[str, Any]
+PORT = 8080
+
+
+def _container(args: list[str] | None = None, **extra: Any) -> Obj:
+    container: Obj = {
+        "name": "web",
+        "image": "pdserve-test/http:1",
+        "args": args or ["--port", str(PORT)],
+        "ports": [{"name": "http", "containerPort": PORT}],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1},
+    }
+    container.update(extra)
+    return container
+
+
+def _pod_spec(container: Obj, **extra: Any) -> Obj:
+    spec: Obj = {
+        "nodeSelector": {"pdserve.io/process-node": "true"},
+        "tolerations": [{"key": "pdserve.io/process-node", "operator": "Exists", "effect": "NoSchedule"}],
+        "terminationGracePeriodSeconds": 5,
+        "containers": [container],
+    }
+    spec.update(extra)
+    return spec
+
+
+def _statefulset(name: str, replicas: int) -> list[Obj]:
+    labels = {"app": name}
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name},
+            "spec": {"clusterIP": "None", "selector": labels, "ports": [{"name": "http", "port": PORT}]},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": name},
+            "spec": {
+                "serviceName": name,
+                "replicas": replicas,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": _pod_spec(_container())},
+            },
+        },
+    ]
+
+
+@pytest.fixture
+def node_dir(cluster: ClusterHelper) -> Path:
+    if cluster.process_node_workdir is None:
+        pytest.skip("the cluster has no process node")
+    if cluster.local is not None and not cluster.local.network.local_route:
+        pytest.skip("pod IPs are loopback (no local route): EndpointSlices would list nothing")
+    return cluster.process_node_workdir
+
+
+@pytest.fixture
+def namespace(cluster: ClusterHelper) -> Iterator[str]:
+    name = cluster.create_namespace("pn")
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def _get(ip: str, path: str = "/", method: str = "GET") -> Obj:
+    request = urllib.request.Request(f"http://{ip}:{PORT}{path}", method=method)
+    with urllib.request.urlopen(request, timeout=3) as response:
+        body: Obj = json.loads(response.read())
+        return body
+
+
+def _endpoints(cluster: ClusterHelper, namespace: str, service: str) -> dict[str, bool]:
+    """address -> ready, over every EndpointSlice of ``service``."""
+    slices = cluster.get_json(
+        "endpointslices", f"--namespace={namespace}", f"--selector=kubernetes.io/service-name={service}"
+    )
+    found: dict[str, bool] = {}
+    for item in slices.get("items", []):
+        for endpoint in item.get("endpoints") or []:
+            for address in endpoint.get("addresses", []):
+                found[address] = bool(endpoint.get("conditions", {}).get("ready"))
+    return found
+
+
+def _ready_endpoints(cluster: ClusterHelper, namespace: str, service: str) -> set[str]:
+    return {ip for ip, ready in _endpoints(cluster, namespace, service).items() if ready}
+
+
+def _pid(node_dir: Path, namespace: str, pod: str, container: str = "web") -> int | None:
+    try:
+        return int((node_dir / "pids" / f"{namespace}_{pod}_{container}.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _pod(cluster: ClusterHelper, namespace: str, name: str) -> Obj:
+    pod: Obj = cluster.get_json("pod", name, f"--namespace={namespace}")
+    return pod
+
+
+def _wait_serving(cluster: ClusterHelper, namespace: str, service: str, count: int) -> dict[str, str]:
+    """Wait for ``count`` ready endpoints; return ip -> pod name, checked by asking each IP over HTTP."""
+
+    def exactly() -> set[str] | None:
+        found = _ready_endpoints(cluster, namespace, service)
+        return found if len(found) == count else None
+
+    ips = wait_for(
+        exactly,
+        timeout=60,
+        message=lambda: f"{count} ready endpoints of {service}, have {_endpoints(cluster, namespace, service)}",
+    )
+    return {ip: str(_get(ip)["pod"]) for ip in ips}
+
+
+def test_statefulset_pods_run_as_processes_behind_endpointslices(
+    cluster: ClusterHelper, node_dir: Path, namespace: str
+) -> None:
+    cluster.apply(_statefulset("web", 2), namespace=namespace)
+    served = _wait_serving(cluster, namespace, "web", 2)
+    assert sorted(served.values()) == ["web-0", "web-1"]
+    for ip, name in served.items():
+        pod = _pod(cluster, namespace, name)
+        assert pod["status"]["podIP"] == ip
+        assert pod["spec"]["nodeName"] == "process-node"
+        pid = _pid(node_dir, namespace, name)
+        assert pid is not None and _alive(pid)
+        assert pod["status"]["containerStatuses"][0]["containerID"] == f"process://{pid}"
+        assert (node_dir / "logs" / f"{namespace}_{name}_web.log").exists()
+
+    # Scale up: a third process and endpoint.
+    cluster.kubectl("scale", "statefulset/web", "--replicas=3", f"--namespace={namespace}")
+    served = _wait_serving(cluster, namespace, "web", 3)
+    assert sorted(served.values()) == ["web-0", "web-1", "web-2"]
+
+    # Scale down: the processes of web-1 and web-2 end and their PID files go away.
+    pids = {name: _pid(node_dir, namespace, name) for name in ("web-1", "web-2")}
+    cluster.kubectl("scale", "statefulset/web", "--replicas=1", f"--namespace={namespace}")
+    served = _wait_serving(cluster, namespace, "web", 1)
+    assert list(served.values()) == ["web-0"]
+    assert all(pids.values()), pids
+    wait_for(lambda: not any(_alive(p) for p in pids.values() if p), timeout=15, message="processes to exit")
+    wait_for(lambda: all(_pid(node_dir, namespace, n) is None for n in pids), timeout=15, message="PID files gone")
+    wait_for(lambda: len(cluster.pods(namespace, "app=web")) == 1, timeout=30, message="pod objects deleted")
+
+
+def test_deleted_pod_comes_back_with_the_same_name_and_a_new_process(
+    cluster: ClusterHelper, node_dir: Path, namespace: str
+) -> None:
+    cluster.apply(_statefulset("echo", 1), namespace=namespace)
+    (old_ip,) = _wait_serving(cluster, namespace, "echo", 1)
+    old_uid = _pod(cluster, namespace, "echo-0")["metadata"]["uid"]
+    old_pid = _pid(node_dir, namespace, "echo-0")
+    assert old_pid is not None
+    cluster.kubectl("delete", "pod", "echo-0", f"--namespace={namespace}", "--wait=false")
+    wait_for(lambda: not _alive(old_pid), timeout=15, message="the old process to exit")
+    wait_for(
+        lambda: _pod(cluster, namespace, "echo-0")["metadata"]["uid"] != old_uid,
+        timeout=30,
+        message="a new echo-0",
+    )
+    served = _wait_serving(cluster, namespace, "echo", 1)
+    assert list(served.values()) == ["echo-0"]
+    new_pid = _pid(node_dir, namespace, "echo-0")
+    assert new_pid is not None and new_pid != old_pid and _alive(new_pid)
+    assert old_ip not in served  # a new pod gets a new address, as on a real node
+
+
+def test_failing_readiness_takes_the_pod_out_of_the_endpoints(
+    cluster: ClusterHelper, node_dir: Path, namespace: str
+) -> None:
+    cluster.apply(_statefulset("ready", 2), namespace=namespace)
+    served = _wait_serving(cluster, namespace, "ready", 2)
+    ip = next(ip for ip, name in served.items() if name == "ready-0")
+    _get(ip, "/ready?ok=false", method="POST")
+    wait_for(
+        lambda: _endpoints(cluster, namespace, "ready").get(ip) is False,
+        timeout=30,
+        message=lambda: f"{ip} not ready in the EndpointSlice: {_endpoints(cluster, namespace, 'ready')}",
+    )
+    pod = _pod(cluster, namespace, "ready-0")
+    assert pod["status"]["phase"] == "Running"
+    assert pod["status"]["containerStatuses"][0]["ready"] is False
+    assert {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"] == "False"
+    _get(ip, "/ready?ok=true", method="POST")
+    wait_for(lambda: _ready_endpoints(cluster, namespace, "ready") == set(served), timeout=30)
+
+
+def test_crashing_container_backs_off_and_counts_restarts(
+    cluster: ClusterHelper, node_dir: Path, namespace: str
+) -> None:
+    crash = _container(args=["--port", str(PORT), "--exit-after", "0.5", "--exit-code", "3"])
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "crash"}, "spec": _pod_spec(crash)}
+    cluster.apply(pod, namespace=namespace)
+    seen_backoff = wait_for(
+        lambda: (
+            (s := _pod(cluster, namespace, "crash")["status"].get("containerStatuses", [{}])[0])
+            .get("state", {})
+            .get("waiting", {})
+            .get("reason")
+            == "CrashLoopBackOff"
+            and s
+        ),
+        timeout=30,
+        message=lambda: f"CrashLoopBackOff, have {_pod(cluster, namespace, 'crash')['status']}",
+    )
+    assert seen_backoff["lastState"]["terminated"]["exitCode"] == 3
+    # Restarted at once after the first exit, then after 10 s of back-off: the count keeps growing.
+    status = wait_for(
+        lambda: (s := _pod(cluster, namespace, "crash")["status"]["containerStatuses"][0])["restartCount"] >= 2 and s,
+        timeout=40,
+    )
+    assert status["lastState"]["terminated"]["reason"] == "Error"
+    assert _pod(cluster, namespace, "crash")["status"]["phase"] == "Running"
+    log = (node_dir / "logs" / f"{namespace}_crash_web.log").read_text()
+    assert log.count("--- process-node:") >= 3
+
+
+def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: Path, namespace: str) -> None:
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"greeting": "hello"}},
+        namespace=namespace,
+    )
+    # The script checks the mounted file (its path arrives as $1, which the process node rewrites to the
+    # materialised folder), the downward-API env and the $(VAR) expansion of args, then exits 0.
+    script = 'test "$(cat "$1")" = hello && test "$2" = "$MY_IP" && test -n "$MY_IP" && echo ok'
+    job = {
+        "name": "check",
+        "image": "busybox:1.36",
+        "command": ["sh", "-c", script, "check"],
+        "args": ["/etc/cfg/greeting", "$(MY_IP)"],
+        "env": [{"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}],
+    }
+    unknown = {"name": "mystery", "image": "quay.io/nobody/mystery:1"}
+    pods = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "check"},
+            "spec": _pod_spec(job, restartPolicy="Never", volumes=[{"name": "cfg", "configMap": {"name": "cfg"}}]),
+        },
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "mystery"}, "spec": _pod_spec(unknown)},
+    ]
+    cluster.apply(pods, namespace=namespace)
+    wait_for(
+        lambda: _pod(cluster, namespace, "check")["status"].get("phase") == "Succeeded",
+        timeout=30,
+        message=lambda: f"check to succeed: {cluster.logs(namespace, 'check')}",
+    )
+    assert "ok" in (node_dir / "logs" / f"{namespace}_check_check.log").read_text()
+    waiting = wait_for(
+        lambda: (
+            _pod(cluster, namespace, "mystery")["status"]
+            .get("containerStatuses", [{}])[0]
+            .get("state", {})
+            .get("waiting", {})
+            .get("reason")
+            == "ImageNotMapped"
+            and _pod(cluster, namespace, "mystery")["status"]["containerStatuses"][0]["state"]["waiting"]
+        ),
+        timeout=30,
+    )
+    assert "quay.io/nobody/mystery:1" in waiting["message"]
