@@ -1,0 +1,166 @@
+"""`pdserve dev cluster build|up|down|status|kubeconfig`: the local cluster from the command line.
+
+`up` leaves the cluster running after the command returns (its processes are detached and recorded in the
+workdir); `down` stops them by their recorded PIDs, which also works after the machine's Python crashed.
+A cluster is found by `--workdir`, or by `--name` under `$PDSERVE_CACHE_DIR/clusters/`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import click
+
+from pdserve.devcluster import build as build_mod
+from pdserve.devcluster import versions
+from pdserve.devcluster.cluster import (
+    PROCESS_NODE_MODULE,
+    ClusterError,
+    ClusterState,
+    LocalCluster,
+    cluster_status,
+    default_workdir,
+    stop_workdir,
+)
+from pdserve.devcluster.topology import TOPOLOGIES
+
+
+@click.group()
+def dev() -> None:
+    """Developer tools: the local Kubernetes cluster."""
+
+
+@dev.group()
+def cluster() -> None:
+    """The local cluster: real control plane, kwok GPU nodes, optional process node."""
+
+
+def _workdir_options(function: click.decorators.FC) -> click.decorators.FC:
+    function = click.option(
+        "--workdir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Cluster state directory (default: $PDSERVE_CACHE_DIR/clusters/<name>).",
+    )(function)
+    return click.option("--name", default="default", show_default=True, help="Cluster name.")(function)
+
+
+def _resolve(name: str, workdir: Path | None) -> Path:
+    return (workdir or default_workdir(name)).resolve()
+
+
+@cluster.command("build")
+@click.option("--force", is_flag=True, help="Rebuild binaries that are already cached.")
+@click.argument("binaries", nargs=-1)
+def build_command(force: bool, binaries: tuple[str, ...]) -> None:
+    """Build the pinned binaries (all, or the named ones) into the cache; cached ones are skipped."""
+    click.echo(
+        f"Kubernetes {versions.KUBERNETES_VERSION}, etcd {versions.ETCD_VERSION}, kwok {versions.KWOK_VERSION}, "
+        f"helm {versions.HELM_VERSION} -> {build_mod.bin_dir()}"
+    )
+    try:
+        report = build_mod.build(binaries or None, force=force, log=click.echo)
+    except build_mod.BuildError as exc:
+        raise click.ClickException(str(exc)) from exc
+    usage = report.disk_usage()
+    click.echo(
+        f"Done in {report.seconds:.0f}s. Disk: binaries {usage['bin'] / 2**20:.0f} MiB, Go module cache "
+        f"{usage['gomodcache'] / 2**20:.0f} MiB, Go build cache {usage['gocache'] / 2**20:.0f} MiB."
+    )
+    if report.failed:
+        raise click.ClickException("Could not build: " + ", ".join(r.name for r in report.failed))
+
+
+@cluster.command("up")
+@_workdir_options
+@click.option(
+    "--topology",
+    type=click.Choice(sorted(TOPOLOGIES)),
+    default="default",
+    show_default=True,
+    help="Simulated GPU nodes: default (16), minimal (2), large (128), none.",
+)
+@click.option(
+    "--process-node/--no-process-node",
+    default=None,
+    help="Run the process node (pods as local processes). Default: when its module is installed.",
+)
+@click.option(
+    "--image-map", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="Image map for the process node."
+)
+@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for readiness.")
+def up(
+    *,
+    name: str,
+    workdir: Path | None,
+    topology: str,
+    process_node: bool | None,
+    image_map: Path | None,
+    timeout: float,
+) -> None:
+    """Build what is missing, start the cluster, return once it is ready (it keeps running)."""
+    if process_node is None:
+        process_node = importlib.util.find_spec(f"{PROCESS_NODE_MODULE}.__main__") is not None
+    directory = _resolve(name, workdir)
+    started = time.monotonic()
+    local = LocalCluster(
+        directory,
+        topology=topology,
+        process_node=process_node,
+        image_map=image_map,
+        detach=True,
+        ready_timeout=timeout,
+        log=click.echo,
+    )
+    try:
+        local.start()
+    except (ClusterError, build_mod.BuildError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"Cluster {name!r} is up after {time.monotonic() - started:.1f}s (workdir {directory}).")
+    click.echo(f"export KUBECONFIG={local.kubeconfig}")
+
+
+@cluster.command("down")
+@_workdir_options
+def down(name: str, workdir: Path | None) -> None:
+    """Stop every process of the cluster (by recorded PIDs); logs stay in the workdir."""
+    directory = _resolve(name, workdir)
+    stopped = stop_workdir(directory)
+    click.echo(f"Stopped {', '.join(stopped)}." if stopped else f"Nothing was running in {directory}.")
+
+
+@cluster.command("status")
+@_workdir_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def status(name: str, workdir: Path | None, as_json: bool) -> None:
+    """Show whether the cluster runs: processes, API readiness, nodes. Exit 1 when it does not."""
+    info = cluster_status(_resolve(name, workdir))
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        click.echo(f"workdir:    {info['workdir']}")
+        click.echo(f"running:    {info['running']}")
+        if "server" in info:
+            click.echo(f"server:     {info['server']}")
+            click.echo(f"kubeconfig: {info['kubeconfig']}")
+            click.echo(f"topology:   {info['topology']} (process node: {info['process_node']})")
+            click.echo(f"nodes:      {info['nodes'].get('ready', 0)}/{info['nodes'].get('total', 0)} ready")
+            for component in info["components"]:
+                state = "running" if component["alive"] else "STOPPED"
+                click.echo(f"  {component['name']:<24} pid {component['pid']:<8} {state}")
+    if not info["running"]:
+        raise SystemExit(1)
+
+
+@cluster.command("kubeconfig")
+@_workdir_options
+def kubeconfig(name: str, workdir: Path | None) -> None:
+    """Print the path of the cluster's admin kubeconfig."""
+    directory = _resolve(name, workdir)
+    state = ClusterState.load(directory)
+    if state is None:
+        raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
+    click.echo(state.kubeconfig)

@@ -1,0 +1,165 @@
+"""Helpers that tests (and demos) use against a running cluster: kubectl, apply, wait, pod IPs, logs.
+
+Kept free of pytest so the operator's or the runtime's tests, a notebook, or a benchmark can use it with a
+cluster from `LocalCluster` or with any kubeconfig (`PDSERVE_CLUSTER_KUBECONFIG`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from pdserve.devcluster import build
+from pdserve.devcluster.cluster import LocalCluster, new_api_client
+
+T = TypeVar("T")
+
+
+class WaitTimeoutError(AssertionError):
+    """`wait_for` gave up; an AssertionError so pytest shows it as a test failure, not an error."""
+
+
+def wait_for(
+    predicate: Callable[[], T | None],
+    timeout: float = 30.0,
+    interval: float = 0.2,
+    message: str | Callable[[], str] = "",
+) -> T:
+    """Call `predicate` until it returns something truthy and return that; raise WaitTimeoutError after `timeout`.
+
+    Exceptions from the predicate count as "not yet" (an object that does not exist yet, a connection
+    refused); the last one is shown if time runs out.
+    """
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:
+            last_error = exc
+        if time.monotonic() >= deadline:
+            text = message() if callable(message) else message
+            detail = f" (last error: {last_error!r})" if last_error is not None else ""
+            raise WaitTimeoutError(f"Timed out after {timeout:.0f}s waiting for {text or predicate!r}{detail}")
+        time.sleep(interval)
+
+
+@dataclass
+class ClusterHelper:
+    """What the `cluster` fixture yields."""
+
+    kubeconfig: Path
+    process_node_workdir: Path | None = None
+    """The process node's workdir (None when reusing an external cluster or running without one)."""
+    local: LocalCluster | None = None
+    kubectl_path: Path | None = None
+
+    @classmethod
+    def from_cluster(cls, local: LocalCluster) -> ClusterHelper:
+        return cls(
+            kubeconfig=local.kubeconfig,
+            process_node_workdir=local.process_node_workdir if local.process_node else None,
+            local=local,
+        )
+
+    # -- kubectl ------------------------------------------------------------------------------------------
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against the cluster; with check=True a failure raises and shows kubectl's stderr."""
+        kubectl = self.kubectl_path or build.binary("kubectl")
+        proc = subprocess.run(
+            [str(kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip() or proc.stdout.strip()}"
+            )
+        return proc
+
+    def apply(
+        self, manifests: str | Mapping[str, Any] | Iterable[Mapping[str, Any]], namespace: str | None = None
+    ) -> str:
+        """Server-side apply YAML text, one object or several; return kubectl's output."""
+        if isinstance(manifests, str):
+            text = manifests
+        elif isinstance(manifests, Mapping):
+            text = yaml.safe_dump(dict(manifests))
+        else:
+            text = yaml.safe_dump_all([dict(m) for m in manifests])
+        args = ["apply", "--server-side", "--field-manager=pdserve-tests", "-f", "-"]
+        if namespace:
+            args.insert(0, f"--namespace={namespace}")
+        return self.kubectl(*args, input=text).stdout
+
+    def get_json(self, *args: str) -> Any:
+        """`kubectl get ... -o json`, parsed."""
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def create_namespace(self, prefix: str = "test") -> str:
+        """A fresh namespace (unique name) so tests sharing the session cluster do not see each other."""
+        name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        self.kubectl("create", "namespace", name)
+        wait_for(
+            lambda: (
+                self.kubectl("get", "serviceaccount", "default", f"--namespace={name}", check=False).returncode == 0
+            ),
+            timeout=30,
+            message=f"the default ServiceAccount of namespace {name}",
+        )
+        return name
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    wait_for = staticmethod(wait_for)
+
+    def pods(self, namespace: str, selector: str = "") -> list[dict[str, Any]]:
+        args = ["pods", f"--namespace={namespace}"]
+        if selector:
+            args.append(f"--selector={selector}")
+        items: list[dict[str, Any]] = self.get_json(*args).get("items", [])
+        return items
+
+    def pod_ips(self, namespace: str, selector: str = "", ready_only: bool = True) -> list[str]:
+        """IPs of the (ready) pods matching `selector`, sorted."""
+        ips = []
+        for pod in self.pods(namespace, selector):
+            status = pod.get("status", {})
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
+            if status.get("podIP") and (ready or not ready_only):
+                ips.append(status["podIP"])
+        return sorted(ips)
+
+    def logs(self, namespace: str, pod: str, container: str | None = None) -> str:
+        """A container's log: the process node's log file when it ran there, else `kubectl logs`."""
+        if self.process_node_workdir is not None:
+            logs = self.process_node_workdir / "logs"
+            pattern = f"{namespace}_{pod}_{container or '*'}.log"
+            files = sorted(logs.glob(pattern))
+            if files:
+                return "\n".join(f.read_text(errors="replace") for f in files)
+        args = ["logs", f"--namespace={namespace}", pod]
+        if container:
+            args.append(f"--container={container}")
+        proc = self.kubectl(*args, check=False)
+        return proc.stdout if proc.returncode == 0 else f"(no logs: {proc.stderr.strip()})"
+
+    def api_client(self) -> Any:
+        """A new `kubernetes.client.ApiClient` (use it in a `with` block)."""
+        return new_api_client(self.kubeconfig)

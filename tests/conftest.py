@@ -1,0 +1,56 @@
+"""Root conftest: the session-scoped `cluster` fixture for tests marked `@pytest.mark.cluster`.
+
+The fixture starts one LocalCluster for the whole session (default topology, plus the process node when
+its module is installed), building the binaries first if they are not cached. Environment knobs:
+
+- PDSERVE_CLUSTER_KUBECONFIG=path: use an already running cluster instead (e.g. one from
+  `pdserve dev cluster up`) for fast local iteration; nothing is started or stopped then.
+- PDSERVE_CLUSTER_TOPOLOGY=default|minimal|large|none: the simulated GPU nodes.
+- PDSERVE_CLUSTER_PROCESS_NODE=0|1: force the process node off or on.
+
+Run only the quick tier with `pytest -m "not cluster"`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.devcluster.cluster import PROCESS_NODE_MODULE, LocalCluster
+from pdserve.devcluster.testing import ClusterHelper
+
+
+def _want_process_node() -> bool:
+    forced = os.environ.get("PDSERVE_CLUSTER_PROCESS_NODE")
+    if forced is not None:
+        return forced.strip().lower() not in ("0", "false", "no", "")
+    return importlib.util.find_spec(f"{PROCESS_NODE_MODULE}.__main__") is not None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # The cluster costs ~15 s and two busy cores: a test must opt in with the marker, so that
+    # `pytest -m "not cluster"` is guaranteed never to start it.
+    if "cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("cluster") is None:
+        pytest.fail(f"{item.nodeid} uses the `cluster` fixture but is not marked @pytest.mark.cluster")
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHelper]:
+    """A running cluster for the session, stopped at the end (also on failure or Ctrl-C)."""
+    reuse = os.environ.get("PDSERVE_CLUSTER_KUBECONFIG")
+    if reuse:
+        yield ClusterHelper(kubeconfig=Path(reuse).expanduser().resolve())
+        return
+    workdir = tmp_path_factory.mktemp("cluster", numbered=True)
+    local = LocalCluster(
+        workdir,
+        topology=os.environ.get("PDSERVE_CLUSTER_TOPOLOGY", "default"),
+        process_node=_want_process_node(),
+        log=print,
+    )
+    with local:
+        yield ClusterHelper.from_cluster(local)
