@@ -1,4 +1,4 @@
-"""The router's model of a prompt: approximate tokens and the hashes of its full token blocks.
+r"""The router's model of a prompt: approximate tokens and the hashes of its full token blocks.
 
 The router has no tokenizer (it must not load model files, and a real tokenizer would cost more CPU than the
 rest of the request path). It only needs two things, and an approximation serves both:
@@ -6,10 +6,13 @@ rest of the request path). It only needs two things, and an approximation serves
 - a prompt length in tokens, to compare the uncached part against the disaggregation threshold;
 - block hashes that are equal for equal prompt prefixes, to track which engine holds which prefix.
 
-Approximation: a token is a run of word characters or a single other non-space character (regex
-`\\w+|[^\\w\\s]`), so "Hello, world!" is 4 tokens. Real BPE tokenizers split long or rare words further, so this
-undercounts English by roughly 10-30%, which is well inside the slack of a threshold. Token-id prompts
-(`prompt: [1, 2, 3]`) are used as they are. Chat requests are flattened as `role: content` lines, text parts only.
+Approximation (the same rules as the engine simulator's tokenizer, so thresholds mean the same tokens there):
+the text is split into pieces with `\w+|[^\w\s]` (runs of word characters, single punctuation characters);
+a piece of n characters is ceil(n / 6) tokens (its 6-character slices), so "Hello, world!" is 4 tokens and
+"internationalization" is 4. Against a real BPE tokenizer this is within a few tens of percent for English,
+well inside the slack of a threshold. Token-id prompts (`prompt: [1, 2, 3]`) are used as they are. Chat requests
+are flattened with the simulator's template (`<|role|>` line, content, newline; then `<|assistant|>`), text
+parts only.
 
 Blocks: the tokens are cut into full blocks of `block_size` (a partial tail block is never cached by vLLM, so it
 is not hashed) and each block hash chains the previous one, so a block hash stands for the whole prefix up to
@@ -23,7 +26,8 @@ import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-_TOKEN = re.compile(r"\w+|[^\w\s]")
+_PIECES = re.compile(r"\w+|[^\w\s]")
+_CHUNK = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +40,14 @@ class PromptInfo:
 
 
 def text_tokens(text: str) -> list[str]:
-    """Split text into approximate tokens."""
-    return _TOKEN.findall(text)
+    """Split text into approximate tokens (pieces, long pieces cut into 6-character slices)."""
+    tokens: list[str] = []
+    for piece in _PIECES.findall(text):
+        if len(piece) <= _CHUNK:
+            tokens.append(piece)
+        else:
+            tokens.extend(piece[start : start + _CHUNK] for start in range(0, len(piece), _CHUNK))
+    return tokens
 
 
 def _content_text(content: object) -> str:
@@ -56,11 +66,13 @@ def prompt_tokens(payload: dict[str, object], chat: bool) -> Sequence[Hashable]:
         messages = payload.get("messages")
         if not isinstance(messages, list):
             return []
-        lines = []
-        for message in messages:
-            if isinstance(message, dict):
-                lines.append(f"{message.get('role', '')}: {_content_text(message.get('content'))}")
-        return text_tokens("\n".join(lines))
+        parts = [
+            f"<|{message.get('role', '')}|>\n{_content_text(message.get('content'))}\n"
+            for message in messages
+            if isinstance(message, dict)
+        ]
+        parts.append("<|assistant|>\n")
+        return text_tokens("".join(parts))
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
         return text_tokens(prompt)

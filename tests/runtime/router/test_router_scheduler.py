@@ -1,0 +1,138 @@
+"""Selective disaggregation and the scheduler's plans over a real endpoint table."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.api.router_config import RoutingPolicyConfig
+from pdserve_runtime.router.endpoints import Endpoint, EndpointTable
+from pdserve_runtime.router.policy.decision import Route, uncached_tokens, wants_prefill
+from pdserve_runtime.router.policy.scheduler import Scheduler
+from pdserve_runtime.router.prefix import PrefixTracker
+from pdserve_runtime.router.tokens import PromptInfo
+
+ZONE = "topology.kubernetes.io/zone"
+
+
+@pytest.mark.parametrize(
+    ("tokens", "cached_blocks", "block", "threshold", "uncached", "pd"),
+    [
+        (100, 0, 16, 256, 100, False),  # short prompt: local prefill
+        (1000, 0, 16, 256, 1000, True),  # long and cold: disaggregate
+        (1000, 50, 16, 256, 200, False),  # long but mostly cached on the decode engine
+        (1000, 46, 16, 256, 264, True),
+        (10, 5, 16, 0, 0, True),  # threshold 0: always PD
+        (256, 0, 16, 256, 256, True),  # at the threshold: PD
+    ],
+)
+def test_decision(tokens: int, cached_blocks: int, block: int, threshold: int, uncached: int, pd: bool) -> None:  # noqa: PLR0917
+    assert uncached_tokens(tokens, cached_blocks, block) == uncached
+    assert wants_prefill(uncached, threshold) is pd
+
+
+def prompt(blocks: int, extra: int = 0) -> PromptInfo:
+    return PromptInfo(tokens=blocks * 16 + extra, block_hashes=tuple(range(100, 100 + blocks)), block_size=16)
+
+
+def scheduler(
+    prefill: list[Endpoint], decode: list[Endpoint], *, threshold: int = 256, **policy: object
+) -> tuple[Scheduler, EndpointTable, PrefixTracker]:
+    table = EndpointTable()
+    table.replace("prefill", prefill)
+    table.replace("decode", decode)
+    tracker = PrefixTracker()
+    config = RoutingPolicyConfig(disaggregation_threshold_tokens=threshold, **policy)  # type: ignore[arg-type]
+    return Scheduler(table, tracker, config, [ZONE], random.Random(3)), table, tracker
+
+
+def p(name: str, kv: str | None = None, zone: str | None = None) -> Endpoint:
+    return Endpoint(url=f"http://{name}", role="prefill", kv_compat=kv, topology={ZONE: zone} if zone else {})
+
+
+def d(name: str, kv: str | None = None, zone: str | None = None) -> Endpoint:
+    return Endpoint(url=f"http://{name}", role="decode", kv_compat=kv, topology={ZONE: zone} if zone else {})
+
+
+def test_no_decode_engine_gives_an_empty_plan() -> None:
+    sched, _, _ = scheduler([p("p1")], [])
+    plan = sched.plan(prompt(40), now=0.0)
+    assert plan.decode is None
+
+
+@pytest.mark.parametrize(
+    ("blocks", "route"),
+    [(2, Route.DECODE_ONLY), (40, Route.PD)],
+)
+def test_route_follows_the_prompt_length(blocks: int, route: Route) -> None:
+    sched, _, _ = scheduler([p("p1")], [d("d1")])
+    plan = sched.plan(prompt(blocks), now=0.0)
+    assert plan.route is route
+    assert (plan.prefill is not None) is (route is Route.PD)
+
+
+def test_a_prompt_cached_on_the_decode_engine_skips_prefill() -> None:
+    sched, _, tracker = scheduler([p("p1")], [d("d1")])
+    tracker.record("http://d1", prompt(40).block_hashes, now=0.0)
+    plan = sched.plan(prompt(40, extra=5), now=1.0)
+    assert plan.route is Route.DECODE_ONLY
+    assert plan.uncached_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("warm_load", "load_weight", "winner"),
+    [
+        (0, 1.0, "http://d2"),  # warm and idle: obviously d2
+        (3, 1.0, "http://d2"),  # warm but busiest (1 + 0) ties cold but idle (0 + 1): either may win
+        (10, 2.0, "http://d1"),  # load weighted double: the idle cold engine wins
+    ],
+)
+def test_decode_choice_balances_prefix_against_load(warm_load: int, load_weight: float, winner: str) -> None:
+    sched, table, tracker = scheduler([p("p1")], [d("d1"), d("d2")], decode_load_weight=load_weight)
+    tracker.record("http://d2", prompt(40).block_hashes, now=0.0)
+    {state.url: state for state in table.states("decode")}["http://d2"].in_flight = warm_load
+    picks = {sched.plan(prompt(40), now=1.0).decode.url for _ in range(10)}  # type: ignore[union-attr]
+    assert winner in picks
+    if warm_load != 3:
+        assert picks == {winner}
+
+
+def test_prefill_choice_pairs_kv_compat_and_prefers_the_decode_zone() -> None:
+    sched, _, _ = scheduler(
+        [p("p-old", kv="v1", zone="a"), p("p-far", kv="v2", zone="b"), p("p-near", kv="v2", zone="a")],
+        [d("d1", kv="v2", zone="a")],
+    )
+    plan = sched.plan(prompt(40), now=0.0)
+    assert plan.route is Route.PD
+    assert plan.prefill is not None and plan.prefill.url == "http://p-near"
+
+
+def test_prefill_choice_follows_the_prefix_unless_the_engine_is_loaded() -> None:
+    sched, _, tracker = scheduler([p("p1"), p("p2")], [d("d1")])
+    tracker.record("http://p2", prompt(40).block_hashes, now=0.0)
+    plan = sched.plan(prompt(40), now=1.0)
+    assert plan.prefill is not None and plan.prefill.url == "http://p2"
+
+
+def test_mid_rollout_the_decode_pick_moves_to_an_engine_with_a_partner() -> None:
+    # d-old has no compatible prefill engine any more; PD traffic must go to d-new.
+    sched, _, _ = scheduler([p("p-new", kv="v2")], [d("d-old", kv="v1"), d("d-new", kv="v2")])
+    for _ in range(20):
+        plan = sched.plan(prompt(40), now=0.0)
+        assert plan.route is Route.PD
+        assert plan.decode is not None and plan.decode.url == "http://d-new"
+
+
+def test_no_prefill_engine_means_fallback() -> None:
+    sched, table, _ = scheduler([p("p1")], [d("d1")])
+    table.states("prefill")[0].breaker.opened_at = 0.0
+    plan = sched.plan(prompt(40), now=0.0)
+    assert plan.route is Route.FALLBACK
+    assert plan.decode is not None and plan.prefill is None
+
+
+def test_prefix_awareness_can_be_turned_off() -> None:
+    sched, _, tracker = scheduler([p("p1")], [d("d1")], prefix_aware=False)
+    tracker.record("http://d1", prompt(40).block_hashes, now=0.0)
+    assert sched.plan(prompt(40), now=1.0).route is Route.PD

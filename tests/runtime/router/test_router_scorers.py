@@ -1,0 +1,81 @@
+"""Scorers: least load, prefix affinity, same topology; each returns [0, 1] per candidate. Table-driven."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import StateFactory
+
+from pdserve_runtime.router.policy.base import PickContext
+from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight_requests, in_flight_tokens
+from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
+from pdserve_runtime.router.policy.scorer_topology import SameTopologyScorer
+from pdserve_runtime.router.tokens import PromptInfo
+
+ZONE = "topology.kubernetes.io/zone"
+RACK = "example.com/rack"
+
+
+def prompt(blocks: int) -> PromptInfo:
+    return PromptInfo(tokens=blocks * 16 + 3, block_hashes=tuple(range(blocks)), block_size=16)
+
+
+@pytest.mark.parametrize(
+    ("loads", "expected"),
+    [
+        ([0, 0, 0], [1.0, 1.0, 1.0]),  # equal load says nothing
+        ([0, 10], [1.0, 0.0]),
+        ([2, 4, 6], [1.0, 0.5, 0.0]),
+        ([5], [1.0]),
+        ([100, 101], [1.0, 0.0]),  # relative: one more request is the whole range
+    ],
+)
+def test_least_in_flight_requests(make_state: StateFactory, loads: list[int], expected: list[float]) -> None:
+    states = [make_state(f"d{i}", in_flight=load) for i, load in enumerate(loads)]
+    scores = LeastLoadScorer(in_flight_requests).score(PickContext(prompt=prompt(1)), states)
+    assert scores == pytest.approx(expected)
+
+
+def test_least_in_flight_tokens_measures_prefill_work(make_state: StateFactory) -> None:
+    states = [
+        make_state("p0", "prefill", in_flight=9, tokens=100),
+        make_state("p1", "prefill", in_flight=1, tokens=4000),
+    ]
+    assert LeastLoadScorer(in_flight_tokens).score(PickContext(prompt=prompt(1)), states) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("blocks", "held", "expected"),
+    [
+        (4, {}, [0.0, 0.0]),
+        (4, {"e0": 4}, [1.0, 0.0]),
+        (4, {"e0": 1, "e1": 3}, [0.25, 0.75]),
+        (0, {"e0": 0}, [0.0, 0.0]),  # no full block: nothing to be affine to
+    ],
+)
+def test_prefix_affinity(make_state: StateFactory, blocks: int, held: dict[str, int], expected: list[float]) -> None:
+    states = [make_state("e0"), make_state("e1")]
+    ctx = PickContext(prompt=prompt(blocks), prefix_blocks=held)
+    assert PrefixAffinityScorer().score(ctx, states) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("labels", "peer", "candidates", "expected"),
+    [
+        ([ZONE], None, [{ZONE: "a"}], [0.0]),
+        ([ZONE], {ZONE: "a"}, [{ZONE: "a"}, {ZONE: "b"}, {}], [1.0, 0.0, 0.0]),
+        ([ZONE, RACK], {ZONE: "a", RACK: "r1"}, [{ZONE: "a", RACK: "r1"}, {ZONE: "a", RACK: "r2"}], [1.0, 0.5]),
+        ([ZONE], {}, [{ZONE: "a"}], [0.0]),  # the peer has no domain: no preference
+        ([], {ZONE: "a"}, [{ZONE: "a"}], [0.0]),
+    ],
+)
+def test_same_topology(
+    make_state: StateFactory,
+    labels: list[str],
+    peer: dict[str, str] | None,
+    candidates: list[dict[str, str]],
+    expected: list[float],
+) -> None:
+    peer_state = None if peer is None else make_state("d", topology=peer)
+    states = [make_state(f"p{i}", "prefill", topology=topology) for i, topology in enumerate(candidates)]
+    ctx = PickContext(prompt=prompt(1), peer=peer_state)
+    assert SameTopologyScorer(labels).score(ctx, states) == pytest.approx(expected)
