@@ -15,7 +15,6 @@ Algorithm:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,10 +88,12 @@ def desired_objects(
     """The rendered objects with the fields left to others adjusted, each stamped with its applied-hash."""
     result = []
     for original in rendered:
-        obj = copy.deepcopy(original)
+        # Hash what the spec says, *then* adopt the autoscaler's replicas: its scaling must not look like a spec
+        # change (that would re-apply on every scale); out-of-bounds values still show up as drift.
+        obj = drift.stamp(original)
         if obj["kind"] == "StatefulSet":
             clamp_autoscaled_replicas(pds, obj, observed.get(key_of(obj)))
-        result.append(drift.stamp(obj))
+        result.append(obj)
     return result
 
 

@@ -1,0 +1,124 @@
+"""The planner against rendered objects: creates, no-ops, updates, prunes, autoscaled replicas."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.api.v1alpha1 import PDService
+from pdserve_operator import plan
+from pdserve_operator.kinds import STATEFUL_SET
+from pdserve_operator.render import render
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
+UID = "11111111-2222-3333-4444-555555555555"
+
+
+def example(**patch: Any) -> PDService:
+    document = yaml.safe_load(EXAMPLE.read_text())
+    document["metadata"]["uid"] = UID
+    for dotted, value in patch.items():
+        target = document
+        *path, last = dotted.split("__")
+        for part in path:
+            target = target.setdefault(part, {})
+        target[last] = value
+    return PDService.model_validate(document)
+
+
+def as_observed(objects: list[dict[str, Any]]) -> dict[plan.ObjectKey, dict[str, Any]]:
+    """What the API server would return: our fields plus server-set metadata and defaults."""
+    observed = {}
+    for index, obj in enumerate(objects):
+        stored = copy.deepcopy(obj)
+        stored["metadata"].update(uid=f"uid-{index}", resourceVersion=str(100 + index), generation=1)
+        stored.setdefault("status", {})
+        observed[plan.key_of(stored)] = stored
+    return observed
+
+
+def test_first_pass_creates_everything_in_render_order() -> None:
+    pds = example()
+    desired = plan.desired_objects(pds, render(pds), {})
+    result = plan.make_plan(desired, {}, UID)
+    assert [a.obj["kind"] for a in result.applies] == [o["kind"] for o in render(pds)]
+    assert {a.reason for a in result.applies} == {"missing"}
+    assert not result.prunes
+
+
+def test_second_pass_is_a_noop() -> None:
+    pds = example()
+    desired = plan.desired_objects(pds, render(pds), {})
+    observed = as_observed(desired)
+    again = plan.desired_objects(pds, render(pds), observed)
+    assert plan.make_plan(again, observed, UID).empty
+
+
+def test_image_change_updates_only_the_changed_children() -> None:
+    pds = example()
+    observed = as_observed(plan.desired_objects(pds, render(pds), {}))
+    newer = example(spec__engine__image="vllm/vllm-openai:v0.33.0")
+    result = plan.make_plan(plan.desired_objects(newer, render(newer), observed), observed, UID)
+    assert sorted((a.obj["kind"], a.obj["metadata"]["name"], a.reason) for a in result.applies) == [
+        ("StatefulSet", "llama-8b-decode", "changed"),
+        ("StatefulSet", "llama-8b-prefill", "changed"),
+    ]
+
+
+def test_drift_is_reverted() -> None:
+    pds = example()
+    observed = as_observed(plan.desired_objects(pds, render(pds), {}))
+    key = ("StatefulSet", "default", "llama-8b-prefill")
+    observed[key]["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"
+    service_key = ("Service", "default", "llama-8b-router")
+    del observed[service_key]
+    result = plan.make_plan(plan.desired_objects(pds, render(pds), observed), observed, UID)
+    assert sorted((a.obj["kind"], a.obj["metadata"]["name"], a.reason) for a in result.applies) == [
+        ("Service", "llama-8b-router", "missing"),
+        ("StatefulSet", "llama-8b-prefill", "drift at spec.template.spec.containers[vllm].image"),
+    ]
+
+
+def test_prunes_only_owned_leftovers() -> None:
+    pds = example()
+    observed = as_observed(plan.desired_objects(pds, render(pds), {}))
+    owned = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "llama-8b-old",
+            "namespace": "default",
+            "uid": "cm-uid",
+            "ownerReferences": [{"uid": UID, "controller": True}],
+        },
+    }
+    foreign = copy.deepcopy(owned)
+    foreign["metadata"].update(name="llama-8b-foreign", uid="x", ownerReferences=[{"uid": "other", "controller": True}])
+    observed[plan.key_of(owned)] = owned
+    observed[plan.key_of(foreign)] = foreign
+    result = plan.make_plan(plan.desired_objects(pds, render(pds), observed), observed, UID)
+    assert not result.applies
+    assert [(p.kind.kind, p.name, p.uid) for p in result.prunes] == [("ConfigMap", "llama-8b-old", "cm-uid")]
+
+
+def test_autoscaled_pool_keeps_the_autoscalers_replicas_within_bounds() -> None:
+    pds = example(spec__decode__autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 12})
+    observed = as_observed(plan.desired_objects(pds, render(pds), {}))
+    key = ("StatefulSet", "default", "llama-8b-decode")
+    for scaled, expected in [(7, 7), (40, 12), (1, 2)]:
+        observed[key]["spec"]["replicas"] = scaled
+        desired = plan.desired_objects(pds, render(pds), observed)
+        sts = next(o for o in desired if plan.key_of(o) == key)
+        assert sts["spec"]["replicas"] == expected
+        result = plan.make_plan(desired, observed, UID)
+        # Inside the bounds the autoscaler's value is left alone: no write at all.
+        assert (len(result.applies) == 0) == (scaled == expected)
+        assert all(a.kind == STATEFUL_SET for a in result.applies)
+    # The non-autoscaled pool is still enforced.
+    prefill = ("StatefulSet", "default", "llama-8b-prefill")
+    observed[prefill]["spec"]["replicas"] = 9
+    desired = plan.desired_objects(pds, render(pds), observed)
+    assert next(o for o in desired if plan.key_of(o) == prefill)["spec"]["replicas"] == 2
