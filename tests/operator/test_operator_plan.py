@@ -85,7 +85,7 @@ def test_drift_is_reverted() -> None:
 def test_prunes_only_owned_leftovers() -> None:
     pds = example()
     observed = as_observed(plan.desired_objects(pds, render(pds), {}))
-    owned = {
+    owned: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {

@@ -18,7 +18,7 @@ T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
 
 def body(status: dict[str, Any] | None = None, generation: int = 3) -> dict[str, Any]:
-    document = yaml.safe_load(EXAMPLE.read_text())
+    document: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     document["metadata"].update(uid="u1", generation=generation)
     if status is not None:
         document["status"] = status
@@ -29,7 +29,9 @@ def pds() -> PDService:
     return PDService.model_validate({k: v for k, v in body().items() if k != "status"})
 
 
-def sts(role: str, replicas: int, ready: int, *, updated: int | None = None, revisions: tuple[str, str] = ("r1", "r1")):
+def sts(
+    role: str, replicas: int, ready: int, *, updated: int | None = None, revisions: tuple[str, str] = ("r1", "r1")
+) -> dict[str, Any]:
     return {
         "kind": "StatefulSet",
         "metadata": {"name": f"llama-8b-{role}", "namespace": "default", "generation": 2},
@@ -65,7 +67,9 @@ def slice_(ready: bool = True) -> dict[str, Any]:
     return {"kind": "EndpointSlice", "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": ready}}]}
 
 
-def snapshot(*children: dict[str, Any], pods: list[dict[str, Any]] | None = None, slices=None) -> st.Snapshot:
+def snapshot(
+    *children: dict[str, Any], pods: list[dict[str, Any]] | None = None, slices: list[dict[str, Any]] | None = None
+) -> st.Snapshot:
     return st.Snapshot(
         children={(c["kind"], "default", c["metadata"]["name"]): c for c in children},
         pods=pods or [],
