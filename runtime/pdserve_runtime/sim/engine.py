@@ -319,6 +319,7 @@ class Engine:
                     await asyncio.wait_for(self._work.wait(), timeout=0.05)
                 deadline = loop.time()
                 continue
+            self._update_gauges()
             if fast:
                 await asyncio.sleep(0)
             else:

@@ -37,18 +37,21 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
-        # Free blocks in eviction order (oldest first). Values unused; OrderedDict gives O(1) removal.
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Blocks [_fresh, num_blocks) were never used; they are handed out first so cached blocks live
+        # longer (and so a huge pool costs nothing up front).
+        self._fresh = 0
+        # Freed blocks in eviction order (oldest first). Values unused; OrderedDict gives O(1) removal.
+        self._free: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (free, possibly still holding a cached hash)."""
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by some request (vLLM's kv_cache_usage_perc, 1.0 = full)."""
-        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+        return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -78,10 +81,14 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[int] | None:
         """``count`` fresh blocks, evicting cached ones oldest first; None if not enough are free."""
-        if count > len(self._free):
+        if count > self.num_free:
             return None
-        out: list[int] = []
-        for _ in range(count):
+        fresh = min(count, self.num_blocks - self._fresh)
+        out = list(range(self._fresh, self._fresh + fresh))
+        self._fresh += fresh
+        for block in out:
+            self._refs[block] = 1
+        for _ in range(count - fresh):
             block, _unused = self._free.popitem(last=False)
             old = self._hash_of[block]
             if old is not None:

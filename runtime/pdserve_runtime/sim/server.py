@@ -326,7 +326,15 @@ class SimServer:
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, req: EngineRequest) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+            await self._stream_events(resp, parsed, req)
+        except ConnectionError:
+            # The client went away mid-stream; the caller aborts the request and frees its KV.
+            log.debug("Client disconnected request_id=%s", req.request_id)
+        return resp
+
+    async def _stream_events(self, resp: web.StreamResponse, parsed: ParsedRequest, req: EngineRequest) -> None:
         created = int(time.time())
         model = json.dumps(parsed.model)
         prompt_tokens = len(req.prompt_ids)
@@ -405,7 +413,6 @@ class SimServer:
         tail_parts.append(_DONE)
         await resp.write(b"".join(tail_parts))
         await resp.write_eof()
-        return resp
 
     @staticmethod
     def _usage_json(prompt_tokens: int, completion_tokens: int) -> str:
