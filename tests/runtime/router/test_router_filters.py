@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import StateFactory
 
+from pdserve_runtime.router.endpoints import EndpointState
 from pdserve_runtime.router.policy.base import PickContext
 from pdserve_runtime.router.policy.filter_available import AvailableFilter
 from pdserve_runtime.router.policy.filter_kv_compat import KvCompatFilter
 from pdserve_runtime.router.tokens import PromptInfo
+
+StateFactory = Callable[..., EndpointState]
 
 PROMPT = PromptInfo(tokens=10, block_hashes=(), block_size=16)
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
-from conftest import StateFactory
 
+from pdserve_runtime.router.endpoints import EndpointState
 from pdserve_runtime.router.policy.base import PickContext, Profile, WeightedScorer
 from pdserve_runtime.router.policy.filter_available import AvailableFilter
 from pdserve_runtime.router.policy.picker_max import MaxScorePicker
 from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight_requests
 from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
 from pdserve_runtime.router.tokens import PromptInfo
+
+StateFactory = Callable[..., EndpointState]
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ def scheduler(
     table.replace("prefill", prefill)
     table.replace("decode", decode)
     tracker = PrefixTracker()
-    config = RoutingPolicyConfig(disaggregation_threshold_tokens=threshold, **policy)  # type: ignore[arg-type]
+    config = RoutingPolicyConfig(disaggregation_threshold_tokens=threshold, **policy)
     return Scheduler(table, tracker, config, [ZONE], random.Random(3)), table, tracker
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import StateFactory
+from collections.abc import Callable
 
+import pytest
+
+from pdserve_runtime.router.endpoints import EndpointState
 from pdserve_runtime.router.policy.base import PickContext
 from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight_requests, in_flight_tokens
 from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
 from pdserve_runtime.router.policy.scorer_topology import SameTopologyScorer
 from pdserve_runtime.router.tokens import PromptInfo
+
+StateFactory = Callable[..., EndpointState]
 
 ZONE = "topology.kubernetes.io/zone"
 RACK = "example.com/rack"

@@ -1,0 +1,260 @@
+"""Failure handling against simulators with injected faults: retries, fallbacks, mid-stream errors,
+client disconnects, the circuit breaker and having no decode engine at all."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from pdserve.api.router_config import RouterConfig
+from pdserve_runtime.router.app import RouterApp
+from pdserve_runtime.sim.testing import metric_value, scrape, sim_in_process, sim_process
+
+pytestmark = pytest.mark.timeout(60)
+
+LONG = "The history of the river valley settlements began with small farms. " * 30
+SHORT = "Say hi."
+DEAD = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused
+
+
+async def set_faults(url: str, **faults: Any) -> None:
+    async with aiohttp.ClientSession() as session, session.post(url + "/sim/faults", json=faults) as response:
+        assert response.status == 200, await response.text()
+
+
+async def requests_seen(url: str) -> int:
+    async with aiohttp.ClientSession() as session, session.get(url + "/sim/faults") as response:
+        return int((await response.json())["requests_seen"])
+
+
+async def sim_running(url: str) -> int:
+    async with aiohttp.ClientSession() as session, session.get(url + "/sim/state") as response:
+        return int((await response.json())["running"])
+
+
+def prefer(router: RouterApp, role: str, url: str) -> None:
+    """Make `url` the scheduler's first choice by loading every other endpoint of the pool."""
+    for state in router.table.states(role):  # type: ignore[arg-type]
+        if state.url != url:
+            state.in_flight += 1000
+            state.in_flight_tokens += 10**9
+
+
+async def post(url: str, body: dict[str, Any], within: float = 20) -> tuple[int, CIMultiDict[str], bytes]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(within)) as response,
+    ):
+        return response.status, response.headers.copy(), await response.read()
+
+
+async def eventually(probe: Callable[[], Awaitable[object]], want: object, within: float = 3.0) -> bool:
+    """Poll `probe` until it returns `want` or `within` seconds pass; True when it did."""
+    deadline = time.monotonic() + within
+    while True:
+        if await probe() == want:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+
+
+async def router_metrics(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        return await response.text()
+
+
+@pytest.mark.parametrize("kind", ["status", "connect", "timeout"])
+async def test_a_failed_prefill_is_retried_on_another_engine(
+    router_server: Any, make_config: Callable[..., RouterConfig], kind: str
+) -> None:
+    async with (
+        sim_in_process(role="prefill") as bad,
+        sim_in_process(role="prefill") as good,
+        sim_in_process(role="decode") as d,
+    ):
+        bad_url = DEAD if kind == "connect" else bad.url
+        if kind == "status":
+            await set_faults(bad.url, fail_next=1, fail_status=500)
+        if kind == "timeout":
+            await set_faults(bad.url, latency_s=5)
+        config = make_config([bad_url, good.url], [d.url], read_timeout_seconds=0.5)
+        async with router_server(config) as (url, router):
+            prefer(router, "prefill", bad_url)
+            status, headers, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
+            exposition = await router_metrics(url)
+        assert status == 200
+        assert headers["X-Pdserve-Route"] == "pd"
+        assert await requests_seen(good.url) == 1
+        assert metric_value(exposition, "pdserve_router_endpoint_errors_total", role="prefill", kind=kind) == 1
+        assert metric_value(exposition, "pdserve_router_retries_total", stage="prefill") == 1
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+async def test_when_every_prefill_fails_decode_prefills_locally_or_the_router_refuses(
+    router_server: Any, make_config: Callable[..., RouterConfig], fallback: bool
+) -> None:
+    async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
+        await set_faults(p.url, fail_next=10, fail_status=503)
+        config = make_config([p.url, DEAD], [d.url], fallback_to_decode=fallback)
+        async with router_server(config) as (url, _):
+            status, headers, body = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
+            exposition = await router_metrics(url)
+        if fallback:
+            assert status == 200
+            assert headers["X-Pdserve-Route"] == "fallback"
+            assert metric_value(exposition, "pdserve_router_fallbacks_total", reason="prefill_failed") == 1
+            local = await scrape(d.url)
+            assert metric_value(local, "vllm:prompt_tokens_by_source_total", source="local_compute") > 300
+        else:
+            assert status == 503
+            assert headers["Retry-After"] == "2"
+            assert b'"type":"ServiceUnavailableError"' in body
+            assert metric_value(exposition, "pdserve_router_requests_total", outcome="unavailable") == 1
+        assert metric_value(exposition, "pdserve_router_endpoint_errors_total", role="prefill") == 2
+
+
+async def test_decode_failing_before_the_first_byte_is_retried_with_the_same_kv(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    async with (
+        sim_in_process(role="prefill") as p,
+        sim_in_process(role="decode") as d1,
+        sim_in_process(role="decode") as d2,
+    ):
+        await set_faults(d1.url, fail_next=1, fail_status=500)
+        async with router_server(make_config([p.url], [d1.url, d2.url])) as (url, router):
+            prefer(router, "decode", d1.url)
+            status, headers, body = await post(
+                url, {"model": "sim-model", "prompt": LONG, "max_tokens": 5, "stream": True}
+            )
+        assert status == 200, body
+        assert headers["X-Pdserve-Route"] == "pd"
+        assert body.count(b"data: {") == 5
+        assert await requests_seen(p.url) == 1  # the same KV was reused
+        pulled = metric_value(await scrape(d2.url), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        assert pulled > 300
+
+
+async def test_decode_failing_everywhere_with_the_kv_gets_a_fresh_prefill(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
+        await set_faults(d.url, fail_next=1, fail_status=500)
+        async with router_server(make_config([p.url], [d.url])) as (url, _):
+            status, _, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
+            exposition = await router_metrics(url)
+        assert status == 200
+        assert await requests_seen(p.url) == 2
+        assert metric_value(exposition, "pdserve_router_retries_total", stage="reprefill") == 1
+
+
+async def test_decode_failing_for_good_is_a_502_in_openai_shape(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    async with router_server(make_config([], [DEAD])) as (url, _):
+        status, headers, body = await post(url, {"model": "sim-model", "prompt": SHORT})
+    assert status == 502
+    assert b'"error":{"message":"no decode engine could serve the request' in body
+    assert headers["X-Request-Id"]
+
+
+@pytest.mark.parametrize("how", ["stall", "kill"])
+async def test_a_decode_failure_mid_stream_ends_the_stream_with_an_error_event(
+    router_server: Any, make_config: Callable[..., RouterConfig], how: str
+) -> None:
+    async with sim_process(role="decode", fast=True, fault_stall_after=3) as d:
+        config = make_config([], [d.url], read_timeout_seconds=0.5 if how == "stall" else 30)
+        async with router_server(config) as (url, _), aiohttp.ClientSession() as session:
+            body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 10, "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as response:
+                assert response.status == 200
+                received = b""
+                while received.count(b"data: {") < 3:
+                    received += await response.content.readany()
+                if how == "kill":
+                    d.kill()
+                received += await response.read()
+            exposition = await router_metrics(url)
+    events = [line for line in received.split(b"\n\n") if line]
+    assert len(events) == 5  # three tokens, the error, [DONE]; nothing repeated
+    assert events[3].startswith(b'data: {"error":{"message":"decode engine failed mid-stream')
+    assert events[4] == b"data: [DONE]"
+    assert metric_value(exposition, "pdserve_router_requests_total", outcome="upstream_error") == 1
+
+
+async def test_a_client_disconnect_cancels_the_engine_request(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
+        await set_faults(d.url, stall_after_tokens=2)
+        config = make_config([p.url], [d.url], disaggregation_threshold_tokens=0)
+        async with router_server(config) as (url, _):
+            async with aiohttp.ClientSession() as session:
+                body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 50, "stream": True}
+                async with session.post(url + "/v1/completions", json=body) as response:
+                    await response.content.readany()
+                    assert await sim_running(d.url) == 1
+            # The client is gone; the stalled engine request must be aborted promptly.
+            assert await eventually(lambda: sim_running(d.url), want=0)
+            await asyncio.sleep(0.1)
+            exposition = await router_metrics(url)
+        assert metric_value(exposition, "pdserve_router_requests_total", outcome="cancelled") == 1
+        assert metric_value(exposition, "pdserve_router_endpoint_in_flight_requests") == 0
+
+
+async def test_a_client_disconnect_during_prefill_releases_it(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
+        await set_faults(p.url, latency_s=10)
+        config = make_config([p.url], [d.url], disaggregation_threshold_tokens=0)
+        async with router_server(config) as (url, router):
+            with pytest.raises(TimeoutError):
+                await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}, within=0.3)
+            assert await eventually(lambda: asyncio.sleep(0, router.table.states("prefill")[0].in_flight), want=0)
+        assert await requests_seen(d.url) == 0
+
+
+async def test_failing_engines_are_ejected_and_probed_back_in(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    breaker = {"failure_threshold": 2, "open_seconds": 0.2, "probe_interval_seconds": 0.1}
+    async with sim_in_process(role="decode") as d1, sim_in_process(role="decode") as d2:
+        await set_faults(d1.url, fail_next=1000, fail_status=500, unready=True)
+        async with router_server(make_config([], [d1.url, d2.url], breaker=breaker)) as (url, router):
+            prefer(router, "decode", d1.url)
+            for _ in range(3):
+                status, _, _ = await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 1})
+                assert status == 200  # failures on d1 are retried on d2
+            d1_state = next(state for state in router.table.states("decode") if state.url == d1.url)
+            assert not d1_state.usable
+            exposition = await router_metrics(url)
+            assert metric_value(exposition, "pdserve_router_endpoint_ejections_total") == 1
+            seen = await requests_seen(d1.url)
+            for _ in range(4):
+                await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 1})
+            assert await requests_seen(d1.url) == seen  # ejected: no traffic
+            await asyncio.sleep(0.5)
+            assert not d1_state.usable  # probes see /health 503
+            await set_faults(d1.url, fail_next=0, unready=False)
+            assert await eventually(lambda: asyncio.sleep(0, d1_state.usable), want=True)
+
+
+async def test_no_usable_decode_engine_is_a_503_with_retry_after(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    async with router_server(make_config([], [DEAD], breaker={"open_seconds": 60})) as (url, router):
+        router.table.states("decode")[0].breaker.opened_at = time.monotonic()
+        status, headers, body = await post(url, {"model": "sim-model", "prompt": SHORT})
+        async with aiohttp.ClientSession() as session, session.get(url + "/ready") as ready:
+            assert ready.status == 503
+    assert status == 503
+    assert headers["Retry-After"] == "2"
+    assert b'"code":503' in body
