@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -123,7 +123,7 @@ async def serve_fake(api: FakeApi, port: int) -> web.AppRunner:
 
 
 @pytest.fixture
-async def fake_api(unused_tcp_port: int) -> AsyncIterator[tuple[FakeApi, int, Callable[[], Awaitable[None]]]]:
+async def fake_api(unused_tcp_port: int) -> AsyncIterator[tuple[FakeApi, int, Callable[[], Coroutine[Any, Any, None]]]]:
     api = FakeApi()
     runners = [await serve_fake(api, unused_tcp_port)]
 
@@ -146,7 +146,7 @@ def urls(table: EndpointTable, role: str, usable: bool = False) -> list[str]:
 
 
 async def test_discovery_follows_slices_and_pods_and_survives_an_api_outage(
-    fake_api: tuple[FakeApi, int, Callable[[], Awaitable[None]]],
+    fake_api: tuple[FakeApi, int, Callable[[], Coroutine[Any, Any, None]]],
 ) -> None:
     from kubernetes import client
 
