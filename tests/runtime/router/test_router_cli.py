@@ -1,0 +1,106 @@
+"""`pdserve router`: configuration precedence, and the real command serving traffic as a process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import click
+import pytest
+import yaml
+
+from pdserve_runtime.router.cli import load_config
+from pdserve_runtime.sim.testing import sim_in_process
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_flags_build_a_static_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_BIND_HOST", raising=False)
+    config = load_config(None, port=9000, prefill=("http://p:1/",), decode=("http://d:1",), threshold=0)
+    assert config.discovery == "static"
+    assert config.static_prefill == ["http://p:1/"]
+    assert config.port == 9000 and config.host == "0.0.0.0"
+    assert config.policy.disaggregation_threshold_tokens == 0
+
+
+def test_flags_override_the_file_and_the_bind_env_overrides_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "servedModelName": "m",
+                "host": "0.0.0.0",
+                "port": 8080,
+                "decode": {"namespace": "ns", "serviceName": "d"},
+                "policy": {"fallbackToDecode": True},
+            }
+        )
+    )
+    monkeypatch.setenv("PDSERVE_BIND_HOST", "127.0.3.4")
+    config = load_config(str(path), port=8181, fallback=False)
+    assert config.discovery == "kubernetes"
+    assert (config.host, config.port) == ("127.0.3.4", 8181)
+    assert config.policy.fallback_to_decode is False
+    assert config.served_model_name == "m"
+
+
+@pytest.mark.parametrize(
+    ("path_text", "message"),
+    [
+        (None, "at least one --decode"),
+        ("- a list\n", "must be a YAML mapping"),
+        ("servedModelName: m\n", "decode selector"),
+    ],
+)
+def test_bad_invocations_say_why(tmp_path: Path, path_text: str | None, message: str) -> None:
+    path = None
+    if path_text is not None:
+        (tmp_path / "c.yaml").write_text(path_text)
+        path = str(tmp_path / "c.yaml")
+    with pytest.raises(click.ClickException, match=message):
+        load_config(path)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_the_command_serves_on_the_bind_host_and_stops_on_sigterm() -> None:
+    host = "127.0.0.7"
+    port = free_port(host)
+    async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
+        env = {**os.environ, "PDSERVE_BIND_HOST": host}
+        args = ["-m", "pdserve.cli", "router", "--port", str(port), "--prefill", p.url, "--decode", d.url]
+        args += ["--disaggregation-threshold", "0", "--served-model-name", "sim-model"]
+        process = await asyncio.create_subprocess_exec(sys.executable, *args, env=env)
+        try:
+            url = f"http://{host}:{port}"
+            async with aiohttp.ClientSession() as session:
+                for _ in range(200):
+                    try:
+                        async with session.get(url + "/ready") as response:
+                            if response.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.05)
+                body = {"model": "sim-model", "prompt": "hello", "max_tokens": 3}
+                async with session.post(url + "/v1/completions", json=body) as response:
+                    assert response.status == 200
+                    assert response.headers["X-Pdserve-Route"] == "pd"
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 10) == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
