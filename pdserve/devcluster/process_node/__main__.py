@@ -39,10 +39,11 @@ from pdserve.devcluster.process_node.podworker import NodeContext, host_environm
     help="YAML image map whose rules come before the built-in ones.",
 )
 @click.option(
-    "--ip-block",
-    type=click.IntRange(1, 255),
+    "--pod-cidr",
+    envvar="PDSERVE_POD_CIDR",
     default=None,
-    help="Second octet B of the pods' 127.B.0.0/16 block (default: derived from --workdir).",
+    help="Block of local addresses for pod IPs (env PDSERVE_POD_CIDR; default: a 127.B.0.0/16 derived from "
+    "--workdir, which works for direct connections but which EndpointSlices refuse).",
 )
 @click.option(
     "--shutdown-grace",
