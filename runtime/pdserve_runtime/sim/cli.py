@@ -132,6 +132,7 @@ class _SimGroup(click.Group):
 def sim(ctx: click.Context, /, **options: Any) -> None:
     """Run the vLLM-compatible prefill/decode engine simulator."""
     ctx.obj = options
+    _setup_logging(options["log_level"])
     if ctx.invoked_subcommand is None:
         config = build_config(options, {})
         run(config, options["log_level"])
@@ -274,13 +275,17 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
     )
 
 
-def run(config: SimConfig, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM."""
+def _setup_logging(log_level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+
+
+def run(config: SimConfig, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM."""
+    _setup_logging(log_level)
     # vLLM's /metrics has no *_created series; keep the exposition the same (this process only).
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     try:

@@ -499,6 +499,9 @@ class Engine:
             if req.outputs > 1:
                 m.tpot.observe((last - first) / (req.outputs - 1))
             m.prompt_tokens.inc(len(req.prompt_ids))
+            cached = req.num_cached_tokens + req.external_tokens
+            if cached:
+                m.prompt_tokens_cached.inc(cached)
             m.prompt_tokens_hist.observe(len(req.prompt_ids))
             m.generation_tokens_hist.observe(req.outputs)
             m.max_tokens_param.observe(req.max_tokens)

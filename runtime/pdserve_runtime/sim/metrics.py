@@ -46,7 +46,9 @@ def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
 class SimMetrics:
     """All metrics of one simulated engine, pre-bound to its label values for cheap updates."""
 
-    def __init__(self, model_name: str, max_model_len: int, engine: str = "0") -> None:
+    def __init__(
+        self, model_name: str, max_model_len: int, engine: str = "0", cache_info: dict[str, str] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         labels = ["model_name", "engine"]
         values = (model_name, engine)
@@ -99,8 +101,10 @@ class SimMetrics:
             [*labels, "reason"],
             registry=reg,
         )
+        # vLLM's reasons: "capacity" (no KV blocks / sequence slots) and "deferred" (held back, e.g. while
+        # its KV arrives from a remote prefill engine).
         self.waiting_capacity = waiting_by_reason.labels(*values, "capacity")
-        self.waiting_remote_kv = waiting_by_reason.labels(*values, "remote_kv")
+        self.waiting_remote_kv = waiting_by_reason.labels(*values, "deferred")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
 
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
@@ -112,6 +116,9 @@ class SimMetrics:
             "vllm:external_prefix_cache_queries", "External (KV connector) prefix cache queries, in tokens."
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens whose KV was not computed here (cache hits, KV transfers)."
+        )
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         by_source = Counter(
@@ -150,6 +157,14 @@ class SimMetrics:
         self.nixl_expired = counter(
             "vllm:nixl_num_kv_expired_reqs", "Requests whose held KV expired before decode pulled it."
         )
+
+        if cache_info:
+            # vLLM's info-style gauge describing the KV cache configuration (always 1).
+            info = Gauge(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*cache_info, "engine"],
+                registry=reg,
+            )  # fmt: skip
+            info.labels(*cache_info.values(), engine).set(1)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -59,7 +59,13 @@ class SimServer:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.metrics = SimMetrics(config.public_model_name, config.timing.max_model_len)
+        timing = config.timing
+        cache_info = {
+            "block_size": str(timing.block_size),
+            "num_gpu_blocks": str(timing.num_kv_blocks),
+            "enable_prefix_caching": "True",
+        }
+        self.metrics = SimMetrics(config.public_model_name, timing.max_model_len, cache_info=cache_info)
         self.engine = Engine(config, self.metrics)
         self.faults = Faults(config.faults)
         self.side_channel = SideChannelServer(self.engine, self.faults)
