@@ -6,7 +6,12 @@ Each test uses its own namespace. Pods use the test image ``pdserve-test/http`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -250,6 +255,32 @@ def test_crashing_container_backs_off_and_counts_restarts(
     assert log.count("--- process-node:") >= 3
 
 
+def test_failing_liveness_restarts_the_container(cluster: ClusterHelper, node_dir: Path, namespace: str) -> None:
+    live = _container(
+        livenessProbe={"httpGet": {"path": "/healthz", "port": PORT}, "periodSeconds": 1, "failureThreshold": 2}
+    )
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "live"}, "spec": _pod_spec(live)}, namespace=namespace
+    )
+    ip = wait_for(
+        lambda: _pod(cluster, namespace, "live")["status"].get("podIP") if _pid(node_dir, namespace, "live") else None,
+        timeout=30,
+    )
+    first_pid: int = wait_for(lambda: _pid(node_dir, namespace, "live") if _get(ip) else None, timeout=30)
+    _get(ip, "/health?ok=false", method="POST")
+    status = wait_for(
+        lambda: (
+            (s := _pod(cluster, namespace, "live")["status"]["containerStatuses"][0])["restartCount"] == 1
+            and s.get("ready")
+            and s
+        ),
+        timeout=30,
+    )
+    assert status["lastState"]["terminated"]["message"].startswith("Liveness probe failed")
+    assert not _alive(first_pid)
+    assert _get(ip)["pod"] == "live"  # the new process serves on the same pod IP
+
+
 def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: Path, namespace: str) -> None:
     cluster.apply(
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"greeting": "hello"}},
@@ -296,3 +327,106 @@ def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: P
         timeout=30,
     )
     assert "quay.io/nobody/mystery:1" in waiting["message"]
+
+
+# --- a second process node of our own: registration, restart, shutdown ---------------------------------
+class _ExtraNode:
+    """A process node started by the test itself (so the test may kill and restart it)."""
+
+    def __init__(self, cluster: ClusterHelper, workdir: Path, name: str, pod_cidr: str) -> None:
+        self.argv = [
+            sys.executable,
+            "-m",
+            "pdserve.devcluster.process_node",
+            f"--kubeconfig={cluster.kubeconfig}",
+            f"--node-name={name}",
+            f"--workdir={workdir}",
+            f"--pod-cidr={pod_cidr}",
+            "--shutdown-grace=5",
+        ]
+        self.log = workdir / "node.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.process is not None
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def test_process_node_registers_restarts_its_pods_and_stops_them(
+    cluster: ClusterHelper, node_dir: Path, namespace: str, tmp_path: Path
+) -> None:
+    assert cluster.local is not None
+    cidr = cluster.local.network.process_node_cidr
+    assert cidr is not None
+    name = f"pn-extra-{namespace.rsplit('-', 1)[-1]}"
+    node = _ExtraNode(cluster, tmp_path / "node", name, cidr)
+    pods_dir = tmp_path / "node" / "pids"
+    node.start()
+    try:
+        registered = wait_for(
+            lambda: (
+                (n := cluster.get_json("node", name))
+                and any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
+                and n
+            ),
+            timeout=30,
+            message=lambda: f"node {name} Ready; log:\n{node.log.read_text()}",
+        )
+        assert registered["metadata"]["labels"]["pdserve.io/process-node"] == "true"
+        assert {"key": "pdserve.io/process-node", "value": "true", "effect": "NoSchedule"} in registered["spec"][
+            "taints"
+        ]
+        assert registered["status"]["capacity"]["nvidia.com/gpu"] == "64"
+        lease = cluster.get_json("lease", name, "--namespace=kube-node-lease")
+        assert lease["spec"]["holderIdentity"] == name
+
+        spec = _pod_spec(_container(), nodeName=name)
+        cluster.apply(
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "solo"}, "spec": spec}, namespace=namespace
+        )
+
+        def serving() -> tuple[str, int] | None:
+            status = _pod(cluster, namespace, "solo")["status"]
+            pid = _pid(pods_dir.parent, namespace, "solo")
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+            return (status["podIP"], pid) if ready and pid and _get(status["podIP"])["pod"] == "solo" else None
+
+        ip, first_pid = wait_for(serving, timeout=30, message=node.log.read_text)
+
+        # Killed outright, the node leaves its pod's process behind; restarted, it kills that process,
+        # starts the container again and keeps the pod's IP.
+        node.stop(signal.SIGKILL)
+        assert _alive(first_pid)
+        node.start()
+        wait_for(lambda: not _alive(first_pid), timeout=30, message="the leftover process to be killed")
+
+        def restarted() -> tuple[str, int] | None:
+            found = serving()
+            return found if found and found[1] != first_pid else None
+
+        ip_again, second_pid = wait_for(restarted, timeout=30, message=node.log.read_text)
+        assert ip_again == ip
+
+        # SIGTERM: the node stops its pods' processes and exits cleanly; the pod object stays.
+        assert node.stop() == 0
+        assert not _alive(second_pid)
+        assert not list(pods_dir.glob("*.pid"))
+        assert _pod(cluster, namespace, "solo")["metadata"].get("deletionTimestamp") is None
+    finally:
+        if node.process is not None and node.process.poll() is None:
+            node.stop()
+        cluster.kubectl("delete", "pod", "solo", f"--namespace={namespace}", "--force", "--grace-period=0", check=False)
+        cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+        for pid_file in pods_dir.glob("*.pid"):  # never leave a process behind, even when the test failed
+            with contextlib.suppress(ValueError, ProcessLookupError):
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)

@@ -271,20 +271,25 @@ class PodWorker(threading.Thread):
         try:
             argv, env, cwd = self._prepare(pod, container)
         except (ContainerConfigError, NotMappedError, ApiException) as exc:
+            before = view.waiting
+            retry = _CONFIG_RETRY
             if isinstance(exc, NotMappedError):
+                # The image map does not change while the node runs: retry every 30 s only.
                 view.waiting = (exc.reason, exc.message)
+                retry = _MAX_SLEEP * 6
             elif isinstance(exc, ApiException):
                 view.waiting = ("CreateContainerConfigError", f"API error: {exc.status} {exc.reason}")
             else:
                 view.waiting = ("CreateContainerConfigError", str(exc))
-            container.retry_at = time.monotonic() + _CONFIG_RETRY
-            log.warning(
-                "Failed to prepare container pod=%s container=%s reason=%s message=%s",
-                self.label,
-                container.name,
-                view.waiting[0],
-                view.waiting[1],
-            )
+            container.retry_at = time.monotonic() + retry
+            if view.waiting != before:  # log each distinct problem once, not every retry
+                log.warning(
+                    "Failed to prepare container pod=%s container=%s reason=%s message=%s",
+                    self.label,
+                    container.name,
+                    view.waiting[0],
+                    view.waiting[1],
+                )
             return
         container.retry_at = None
         container.restart_at = None
