@@ -113,8 +113,15 @@ def new_api_client(kubeconfig: Path | str) -> Any:
 
 
 def _node_ready(node: Any) -> bool:
+    """Ready condition True and none of the node lifecycle controller's taints left.
+
+    The controller taints every new node `node.kubernetes.io/not-ready:NoSchedule` and lifts the taint a
+    moment after the node reports Ready; until then the scheduler would keep pods off it.
+    """
     conditions = (node.status.conditions if node.status is not None else None) or []
-    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+    taints = (node.spec.taints if node.spec is not None else None) or []
+    lifecycle_taint = any(str(t.key).startswith("node.kubernetes.io/") for t in taints)
+    return not lifecycle_taint and any(c.type == "Ready" and c.status == "True" for c in conditions)
 
 
 def _log_tail(path: Path, lines: int = 25) -> str:
@@ -347,10 +354,10 @@ class LocalCluster:
             self._wait("kube-scheduler", lambda: _http_ok(f"https://127.0.0.1:{sched_port}/healthz", insecure), 30)
             self._wait("kube-controller-manager", lambda: self._default_service_account(api), 30)
             t = self._mark("controllers", t)
-            expected = {node.name for node in self.topology.nodes()}
+            simulated = {node.name for node in self.topology.nodes()}
+            self._wait("kwok", lambda: simulated <= self._ready_nodes(api), self.ready_timeout)
             if self.process_node:
-                expected.add(PROCESS_NODE_NAME)
-            self._wait("kwok", lambda: expected <= self._ready_nodes(api), self.ready_timeout)
+                self._wait(PROCESS_NODE_NAME, lambda: PROCESS_NODE_NAME in self._ready_nodes(api), self.ready_timeout)
             self._mark("nodes", t)
 
     # -- component command lines --------------------------------------------------------------------------
@@ -420,6 +427,10 @@ class LocalCluster:
             f"--cluster-signing-cert-file={pki.ca_cert}",
             f"--cluster-signing-key-file={pki.ca_key}",
             "--cluster-name=pdserve-dev",
+            # Client-side rate limits sized for one user on loopback, not a shared production API server: at the
+            # default 20 QPS the node lifecycle controller needs ~25 s to lift the not-ready taints of 128 nodes.
+            "--kube-api-qps=500",
+            "--kube-api-burst=1000",
             # One instance: no leader election, so a restart does not wait for the old lease to expire.
             "--leader-elect=false",
             "--v=0",
@@ -436,6 +447,8 @@ class LocalCluster:
             "--bind-address=127.0.0.1",
             f"--secure-port={self.state.scheduler_port}",
             f"--cert-dir={self.workdir / 'scheduler-certs'}",
+            "--kube-api-qps=500",
+            "--kube-api-burst=1000",
             "--leader-elect=false",
             "--v=0",
         ]
