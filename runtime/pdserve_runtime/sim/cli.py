@@ -9,7 +9,7 @@ In drop-in mode the role comes from ``kv_transfer_config.kv_role`` (kv_producer 
 decode, kv_both or absent = both), the engine id from its ``engine_id``, the lease from
 ``kv_connector_extra_config.kv_lease_duration``, the failure policy from ``kv_load_failure_policy``; the
 side channel honours ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``VLLM_NIXL_SIDE_CHANNEL_PORT`` (default 5600). The
-kv-compat id is ``PDSERVE_KV_COMPAT`` if set, else derived from model, block size, max-model-len and TP size
+kv-compat id is ``PDSERVE_KV_COMPAT`` if set, else derived from model, block size and max-model-len
 (:func:`pdserve_runtime.sim.config.derive_kv_compat_id`). vLLM flags the simulator does not model are
 accepted and logged once. ``PDSERVE_SIM_PRESET``, ``PDSERVE_SIM_FAST`` and ``PDSERVE_SIM_SPEED`` pick the
 timing in either mode. ``PDSERVE_BIND_HOST``, when set, is where HTTP and the side channel bind, whatever
@@ -113,13 +113,21 @@ class _SimGroup(click.Group):
     "--kv-load-failure-policy", type=click.Choice(["fail", "recompute"]), default="fail", help="On a failed pull."
 )
 @click.option("--kv-transfer-timeout", type=float, default=5.0, help="Seconds decode retries a KV pull.")
+@click.option(
+    "--kv-handshake-seconds",
+    type=float,
+    default=0.0,
+    help="Modelled one-time handshake per new prefill peer (real NIXL: ~5 s per P-D pair).",
+)
 @click.option("--block-size", type=int, default=None, help="KV block size in tokens [default: preset's].")
 @click.option("--max-model-len", type=int, default=None, help="Context length [default: preset's].")
 @click.option("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks [default: preset's].")
 @click.option("--max-num-seqs", type=int, default=None, help="Max running sequences [default: preset's].")
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per step.")
 @click.option("--kv-bytes-per-token", type=int, default=None, help="Side-channel payload per prompt token.")
-@click.option("--tensor-parallel-size", type=int, default=1, help="Reported TP size (part of the compat id).")
+@click.option(
+    "--tensor-parallel-size", type=int, default=1, help="Reported TP size (prefill TP > decode TP refuses pulls)."
+)
 @click.option("--fault-fail-next", type=int, default=0, help="Fail the next N generation requests.")
 @click.option("--fault-fail-status", type=int, default=503, help="Status of injected failures.")
 @click.option("--fault-latency", type=float, default=0.0, help="Extra seconds before each request.")
@@ -267,6 +275,7 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
         kv_lease_seconds=lease,
         kv_load_failure_policy=cast(FailurePolicy, policy),
         kv_transfer_timeout_s=float(options.get("kv_transfer_timeout", 5.0)),
+        kv_handshake_s=float(options.get("kv_handshake_seconds") or 0.0),
         timing=timing,
         fast=fast or options.get("preset") == "fast",
         speed=float(options.get("speed") or 1.0),

@@ -46,6 +46,8 @@ class SimConfig:
     kv_load_failure_policy: FailurePolicy = "fail"
     #: How long decode keeps retrying an unreachable prefill engine before giving up on a KV pull.
     kv_transfer_timeout_s: float = 5.0
+    #: Modelled one-time handshake with each new prefill peer before its first pull (divided by speed).
+    kv_handshake_s: float = 0.0
     timing: TimingParams = FAST
     fast: bool = True
     speed: float = 1.0
@@ -65,18 +67,18 @@ class SimConfig:
     @property
     def effective_kv_compat_id(self) -> str:
         """The id both ends of a KV transfer must share (see :func:`derive_kv_compat_id`)."""
-        return self.kv_compat_id or derive_kv_compat_id(
-            self.model, self.timing.block_size, self.timing.max_model_len, self.tensor_parallel_size
-        )
+        return self.kv_compat_id or derive_kv_compat_id(self.model, self.timing.block_size, self.timing.max_model_len)
 
 
-def derive_kv_compat_id(model: str, block_size: int, max_model_len: int, tp_size: int = 1) -> str:
+def derive_kv_compat_id(model: str, block_size: int, max_model_len: int) -> str:
     """A KV-compatibility id from what makes KV layouts differ, like vLLM's NIXL handshake hash.
 
-    Engines serving the same model with the same block size, context length and TP size derive the same id;
-    set ``PDSERVE_KV_COMPAT`` (drop-in mode) or ``--kv-compat-id`` to override it.
+    Engines serving the same model with the same block size and context length derive the same id; set
+    ``PDSERVE_KV_COMPAT`` (drop-in mode) or ``--kv-compat-id`` to override it. Tensor parallelism is checked
+    separately at the pull (a prefill engine with a larger TP than the decode engine refuses, as vLLM does
+    not support that for standard attention), so mixed TP with prefill TP <= decode TP still works.
     """
-    text = f"{model}|block_size={block_size}|max_model_len={max_model_len}|tp={tp_size}"
+    text = f"{model}|block_size={block_size}|max_model_len={max_model_len}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -198,6 +198,8 @@ class Engine:
         self.held: dict[str, HeldKV] = {}
         #: Recently expired or pulled request ids, so a late pull gets a precise error (bounded).
         self.gone: OrderedDict[str, str] = OrderedDict()
+        #: Handshakes with prefill peers (host, port, engine id), done or in progress.
+        self.peers: dict[tuple[str, int, str], asyncio.Future[None]] = {}
         #: Set by the server: pulls a decode request's KV from its prefill engine (the side channel client).
         self.pull: Callable[[EngineRequest], Any] | None = None
         self._work = asyncio.Event()

@@ -7,7 +7,12 @@ NIXL connector's metrics; dashboards and PromQL written for vLLM work unchanged.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
@@ -43,6 +48,50 @@ def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
         scale *= 10
 
 
+class FastHistogram:
+    """A lock-free histogram with fixed labels for the single-threaded hot path.
+
+    prometheus_client's Histogram takes a lock and updates two values per observation; the simulator
+    observes inter-token latency once per streamed token, so it keeps plain per-bucket counts instead
+    (bucket ``i`` counts values ``<= bounds[i]``, the last slot is +Inf) and renders them cumulatively.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Record one value."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        """Number of observations."""
+        return sum(self.counts)
+
+
+class _HistogramCollector:
+    """Exposes one FastHistogram as a Prometheus histogram family."""
+
+    def __init__(self, name: str, doc: str, labels: dict[str, str], hist: FastHistogram) -> None:
+        self.name, self.doc, self.labels, self.hist = name, doc, labels, hist
+        self._les = [floatToGoString(b) for b in hist.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for le, n in zip(self._les, self.hist.counts, strict=True):
+            cumulative += n
+            buckets.append((le, float(cumulative)))
+        family.add_metric(list(self.labels.values()), buckets, self.hist.sum)
+        yield family
+
+
 class SimMetrics:
     """All metrics of one simulated engine, pre-bound to its label values for cheap updates."""
 
@@ -54,8 +103,10 @@ class SimMetrics:
         values = (model_name, engine)
         reg = self.registry
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> FastHistogram:
+            histogram = FastHistogram(buckets)
+            reg.register(_HistogramCollector(name, doc, dict(zip(labels, values, strict=True)), histogram))
+            return histogram
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=reg).labels(*values)

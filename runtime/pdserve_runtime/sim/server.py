@@ -1,7 +1,8 @@
 """The simulator's HTTP server: vLLM's OpenAI-compatible API over aiohttp, plus admin endpoints.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /ping``, ``GET /version``, ``GET /metrics``, ``POST /abort`` (``{"request_id": ...}``), and the
+``GET /ping``, ``GET /version``, ``GET /metrics``, ``POST /tokenize``, ``POST /abort``
+(``{"request_id": ...}``), and the
 simulator's own ``GET|POST|DELETE /sim/faults`` and ``GET /sim/state``.
 
 Streaming follows vLLM's server byte for byte in shape: ``data: <json>\\n\\n`` events, one per token (several
@@ -24,6 +25,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve_runtime.sim.config import SimConfig
 from pdserve_runtime.sim.engine import Engine, EngineRequest
@@ -91,6 +93,7 @@ class SimServer:
                 web.get("/version", self.version),
                 web.get("/metrics", self.metrics_handler),
                 web.post("/abort", self.abort),
+                web.post("/tokenize", self.tokenize),
                 web.get("/sim/faults", self.get_faults),
                 web.post("/sim/faults", self.post_faults),
                 web.delete("/sim/faults", self.delete_faults),
@@ -138,7 +141,7 @@ class SimServer:
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.engine._update_gauges()
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         cfg = self.config
@@ -156,6 +159,26 @@ class SimServer:
             for name in cfg.model_names
         ]
         return _json_response({"object": "list", "data": data})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the simulator's token ids of a prompt or of chat messages."""
+        cfg = self.config
+        try:
+            body = decode_json(await request.read())
+            chat = "messages" in body
+            probe: dict[str, Any] = {k: body[k] for k in ("model", "prompt", "messages") if k in body}
+            parsed = parse_request(
+                dict(probe, max_tokens=1),
+                chat=chat,
+                model_names=cfg.model_names,
+                max_model_len=1 << 30,  # report the count even past the context length
+            )
+        except ApiError as err:
+            return _error_response(err)
+        ids = parsed.prompt_ids
+        return _json_response(
+            {"count": len(ids), "max_model_len": cfg.timing.max_model_len, "tokens": ids, "token_strs": None}
+        )
 
     async def abort(self, request: web.Request) -> web.Response:
         try:

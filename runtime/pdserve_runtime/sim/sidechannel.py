@@ -4,15 +4,16 @@ It stands in for NIXL's transfer. A real TCP server (asyncio streams) listens on
 side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``, advertised as ``remote_port``). One pull = one connection:
 
     decode -> prefill   one JSON line: {"v": 1, "op": "pull", "kv_compat_id": ..., "engine_id": <decode id>,
-                        "remote_engine_id": ..., "remote_request_id": ..., "block_ids": [...]}
+                        "tp_size": <decode TP>, "remote_engine_id": ..., "remote_request_id": ...,
+                        "block_ids": [...]}
     prefill -> decode   one JSON line: {"ok": true, "bytes": N, "num_tokens": T} then exactly N bytes,
                         or {"ok": false, "error": <reason>, "message": ...} and close.
 
-Reasons: ``kv_compat_mismatch`` (the engines' kv-compat ids differ, like a failed NIXL compatibility
-check), ``engine_mismatch`` (remote_engine_id names another engine), ``unknown_request``, ``expired`` (the
-lease ran out), ``already_pulled``, ``block_mismatch``, ``bad_request``. The payload is
-``kv_payload_bytes_per_token x tokens`` bytes, so the transfer costs real socket time. The prefill engine
-frees the blocks once the payload is written.
+Reasons: ``kv_compat_mismatch`` (the engines' kv-compat ids differ, like a failed NIXL compatibility check),
+``tp_unsupported`` (prefill TP larger than decode TP), ``engine_mismatch`` (remote_engine_id names another
+engine), ``unknown_request``, ``expired`` (the lease ran out), ``already_pulled``, ``block_mismatch``,
+``bad_request``. The payload is ``kv_payload_bytes_per_token x tokens`` bytes, so the transfer costs real
+socket time. The prefill engine frees the blocks once the payload is written.
 
 The client retries connection failures (engine not up, connection reset, closed without an answer) with
 exponential backoff until ``kv_transfer_timeout_s`` runs out; a refusal from a live peer is final.
@@ -95,6 +96,14 @@ class SideChannelServer:
                 f"KV compatibility check failed: local {compat}, remote {msg.get('kv_compat_id')}",
             )
             return
+        decode_tp = msg.get("tp_size", 1)
+        if isinstance(decode_tp, int) and cfg.tensor_parallel_size > decode_tp:
+            await self._refuse(
+                writer,
+                "tp_unsupported",
+                f"prefill TP {cfg.tensor_parallel_size} > decode TP {decode_tp} is not supported",
+            )
+            return
         remote_engine = msg.get("remote_engine_id")
         if remote_engine not in (None, cfg.engine_id):
             await self._refuse(writer, "engine_mismatch", f"this is engine {cfg.engine_id}, not {remote_engine}")
@@ -140,6 +149,7 @@ async def pull_kv(engine: Engine, req: EngineRequest) -> int:
     assert remote is not None
     cfg = engine.config
     m = engine.metrics
+    await _handshake(engine, req)
     deadline = time.monotonic() + cfg.kv_transfer_timeout_s
     delay = 0.02
     last = "no attempt"
@@ -173,6 +183,21 @@ async def pull_kv(engine: Engine, req: EngineRequest) -> int:
         delay = min(delay * 2, 0.5)
 
 
+async def _handshake(engine: Engine, req: EngineRequest) -> None:
+    """Model NIXL's one-time agent handshake with a new prefill peer (concurrent first pulls share it)."""
+    seconds = engine.config.kv_handshake_s
+    remote = req.remote_prefill
+    if seconds <= 0 or remote is None:
+        return
+    key = (remote.host, remote.port, remote.engine_id)
+    done = engine.peers.get(key)
+    if done is None:
+        log.info("Handshaking with KV peer %s:%d engine_id=%s", remote.host, remote.port, remote.engine_id)
+        done = asyncio.ensure_future(asyncio.sleep(seconds / engine.config.speed))
+        engine.peers[key] = done
+    await asyncio.shield(done)
+
+
 async def _pull_once(engine: Engine, req: EngineRequest) -> tuple[int, float]:
     remote = req.remote_prefill
     assert remote is not None
@@ -185,6 +210,7 @@ async def _pull_once(engine: Engine, req: EngineRequest) -> tuple[int, float]:
             "op": "pull",
             "kv_compat_id": cfg.effective_kv_compat_id,
             "engine_id": cfg.engine_id,
+            "tp_size": cfg.tensor_parallel_size,
             "remote_engine_id": remote.engine_id,
             "remote_request_id": remote.request_id,
             "block_ids": list(remote.block_ids),

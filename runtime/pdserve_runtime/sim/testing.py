@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +162,16 @@ async def _stop_process(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
+def _in_process_config(config: SimConfig | None, changes: dict[str, Any]) -> SimConfig:
+    base = config or SimConfig(timing=FAST, fast=True)
+    fields: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "side_channel_port": 0}
+    if base.engine_id == "sim-engine" and "engine_id" not in changes:
+        # Unique per instance, as real engine ids are per pod incarnation.
+        fields["engine_id"] = f"sim-{changes.get('role', base.role)}-{uuid.uuid4().hex[:8]}"
+    fields.update(changes)
+    return dataclasses.replace(base, **fields)
+
+
 @contextlib.asynccontextmanager
 async def sim_in_process(config: SimConfig | None = None, **changes: Any) -> AsyncIterator[SimHandle]:
     """Run a simulator in the current event loop on loopback with free ports.
@@ -169,10 +180,7 @@ async def sim_in_process(config: SimConfig | None = None, **changes: Any) -> Asy
     """
     from pdserve_runtime.sim.server import SimServer
 
-    base = config or SimConfig(timing=FAST, fast=True)
-    fields: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "side_channel_port": 0}
-    fields.update(changes)
-    cfg = dataclasses.replace(base, **fields)
+    cfg = _in_process_config(config, changes)
     server = SimServer(cfg)
     await server.start()
     try:
@@ -187,10 +195,7 @@ async def sim_server_in_process(config: SimConfig | None = None, **changes: Any)
     (for tests that inspect the engine); its ``http_port`` and ``config`` say where it listens."""
     from pdserve_runtime.sim.server import SimServer
 
-    base = config or SimConfig(timing=FAST, fast=True)
-    fields: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "side_channel_port": 0}
-    fields.update(changes)
-    server = SimServer(dataclasses.replace(base, **fields))
+    server = SimServer(_in_process_config(config, changes))
     await server.start()
     try:
         yield server

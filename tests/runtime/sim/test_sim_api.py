@@ -256,3 +256,14 @@ async def test_abort_endpoint(http: aiohttp.ClientSession) -> None:
         assert raw.endswith("data: [DONE]\n\n")
         async with http.post(url(sim, "/abort"), json={"request_id": "cmpl-abc"}) as again:
             assert again.status == 404
+
+
+async def test_tokenize_endpoint(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    async with http.post(url(sim, "/tokenize"), json={"model": "sim-model", "prompt": "Hello, world"}) as resp:
+        data = await resp.json()
+    assert data["tokens"] == tokenize("Hello, world") and data["count"] == 3
+    messages = [{"role": "user", "content": "Hi"}]
+    async with http.post(url(sim, "/tokenize"), json={"messages": messages}) as resp:
+        assert (await resp.json())["count"] == len(tokenize(flatten_chat([("user", "Hi")])))
+    async with http.post(url(sim, "/tokenize"), json={"prompt": 5}) as resp:
+        assert resp.status == 400

@@ -226,3 +226,36 @@ async def test_chat_requests_follow_the_same_flow(http: aiohttp.ClientSession) -
         assert data["kv_transfer_params"] is None
         metrics = await scrape(decode.url)
         assert metric_value(metrics, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+
+
+async def test_prefill_tp_larger_than_decode_tp_is_refused(http: aiohttp.ClientSession) -> None:
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+    async with (
+        sim_in_process(role="prefill", tensor_parallel_size=2) as prefill,
+        sim_in_process(role="decode", tensor_parallel_size=1) as small,
+        sim_in_process(role="decode", tensor_parallel_size=4) as large,
+    ):
+        params = await prefill_step(http, prefill.url, body)
+        assert params["tp_size"] == 2
+        async with http.post(small.url + "/v1/completions", json=dict(body, kv_transfer_params=params)) as resp:
+            assert resp.status == 500
+            assert "tp_unsupported" in (await resp.json())["error"]["message"]
+        # Prefill TP < decode TP is fine (vLLM supports that heterogeneous layout).
+        async with http.post(large.url + "/v1/completions", json=dict(body, kv_transfer_params=params)) as resp:
+            assert resp.status == 200
+
+
+async def test_first_pull_from_a_new_peer_pays_the_handshake_once(http: aiohttp.ClientSession) -> None:
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+    async with (
+        sim_in_process(role="prefill") as prefill,
+        sim_in_process(role="decode", kv_handshake_s=0.4) as decode,
+    ):
+        times = []
+        for _ in range(2):
+            params = await prefill_step(http, prefill.url, body)
+            started = time.monotonic()
+            async with http.post(decode.url + "/v1/completions", json=dict(body, kv_transfer_params=params)) as resp:
+                assert resp.status == 200
+            times.append(time.monotonic() - started)
+        assert times[0] >= 0.4 > times[1]
