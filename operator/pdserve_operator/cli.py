@@ -57,12 +57,13 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         raise click.UsageError("give either --namespace NS (repeatable) or --all-namespaces")
     if renew_deadline >= lease_seconds:
         raise click.UsageError("--renew-deadline must be shorter than --lease-seconds")
+    if kubeconfig:
+        # Before importing kopf/kubernetes: the client's loader reads $KUBECONFIG once, at import time.
+        os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)
     from pdserve_operator import logs
     from pdserve_operator.runner import Options, run
 
     logs.setup(log_format, log_level)
-    if kubeconfig:
-        os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)  # kopf's login reads it
     options = Options(
         kubeconfig=kubeconfig,
         namespaces=list(namespaces),

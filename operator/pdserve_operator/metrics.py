@@ -19,8 +19,9 @@ API_REQUESTS = Counter(
     ["verb", "kind", "code"],
 )
 WRITES = Counter(
-    "pdserve_operator_writes_total", "Writes to the API: apply, delete, status, event, lease.", ["verb", "kind"]
+    "pdserve_operator_writes_total", "Reconciler writes to the API: apply, delete, status, event.", ["verb", "kind"]
 )
+LEASE_WRITES = Counter("pdserve_operator_lease_writes_total", "Leader Lease creates and renewals.")
 LEADER = Gauge("pdserve_operator_leader", "1 while this replica holds the leader Lease and acts.")
 QUEUE_DEPTH = Gauge("pdserve_operator_queue_depth", "PDServices waiting for a reconcile.")
 CACHED_OBJECTS = Gauge("pdserve_operator_cached_objects", "Objects in the informer cache.")
