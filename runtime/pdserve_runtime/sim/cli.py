@@ -135,6 +135,12 @@ class _SimGroup(click.Group):
 @click.option("--fault-drop-side-channel", is_flag=True, help="Close side-channel connections unanswered.")
 @click.option("--fault-unready", is_flag=True, help="Answer /health with 503.")
 @click.option("--fault-crash-after-requests", type=int, default=None, help="Exit on the Nth request.")
+@click.option(
+    "--startup-delay",
+    type=float,
+    default=lambda: float(os.environ.get("PDSERVE_SIM_STARTUP_DELAY", "0")),
+    help="Seconds before the listeners open, like vLLM loading a model [env PDSERVE_SIM_STARTUP_DELAY].",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.pass_context
 def sim(ctx: click.Context, /, **options: Any) -> None:
@@ -143,7 +149,7 @@ def sim(ctx: click.Context, /, **options: Any) -> None:
     _setup_logging(options["log_level"])
     if ctx.invoked_subcommand is None:
         config = build_config(options, {})
-        run(config, options["log_level"])
+        run(config, options["log_level"], options["startup_delay"])
 
 
 @sim.command(
@@ -157,7 +163,7 @@ def serve(ctx: click.Context, vllm_args: tuple[str, ...]) -> None:
     options = dict(ctx.obj or {})
     vllm = parse_vllm_args(list(vllm_args))
     config = build_config(options, vllm)
-    run(config, options.get("log_level", "info"))
+    run(config, options.get("log_level", "info"), options.get("startup_delay") or 0.0)
 
 
 def parse_vllm_args(args: list[str]) -> dict[str, Any]:
@@ -292,8 +298,8 @@ def _setup_logging(log_level: str) -> None:
     )
 
 
-def run(config: SimConfig, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM."""
+def run(config: SimConfig, log_level: str = "info", startup_delay: float = 0.0) -> None:
+    """Serve until SIGINT/SIGTERM (after ``startup_delay`` seconds of modelled model loading)."""
     _setup_logging(log_level)
     # vLLM's /metrics has no *_created series; keep the exposition the same (this process only).
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -303,12 +309,16 @@ def run(config: SimConfig, log_level: str = "info") -> None:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency, but stay runnable without it
         pass
-    asyncio.run(_serve(config))
+    asyncio.run(_serve(config, startup_delay))
 
 
-async def _serve(config: SimConfig) -> None:
+async def _serve(config: SimConfig, startup_delay: float = 0.0) -> None:
     from pdserve_runtime.sim.server import SimServer
 
+    if startup_delay > 0:
+        # vLLM opens its port only once the model is loaded; so does the simulator.
+        log.info("Loading model=%s (modelled startup of %.1f s)", config.model, startup_delay)
+        await asyncio.sleep(startup_delay)
     server = SimServer(config)
     try:
         await server.start()

@@ -148,3 +148,12 @@ async def test_bad_flags_fail_clearly() -> None:
     )
     _, err = await proc.communicate()
     assert proc.returncode == 2 and b"unknown preset" in err
+
+
+async def test_startup_delay_keeps_the_port_closed_while_loading() -> None:
+    import time
+
+    started = time.monotonic()
+    async with sim_process(fast=True, startup_delay=0.5) as sim:
+        assert time.monotonic() - started >= 0.5
+        assert sim.http_port > 0
