@@ -77,7 +77,15 @@ def serve_baseline(port: int) -> None:
 # Load generator: keeps N streams open, counts tokens.
 
 
-async def _loadgen(url: str, streams: int, tokens: int, seconds: float, warmup: float) -> dict[str, Any]:
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+
+
+async def _loadgen(
+    url: str, *, streams: int, tokens: int, seconds: float, warmup: float, prefill: str | None = None
+) -> dict[str, Any]:
+    """Keep ``streams`` streaming requests open against ``url``. With ``prefill``, drive each request
+    through KNOWLEDGE.md's PD flow: prefill at ``prefill`` (max_tokens 1), then decode at ``url``."""
     import aiohttp
 
     counted = 0
@@ -85,7 +93,10 @@ async def _loadgen(url: str, streams: int, tokens: int, seconds: float, warmup: 
     errors = 0
     counting = False
     stop = False
-    body = json.dumps({"model": "sim-model", "prompt": "hello world " * 16, "max_tokens": tokens, "stream": True})
+    request = {"model": "sim-model", "prompt": "hello world " * 16, "max_tokens": tokens, "stream": True}
+    body = json.dumps(request)
+    prefill_body = json.dumps(dict(request, max_tokens=1, stream=False, kv_transfer_params=PREFILL_PARAMS))
+    json_headers = {"Content-Type": "application/json"}
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     ttfts: list[float] = []
 
@@ -96,9 +107,18 @@ async def _loadgen(url: str, streams: int, tokens: int, seconds: float, warmup: 
             try:
                 t0 = time.perf_counter()
                 first = True
-                async with session.post(
-                    url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-                ) as resp:
+                data = body
+                if prefill is not None:
+                    async with session.post(
+                        prefill + "/v1/completions", data=prefill_body, headers=json_headers
+                    ) as pre:
+                        if pre.status != 200:
+                            errors += 1
+                            await pre.read()
+                            continue
+                        params = (await pre.json())["kv_transfer_params"]
+                    data = json.dumps(dict(request, kv_transfer_params=params))
+                async with session.post(url + "/v1/completions", data=data, headers=json_headers) as resp:
                     if resp.status != 200:
                         errors += 1
                         await resp.read()
@@ -141,11 +161,20 @@ async def _loadgen(url: str, streams: int, tokens: int, seconds: float, warmup: 
     }
 
 
-def loadgen_main(url: str, streams: int, tokens: int, seconds: float, warmup: float) -> None:
+def loadgen_main(args: argparse.Namespace) -> None:
     import uvloop
 
     uvloop.install()
-    result = asyncio.run(_loadgen(url, streams, tokens, seconds, warmup))
+    result = asyncio.run(
+        _loadgen(
+            args.loadgen,
+            streams=args.streams,
+            tokens=args.tokens,
+            seconds=args.seconds,
+            warmup=args.warmup,
+            prefill=args.loadgen_prefill,
+        )
+    )
     print(json.dumps(result), flush=True)
 
 
@@ -175,17 +204,24 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _run_against(server_cmd: list[str], port: int, args: argparse.Namespace) -> dict[str, Any]:
-    server = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _pin(server.pid, 0)
+def _run_against(
+    server_cmds: list[list[str]], url: str, args: argparse.Namespace, prefill: str | None = None
+) -> dict[str, Any]:
+    """Start the servers (pinned to CPU 0), run the load generator (CPU 1) against ``url``."""
+    servers = []
+    for cmd in server_cmds:
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _pin(server.pid, 0)
+        servers.append(server)
     try:
-        url = f"http://127.0.0.1:{port}"
         _wait_health(url)
-        loadgen = subprocess.Popen(
-            [PY, __file__, "--loadgen", url, "--streams", str(args.streams), "--tokens", str(args.tokens),
-             "--seconds", str(args.seconds), "--warmup", str(args.warmup)],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        if prefill:
+            _wait_health(prefill)
+        cmd = [PY, __file__, "--loadgen", url, "--streams", str(args.streams), "--tokens", str(args.tokens),
+               "--seconds", str(args.seconds), "--warmup", str(args.warmup)]  # fmt: skip
+        if prefill:
+            cmd += ["--loadgen-prefill", prefill]
+        loadgen = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         _pin(loadgen.pid, 1)
         assert loadgen.stdout is not None
         # The load generator prints "start" and "end" around its measured window; sample server CPU there.
@@ -195,27 +231,33 @@ def _run_against(server_cmd: list[str], port: int, args: argparse.Namespace) -> 
         for line in loadgen.stdout:
             word = line.strip()
             if word == "start":
-                cpu0, t0 = _cpu_seconds(server.pid), time.monotonic()
+                cpu0, t0 = sum(_cpu_seconds(s.pid) for s in servers), time.monotonic()
             elif word == "end":
-                cpu1, t1 = _cpu_seconds(server.pid), time.monotonic()
+                cpu1, t1 = sum(_cpu_seconds(s.pid) for s in servers), time.monotonic()
             elif word.startswith("{"):
                 result = json.loads(word)
         if loadgen.wait() != 0 or not result:
             raise RuntimeError("the load generator failed")
-        wall = t1 - t0
-        share = (cpu1 - cpu0) / wall
+        share = (cpu1 - cpu0) / (t1 - t0)
         result["server_cpu_share"] = share
         # Tokens per second of server CPU: what one fully busy core would stream. When the load generator
         # saturates its own core first (server share < 1), tokens_per_s understates the server's capacity.
         result["tokens_per_server_cpu_s"] = result["tokens_per_s"] / max(share, 1e-9)
         return result
     finally:
-        server.terminate()
-        try:
-            server.wait(5)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            try:
+                server.wait(5)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def _sim_cmd(port: int, *extra: str) -> list[str]:
+    return [PY, "-m", "pdserve_runtime.sim", "--fast", "--host", "127.0.0.1", "--port", str(port),
+            "--side-channel-port", "0", "--log-level", "warning", *extra]  # fmt: skip
 
 
 def main() -> int:
@@ -224,12 +266,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=200, help="max_tokens per request")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--pd", action="store_true", help="also measure the PD flow through a prefill+decode pair")
     parser.add_argument("--loadgen", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--loadgen-prefill", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--baseline-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--skip-baseline", action="store_true")
     args = parser.parse_args()
     if args.loadgen:
-        loadgen_main(args.loadgen, args.streams, args.tokens, args.seconds, args.warmup)
+        loadgen_main(args)
         return 0
     if args.baseline_server:
         serve_baseline(args.baseline_server)
@@ -239,12 +283,10 @@ def main() -> int:
     baseline: dict[str, Any] | None = None
     if not args.skip_baseline:
         port = _free_port()
-        baseline = _run_against([PY, __file__, "--baseline-server", str(port)], port, args)
+        baseline = _run_against([[PY, __file__, "--baseline-server", str(port)]], f"http://127.0.0.1:{port}", args)
         print(f"baseline aiohttp SSE: {json.dumps(baseline)}")
     port = _free_port()
-    sim_cmd = [PY, "-m", "pdserve_runtime.sim", "--fast", "--host", "127.0.0.1", "--port", str(port),
-               "--side-channel-port", "0", "--log-level", "warning"]  # fmt: skip
-    sim = _run_against(sim_cmd, port, args)
+    sim = _run_against([_sim_cmd(port)], f"http://127.0.0.1:{port}", args)
     print(f"pdserve sim --fast:   {json.dumps(sim)}")
     tps = sim["tokens_per_s"]
     ok = tps >= FLOOR_TOKENS_PER_S and args.streams >= FLOOR_STREAMS and sim["errors"] == 0
@@ -255,6 +297,16 @@ def main() -> int:
             f"requests/s {sim['requests_per_s'] / max(baseline['requests_per_s'], 1e-9):.2f}, "
             f"tokens per server CPU-second {sim['tokens_per_server_cpu_s'] / baseline['tokens_per_server_cpu_s']:.2f}"
         )
+    if args.pd:
+        p_port, d_port = _free_port(), _free_port()
+        cmds = [_sim_cmd(p_port, "--role", "prefill"), _sim_cmd(d_port, "--role", "decode")]
+        pd = _run_against(cmds, f"http://127.0.0.1:{d_port}", args, prefill=f"http://127.0.0.1:{p_port}")
+        print(f"PD pair (3-step flow): {json.dumps(pd)}")
+        print(
+            f"ratio PD pair/colocated sim: requests/s {pd['requests_per_s'] / max(sim['requests_per_s'], 1e-9):.2f}, "
+            f"tokens/s {pd['tokens_per_s'] / max(tps, 1e-9):.2f}"
+        )
+        ok = ok and pd["errors"] == 0
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -47,7 +47,7 @@ class SideChannelServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (port 0 = any); returns the bound port."""
-        self.server = await asyncio.start_server(self._handle, host, port, limit=_LINE_LIMIT)
+        self.server = await asyncio.start_server(self._handle, host, port, limit=_LINE_LIMIT, backlog=4096)
         sock = self.server.sockets[0]
         return int(sock.getsockname()[1])
 
