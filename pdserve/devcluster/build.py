@@ -51,6 +51,7 @@ CLUSTER_BINARIES: tuple[str, ...] = (
 # compile error. Used only to phrase the error message.
 _REFUSED = re.compile(
     r"(404 Not Found|410 Gone|unknown revision|invalid version|no matching versions|"
+    r"module lookup disabled|not found: |"
     r"verifying module|SECURITY ERROR|dial tcp|i/o timeout|connection refused)"
 )
 
@@ -214,7 +215,12 @@ def _explain_failure(name: str, package: str, stderr: str) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     refused = [line for line in lines if _REFUSED.search(line)]
     if refused:
-        return f"the Go module proxy did not provide a module needed for {name} ({package}): {refused[0].strip()}"
+        # `go: downloading <module> <version>` lines name what was being fetched when the proxy said no.
+        fetching = [line.split("downloading", 1)[1].strip() for line in lines if "go: downloading" in line]
+        module = f" (while fetching {fetching[-1]})" if fetching else ""
+        return (
+            f"the Go module proxy did not provide a module needed for {name} ({package}){module}: {refused[0].strip()}"
+        )
     tail = "\n    ".join(lines[-15:])
     return f"`go build {package}` failed:\n    {tail}"
 
@@ -286,10 +292,28 @@ def build(
                 report.results.append(BinaryResult(name, package, seconds, size))
                 log(f"  {name:<24} built in {seconds:6.1f}s ({size / 2**20:.0f} MiB)")
         report.seconds = time.monotonic() - started
-        manifest = asdict(report)
-        manifest["disk_usage"] = report.disk_usage()
-        (root / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if any(not r.cached for r in report.results):
+            _update_manifest(root / "manifest.json", report)
     return report
+
+
+def _update_manifest(path: Path, report: BuildReport) -> None:
+    """Record this build in manifest.json, keeping earlier entries of binaries that were cached this time.
+
+    The manifest is the record of how long each binary took to build cold, which a later all-cached run
+    must not overwrite with zeros.
+    """
+    manifest = asdict(report)
+    with contextlib.suppress(OSError, ValueError):
+        previous = {r["name"]: r for r in json.loads(path.read_text()).get("results", [])}
+        manifest["results"] = [previous.get(r["name"], r) if r["cached"] else r for r in manifest["results"]]
+    manifest["disk_usage"] = report.disk_usage()
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def prune_go_build_cache() -> None:
+    """Delete GOCACHE (compiled packages). Binaries and the module cache stay; only a rebuild gets slower."""
+    shutil.rmtree(cache_root() / "go" / "build", ignore_errors=True)
 
 
 def ensure_binaries(names: Sequence[str] = CLUSTER_BINARIES, *, log: Callable[[str], None] = print) -> Path:

@@ -54,8 +54,13 @@ def _resolve(name: str, workdir: Path | None) -> Path:
 
 @cluster.command("build")
 @click.option("--force", is_flag=True, help="Rebuild binaries that are already cached.")
+@click.option(
+    "--prune-go-cache",
+    is_flag=True,
+    help="Delete Go's build cache (about 5 GB) after building; a later pin change then compiles from scratch.",
+)
 @click.argument("binaries", nargs=-1)
-def build_command(force: bool, binaries: tuple[str, ...]) -> None:
+def build_command(force: bool, prune_go_cache: bool, binaries: tuple[str, ...]) -> None:
     """Build the pinned binaries (all, or the named ones) into the cache; cached ones are skipped."""
     click.echo(
         f"Kubernetes {versions.KUBERNETES_VERSION}, etcd {versions.ETCD_VERSION}, kwok {versions.KWOK_VERSION}, "
@@ -72,6 +77,9 @@ def build_command(force: bool, binaries: tuple[str, ...]) -> None:
     )
     if report.failed:
         raise click.ClickException("Could not build: " + ", ".join(r.name for r in report.failed))
+    if prune_go_cache:
+        build_mod.prune_go_build_cache()
+        click.echo(f"Removed the Go build cache {build_mod.cache_root() / 'go' / 'build'}.")
 
 
 @cluster.command("up")

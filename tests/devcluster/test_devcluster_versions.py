@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import string
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +42,7 @@ def test_cache_key_is_stable_and_changes_with_any_pin(monkeypatch: pytest.Monkey
     assert versions.cache_key().startswith("v1.36.3-")
 
 
-def test_cache_lives_under_pdserve_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+def test_cache_lives_under_pdserve_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert build.bin_dir() == build.cache_root() / "k8s" / versions.cache_key() / "bin"
     env = build.go_env()
@@ -52,7 +54,7 @@ def test_cache_lives_under_pdserve_cache_dir(monkeypatch: pytest.MonkeyPatch, tm
         build.binary("kubectl")
 
 
-def test_missing_go_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+def test_missing_go_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(build.BuildError, match=r"Go toolchain \(`go`"):
         build.build()
@@ -61,3 +63,19 @@ def test_missing_go_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: object) 
 def test_unknown_binary_is_refused() -> None:
     with pytest.raises(build.BuildError, match="Unknown binaries"):
         build.build(["kubelet"])
+
+
+@pytest.mark.skipif(shutil.which("go") is None, reason="needs the Go toolchain")
+def test_a_module_the_proxy_refuses_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # GOPROXY=off refuses every download deterministically, without touching the network.
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("GOPROXY", "off")
+    report = build.build(["kwok"], log=lambda _: None)
+    (failure,) = report.failed
+    assert failure.name == "kwok"
+    assert failure.error is not None
+    assert "did not provide a module needed for kwok" in failure.error
+    assert f"sigs.k8s.io/kwok {versions.KWOK_VERSION}" in failure.error
+    assert not (build.bin_dir() / "kwok").exists()
+    with pytest.raises(build.BuildError, match="kwok: the Go module proxy"):
+        build.ensure_binaries(["kwok"], log=lambda _: None)
