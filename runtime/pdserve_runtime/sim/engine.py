@@ -423,6 +423,9 @@ class Engine:
         req.num_computed = 0
         req.registered_blocks = 0
         req.prefill_target = len(req.prompt_ids) + req.outputs
+        # Pulled KV is gone too: the recompute happens locally (and counts as local compute).
+        req.kv_loaded = False
+        req.remote_prefill = None
         req.state = State.WAITING
         self.waiting.appendleft(req)
         self.metrics.preemptions.inc()

@@ -113,7 +113,7 @@ class SimServer:
                 # Advertise the port actually bound (tests bind port 0).
                 cfg = dataclasses.replace(cfg, side_channel_port=self.side_channel_port)
                 self.config = self.engine.config = cfg
-        self.runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True)
+        self.runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, cfg.host, cfg.port, backlog=4096, reuse_address=True)
         await site.start()
@@ -124,9 +124,12 @@ class SimServer:
     async def stop(self) -> None:
         """Stop serving and release everything."""
         await self.side_channel.stop()
+        # Finish every request first (streams end with their last event), release stalled streams, then
+        # close the HTTP server, so shutdown never waits on an open stream.
+        await self.engine.stop()
+        self.faults.clear()
         if self.runner is not None:
             await self.runner.cleanup()
-        await self.engine.stop()
 
     # ----------------------------------------------------------------------------------------------------
     # Small endpoints
