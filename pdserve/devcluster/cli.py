@@ -100,6 +100,7 @@ def build_command(force: bool, prune_go_cache: bool, binaries: tuple[str, ...]) 
     "--image-map", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="Image map for the process node."
 )
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--restart", is_flag=True, help="Restart the cluster if it is already running (fresh etcd).")
 def up(
     *,
     name: str,
@@ -108,11 +109,16 @@ def up(
     process_node: bool | None,
     image_map: Path | None,
     timeout: float,
+    restart: bool,
 ) -> None:
     """Build what is missing, start the cluster, return once it is ready (it keeps running)."""
     if process_node is None:
         process_node = importlib.util.find_spec(f"{PROCESS_NODE_MODULE}.__main__") is not None
     directory = _resolve(name, workdir)
+    if not restart and cluster_status(directory)["running"]:
+        click.echo(f"Cluster {name!r} is already running (workdir {directory}); `--restart` starts it afresh.")
+        click.echo(f"export KUBECONFIG={directory / 'kubeconfig'}")
+        return
     started = time.monotonic()
     local = LocalCluster(
         directory,

@@ -488,7 +488,12 @@ class LocalCluster:
     # -- helpers ------------------------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        proc, _ = processes.spawn(name, argv, self.workdir, env=env, die_with_parent=not self.detach)
+        # If this Python process dies without running stop(), the kernel ends the children: the control plane
+        # with SIGKILL, the process node with SIGTERM so that it still stops the pod processes it started.
+        death_signal = signal.SIGTERM if name == PROCESS_NODE_NAME else signal.SIGKILL
+        proc, _ = processes.spawn(
+            name, argv, self.workdir, env=env, parent_death_signal=None if self.detach else death_signal
+        )
         self._popen[name] = proc
 
     def _wait(self, name: str, ready: Callable[[], bool], timeout: float) -> None:

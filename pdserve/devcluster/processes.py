@@ -7,9 +7,9 @@ something else has a different start time, so `stop` never signals a stranger. T
 order; processes are stopped one by one in reverse order (kwok before the API server, the API server before
 etcd).
 
-When the starter asks for it (`die_with_parent`), the kernel also sends SIGTERM to the process when the
-starting process dies (prctl PR_SET_PDEATHSIG): a test run killed with SIGKILL then still tears its cluster
-down. `pdserve dev cluster up` does not ask for it, since its processes must outlive the CLI.
+When the starter asks for it (`parent_death_signal`), the kernel also signals the process when the starting
+process dies (prctl PR_SET_PDEATHSIG): a test run killed with SIGKILL then still tears its cluster down.
+`pdserve dev cluster up` does not ask for it, since its processes must outlive the CLI.
 """
 
 from __future__ import annotations
@@ -20,16 +20,19 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+def _parent_death_signal(sig: signal.Signals) -> Callable[[], None]:
+    def set_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+    return set_signal
 
 
 def process_start_time(pid: int) -> int | None:
@@ -74,9 +77,14 @@ def spawn(
     workdir: Path,
     *,
     env: Mapping[str, str] | None = None,
-    die_with_parent: bool = True,
+    parent_death_signal: signal.Signals | None = signal.SIGKILL,
 ) -> tuple[subprocess.Popen[bytes], Tracked]:
-    """Start `argv` in its own process group with its output in `workdir/logs/<name>.log` and record its PID."""
+    """Start `argv` in its own process group with its output in `workdir/logs/<name>.log` and record its PID.
+
+    `parent_death_signal` is what the kernel sends the process when its starter dies (None: nothing, it
+    outlives the starter). SIGKILL suits the control plane: its data is throw-away, and SIGTERMed all at
+    once the API server hangs draining against a stopped etcd, with nobody left to kill it.
+    """
     logs, pids = workdir / "logs", workdir / "pids"
     logs.mkdir(parents=True, exist_ok=True)
     pids.mkdir(parents=True, exist_ok=True)
@@ -90,7 +98,7 @@ def spawn(
             env=dict(env) if env is not None else None,
             cwd=workdir,
             start_new_session=True,
-            preexec_fn=_set_parent_death_signal if die_with_parent else None,  # noqa: PLW1509
+            preexec_fn=_parent_death_signal(parent_death_signal) if parent_death_signal else None,  # noqa: PLW1509
         )
     start = process_start_time(proc.pid)
     pid_file = pids / f"{order:02d}-{name}.pid"

@@ -51,6 +51,10 @@ def test_up_status_kubeconfig_down(tmp_path: Path) -> None:
         names = {c["name"] for c in info["components"]}
         assert names == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
 
+        # A second `up` finds it running and leaves it alone.
+        again_up = _pdserve("up", *where, "--topology", "minimal", "--no-process-node")
+        assert again_up.returncode == 0 and "already running" in again_up.stdout
+
         kubeconfig = _pdserve("kubeconfig", *where)
         assert kubeconfig.returncode == 0
         path = Path(kubeconfig.stdout.strip())
