@@ -6,6 +6,7 @@ it started, by PID, and binds the metrics and health servers to loopback ports i
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,8 +17,12 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+CPU_NODE = "pdserve-operator-tests-cpu"
 
 
 def free_port() -> int:
@@ -167,3 +172,51 @@ class OperatorProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def servable_crd(path: Path | None = None) -> dict[str, Any]:
+    """crds/pdservice.yaml with two generator bugs worked around until crdgen fixes them (reported to the lead):
+    a JSON-Schema-2020 numeric `exclusiveMinimum` (structural schemas need `minimum` plus a boolean) and a
+    `metadata` schema with more than name/generateName; the API server rejects both."""
+    path = path or Path(__file__).resolve().parents[2] / "crds" / "pdservice.yaml"
+    document: dict[str, Any] = yaml.safe_load(path.read_text())
+
+    def fix(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+                value = node.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    node[bound], node[key] = node.pop(key), True
+            for value in node.values():
+                fix(value)
+        elif isinstance(node, list):
+            for value in node:
+                fix(value)
+
+    fix(document)
+    for version in document["spec"]["versions"]:
+        properties = version["schema"]["openAPIV3Schema"]["properties"]
+        meta = properties.get("metadata") or {}
+        kept = {k: v for k, v in (meta.get("properties") or {}).items() if k in ("name", "generateName")}
+        properties["metadata"] = {"type": "object", **({"properties": kept} if kept else {})}
+    return document
+
+
+def ensure_cpu_node(cluster: Any, pods: int = 110) -> None:
+    """An untainted kwok node for router pods (every simulated GPU node carries the GPU taint). `cluster` is a
+    pdserve.devcluster.testing.ClusterHelper."""
+    if cluster.kubectl("get", "node", CPU_NODE, check=False).returncode == 0:
+        return
+    capacity = {"cpu": "256", "memory": "1Ti", "pods": str(pods)}
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": CPU_NODE,
+            "labels": {"kubernetes.io/hostname": CPU_NODE, "type": "kwok", "topology.kubernetes.io/zone": "zone-a"},
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {"podCIDR": "10.250.250.0/24", "podCIDRs": ["10.250.250.0/24"]},
+        "status": {"capacity": capacity, "allocatable": dict(capacity)},
+    }
+    cluster.kubectl("create", "-f", "-", input=json.dumps(node))

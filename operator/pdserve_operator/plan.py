@@ -27,6 +27,7 @@ from pdserve_operator.render.engine import pool_spec
 from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL
 
 ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
+WORKLOAD_KINDS = frozenset({"StatefulSet", "Deployment"})
 
 
 def key_of(obj: Mapping[str, Any]) -> ObjectKey:
@@ -64,6 +65,13 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not self.applies and not self.prunes
+
+    def waves(self) -> list[list[Apply]]:
+        """Applies grouped so each group can run concurrently: everything workloads reference (ServiceAccount,
+        RBAC, ConfigMap, Services, PDBs) first, then the workloads, so pods never start before their config."""
+        first = [a for a in self.applies if a.obj["kind"] not in WORKLOAD_KINDS]
+        second = [a for a in self.applies if a.obj["kind"] in WORKLOAD_KINDS]
+        return [wave for wave in (first, second) if wave]
 
 
 def clamp_autoscaled_replicas(pds: PDService, sts: dict[str, Any], observed: dict[str, Any] | None) -> None:

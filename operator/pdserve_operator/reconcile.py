@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -46,6 +47,17 @@ class Outcome:
     pruned: list[str] = field(default_factory=list)
     status_written: bool = False
     events: list[str] = field(default_factory=list)
+
+
+# Concurrent applies across all reconciles; the API server, not this pool, is the bottleneck.
+_APPLIER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdserve-apply")
+
+
+def _apply_one(api: KubeApi, item: planner.Apply) -> tuple[planner.Apply, dict[str, Any] | None, ApiError | None]:
+    try:
+        return item, api.apply(item.obj), None
+    except ApiError as exc:
+        return item, None, exc
 
 
 def utc_now() -> str:
@@ -102,18 +114,24 @@ def reconcile(namespace: str, name: str, store: Store, api: KubeApi, now: Callab
     outcome = Outcome("noop" if the_plan.empty else "applied")
     apply_errors: list[str] = []
     transient: list[str] = []
-    for item in the_plan.applies:
-        label = f"{item.kind.kind} {item.obj['metadata']['name']}"
-        try:
-            store.put(api.apply(item.obj))
-        except ApiError as exc:
-            (transient if exc.retriable else apply_errors).append(f"{label}: {exc}")
-            log.warning("Failed to apply %s pdservice=%s/%s error=%s", label, namespace, name, exc)
-            continue
-        outcome.applied.append(f"{label} ({item.reason})")
-        verb = {"missing": "Created", "changed": "Updated"}.get(item.reason, "Reverted drift of")
-        log.info("%s %s pdservice=%s/%s reason=%s", verb, label, namespace, name, item.reason)
-        _event(api, body, "Normal", "Applied", f"{verb} {label} ({item.reason})", now=now, outcome=outcome)
+    done: dict[str, list[str]] = {}
+    for wave in the_plan.waves():
+        # Objects of one wave are independent: apply them concurrently (a NotLeaderError propagates from map).
+        for item, response, error in _APPLIER.map(lambda it: _apply_one(api, it), wave):
+            label = f"{item.kind.kind} {item.obj['metadata']['name']}"
+            if error is not None:
+                (transient if error.retriable else apply_errors).append(f"{label}: {error}")
+                log.warning("Failed to apply %s pdservice=%s/%s error=%s", label, namespace, name, error)
+                continue
+            assert response is not None
+            store.put(response)
+            outcome.applied.append(f"{label} ({item.reason})")
+            verb = {"missing": "Created", "changed": "Updated"}.get(item.reason, "Reverted drift of")
+            done.setdefault(verb, []).append(label if verb != "Reverted drift of" else f"{label} ({item.reason})")
+            log.info("%s %s pdservice=%s/%s reason=%s", verb, label, namespace, name, item.reason)
+    for verb, labels in done.items():
+        # One event per pass and verb, not per object: events are API writes too.
+        _event(api, body, "Normal", "Applied", f"{verb} {', '.join(labels)}", now=now, outcome=outcome)
     for prune in the_plan.prunes:
         label = f"{prune.kind.kind} {prune.name}"
         try:
@@ -124,9 +142,9 @@ def reconcile(namespace: str, name: str, store: Store, api: KubeApi, now: Callab
         store.delete({"kind": prune.kind.kind, "metadata": {"namespace": prune.namespace, "name": prune.name}})
         outcome.pruned.append(label)
         log.info("Pruned %s pdservice=%s/%s", label, namespace, name)
-        _event(
-            api, body, "Normal", "Pruned", f"Deleted {label}: the spec no longer produces it", now=now, outcome=outcome
-        )
+    if outcome.pruned:
+        message = f"Deleted {', '.join(outcome.pruned)}: the spec no longer produces them"
+        _event(api, body, "Normal", "Pruned", message, now=now, outcome=outcome)
     for message in apply_errors:
         _event(api, body, "Warning", "ApplyFailed", message, now=now, outcome=outcome)
 

@@ -22,16 +22,14 @@ from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.devcluster.testing import ClusterHelper, wait_for
 from pdserve_operator import drift
-from pdserve_operator.harness import OperatorProcess
+from pdserve_operator.harness import OperatorProcess, ensure_cpu_node, servable_crd
 from pdserve_operator.render import render
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT / "crds" / "pdservice.yaml"
 EXAMPLE = ROOT / "examples" / "pdservice.yaml"
 KWOK_PRODUCT = "NVIDIA-H100-80GB-HBM3"
-CPU_NODE = "pdserve-operator-tests-cpu"
 CHILD_KINDS = "serviceaccounts,roles,rolebindings,configmaps,services,statefulsets,poddisruptionbudgets,deployments"
 
 
@@ -80,55 +78,7 @@ def matches_render(cluster: ClusterHelper, namespace: str, name: str) -> bool:
     return True
 
 
-def ensure_cpu_node(cluster: ClusterHelper) -> None:
-    """An untainted kwok node for the router pods (every simulated GPU node carries the GPU taint)."""
-    if cluster.kubectl("get", "node", CPU_NODE, check=False).returncode == 0:
-        return
-    node = {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": CPU_NODE,
-            "labels": {"kubernetes.io/hostname": CPU_NODE, "type": "kwok", "topology.kubernetes.io/zone": "zone-a"},
-            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-        },
-        "spec": {"podCIDR": "10.250.250.0/24", "podCIDRs": ["10.250.250.0/24"]},
-        "status": {
-            "capacity": {"cpu": "64", "memory": "256Gi", "pods": "110"},
-            "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "110"},
-        },
-    }
-    cluster.kubectl("create", "-f", "-", input=json.dumps(node))
-
-
 # ----------------------------------------------------------------------------------------------------- fixtures
-
-
-def servable_crd() -> dict[str, Any]:
-    """crds/pdservice.yaml, with two generator bugs worked around until crdgen fixes them (reported to the lead):
-    JSON-Schema-2020 numeric `exclusiveMinimum` (structural schemas need `minimum` + boolean) and a `metadata`
-    schema with more than name/generateName, both of which the API server rejects."""
-    document: dict[str, Any] = yaml.safe_load(CRD.read_text())
-
-    def fix(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-                value = node.get(key)
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    node[bound], node[key] = node.pop(key), True
-            for value in node.values():
-                fix(value)
-        elif isinstance(node, list):
-            for value in node:
-                fix(value)
-
-    fix(document)
-    for version in document["spec"]["versions"]:
-        properties = version["schema"]["openAPIV3Schema"]["properties"]
-        meta = properties.get("metadata") or {}
-        kept = {k: v for k, v in (meta.get("properties") or {}).items() if k in ("name", "generateName")}
-        properties["metadata"] = {"type": "object", **({"properties": kept} if kept else {})}
-    return document
 
 
 @pytest.fixture(scope="module")

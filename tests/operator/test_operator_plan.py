@@ -122,3 +122,12 @@ def test_autoscaled_pool_keeps_the_autoscalers_replicas_within_bounds() -> None:
     observed[prefill]["spec"]["replicas"] = 9
     desired = plan.desired_objects(pds, render(pds), observed)
     assert next(o for o in desired if plan.key_of(o) == prefill)["spec"]["replicas"] == 2
+
+
+def test_waves_put_workloads_after_what_they_reference() -> None:
+    pds = example()
+    result = plan.make_plan(plan.desired_objects(pds, render(pds), {}), {}, UID)
+    first, second = result.waves()
+    assert {a.obj["kind"] for a in second} == {"StatefulSet", "Deployment"}
+    assert not {a.obj["kind"] for a in first} & {"StatefulSet", "Deployment"}
+    assert len(first) + len(second) == len(result.applies)
