@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
+import subprocess
 import time
 from pathlib import Path
 
@@ -178,3 +180,31 @@ def kubeconfig(name: str, workdir: Path | None) -> None:
     if state is None:
         raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
     click.echo(state.kubeconfig)
+
+
+@cluster.command("env")
+@_workdir_options
+def env(name: str, workdir: Path | None) -> None:
+    """Print shell lines that put the built binaries on PATH and select the cluster: `eval "$(... env)"`."""
+    directory = _resolve(name, workdir)
+    state = ClusterState.load(directory)
+    if state is None:
+        raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
+    click.echo(f'export PATH={shlex.quote(state.bin_dir)}:"$PATH"')
+    click.echo(f"export KUBECONFIG={shlex.quote(state.kubeconfig)}")
+
+
+@cluster.command("kubectl", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@_workdir_options
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def kubectl(name: str, workdir: Path | None, args: tuple[str, ...]) -> None:
+    """Run the built kubectl against the cluster, e.g. `pdserve dev cluster kubectl get nodes`."""
+    directory = _resolve(name, workdir)
+    state = ClusterState.load(directory)
+    if state is None:
+        raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
+    try:
+        binary = build_mod.binary("kubectl")
+    except build_mod.BuildError as exc:
+        raise click.ClickException(str(exc)) from exc
+    raise SystemExit(subprocess.call([str(binary), f"--kubeconfig={state.kubeconfig}", *args]))
