@@ -219,6 +219,7 @@ class LocalCluster:
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
         self._stopped = threading.Event()
         self._previous_handlers: dict[int, Any] = {}
+        self._hooks_installed = False
         self.timings: dict[str, float] = {}
 
     # -- public surface ---------------------------------------------------------------------------------
@@ -265,11 +266,22 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         """Start everything and return once the cluster is ready; on failure stop what started and raise."""
         started = time.monotonic()
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, 4):
+            try:
+                self._start()
+                break
+            except ClusterError as exc:
+                # Ports are picked free, then bound by another process a moment later; on a machine shared
+                # with other test runs, someone may take one in between. Start over with new ports.
+                if attempt < 3 and "address already in use" in str(exc):
+                    self._log(f"A port was taken before {self.workdir.name} could bind it; retrying")
+                    self._stop_processes()
+                    continue
+                self.stop()
+                raise
+            except BaseException:
+                self.stop()
+                raise
         assert self.state is not None
         self.state.startup_seconds = round(time.monotonic() - started, 2)
         self.state.save()
@@ -541,6 +553,9 @@ class LocalCluster:
         return {str(node.metadata.name) for node in nodes if _node_ready(node)}
 
     def _install_cleanup_hooks(self) -> None:
+        if self._hooks_installed:
+            return
+        self._hooks_installed = True
         atexit.register(self.stop)
         if threading.current_thread() is not threading.main_thread():
             return
@@ -565,10 +580,14 @@ class LocalCluster:
             for sig, handler in self._previous_handlers.items():
                 with contextlib.suppress(ValueError):
                     signal.signal(sig, handler)
+        self._stop_processes()
+
+    def _stop_processes(self) -> None:
         stop_workdir(self.workdir)
         for proc in self._popen.values():
             with contextlib.suppress(Exception):
                 proc.wait(timeout=1)
+        self._popen.clear()
 
 
 @dataclass
