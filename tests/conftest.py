@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.devcluster import build
+from pdserve.devcluster.build import CLUSTER_BINARIES
 from pdserve.devcluster.cluster import PROCESS_NODE_MODULE, LocalCluster
 from pdserve.devcluster.testing import ClusterHelper
 
@@ -29,6 +31,28 @@ def _want_process_node() -> bool:
     if forced is not None:
         return forced.strip().lower() not in ("0", "false", "no", "")
     return importlib.util.find_spec(f"{PROCESS_NODE_MODULE}.__main__") is not None
+
+
+_build_errors: list[str] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Build missing binaries here, before any test starts: a cold build takes 10-20 minutes, far beyond the
+    # per-test timeout that would otherwise cover the fixture's setup.
+    wants_cluster = any(item.get_closest_marker("cluster") for item in session.items)
+    if wants_cluster and not os.environ.get("PDSERVE_CLUSTER_KUBECONFIG") and build.missing_binaries(CLUSTER_BINARIES):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+        def log(message: str) -> None:
+            if reporter is not None:
+                reporter.write_line(message)
+
+        try:
+            build.ensure_binaries(CLUSTER_BINARIES, log=log)
+        except build.BuildError as exc:
+            # Let the other tests run; every cluster test then fails with this message.
+            _build_errors.append(str(exc))
+            log(f"Could not build the cluster binaries: {exc}")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -41,6 +65,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHelper]:
     """A running cluster for the session, stopped at the end (also on failure or Ctrl-C)."""
+    if _build_errors:
+        pytest.fail(f"Could not build the cluster binaries: {_build_errors[0]}", pytrace=False)
     reuse = os.environ.get("PDSERVE_CLUSTER_KUBECONFIG")
     if reuse:
         yield ClusterHelper(kubeconfig=Path(reuse).expanduser().resolve())
