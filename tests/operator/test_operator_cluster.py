@@ -22,7 +22,9 @@ from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.devcluster.testing import ClusterHelper, wait_for
 from pdserve_operator import drift
+from pdserve_operator.api import KubeApi, load_client
 from pdserve_operator.harness import OperatorProcess, ensure_cpu_node, servable_crd
+from pdserve_operator.kinds import SERVICE_ACCOUNT
 from pdserve_operator.render import render
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -352,11 +354,17 @@ def test_restart_mid_reconcile_converges_without_duplicates(cluster: ClusterHelp
     try:
         first = start_operator(cluster, namespace, tmp_path, "first")
         first.wait_ready()
+        api = KubeApi(load_client(str(cluster.kubeconfig)))
+        first_child = SERVICE_ACCOUNT.object_path(namespace, "restart-router")
         cluster.apply(example("restart", namespace))
-        # Kill it as soon as it has started creating children: some exist, the rest do not.
-        wait_for(lambda: len(children(cluster, namespace, "restart")) >= 1, 30, interval=0.05)
+        # SIGKILL it the moment the first child exists: the pass is cut short, the workloads usually not applied.
+        wait_for(lambda: api.get(first_child, "ServiceAccount"), 30, interval=0.002)
         first.kill()
         partial = len(children(cluster, namespace, "restart"))
+        # A change made while no operator runs must not be lost either.
+        document = example("restart", namespace)
+        document["spec"]["decode"]["replicas"] = 3
+        cluster.apply(document)
         second = start_operator(cluster, namespace, tmp_path, "second")
         try:
             second.wait_ready(timeout=60)
@@ -372,6 +380,16 @@ def test_restart_mid_reconcile_converges_without_duplicates(cluster: ClusterHelp
             assert len(names) == len(set(names)) == len(rendered(cluster, namespace, "restart"))
             assert matches_render(cluster, namespace, "restart")
             assert partial <= len(names)
+
+            def caught_up() -> bool:
+                body = pds_get(cluster, namespace, "restart")
+                status = body.get("status") or {}
+                return bool(
+                    status.get("observedGeneration") == body["metadata"]["generation"]
+                    and status.get("decode", {}).get("readyReplicas") == 3
+                )
+
+            wait_for(caught_up, 60)
         finally:
             second.stop()
     finally:
