@@ -119,6 +119,12 @@ def read_template(module: str) -> str:
     return resources.files("pdserve.devcluster").joinpath("gomod").joinpath(module).joinpath("go.mod.tmpl").read_text()
 
 
+def read_go_sum(module: str) -> str:
+    """The checked-in go.sum of one module directory ('' when there is none)."""
+    path = resources.files("pdserve.devcluster").joinpath("gomod").joinpath(module).joinpath("go.sum")
+    return path.read_text() if path.is_file() else ""
+
+
 def cache_key() -> str:
     """A directory name that changes exactly when a pin or a template changes.
 
