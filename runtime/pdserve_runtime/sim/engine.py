@@ -338,11 +338,23 @@ class Engine:
         plan = _Plan()
         i = 0
         running = self.running
+        bs = t.block_size
+        items = plan.items
+        decode_batch = decode_context = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            prefilling = req.num_computed < req.prefill_target
-            n = min(req.prefill_target - req.num_computed, budget) if prefilling else 1
-            need = pool.blocks_for(req.num_computed + n) - len(req.blocks)
+            computed = req.num_computed
+            if computed >= req.prefill_target and (computed + 1 + bs - 1) // bs <= len(req.blocks):
+                # Hot path: a decode step that fits in the blocks it has (inlined plan.add).
+                items.append((req, 1, False))
+                decode_batch += 1
+                decode_context += computed
+                budget -= 1
+                i += 1
+                continue
+            prefilling = computed < req.prefill_target
+            n = min(req.prefill_target - computed, budget) if prefilling else 1
+            need = pool.blocks_for(computed + n) - len(req.blocks)
             if need > 0 and need > pool.num_free:
                 # Out of blocks: preempt from the back (latest admitted) until this request fits.
                 while need > pool.num_free and running[-1] is not req:
@@ -356,6 +368,8 @@ class Engine:
             plan.add(req, n, prefilling)
             budget -= n
             i += 1
+        plan.decode_batch += decode_batch
+        plan.decode_context += decode_context
 
         # Admit waiting requests.
         while self.waiting and budget > 0 and len(running) < t.max_num_seqs:
@@ -436,9 +450,11 @@ class Engine:
         bs = self.timing.block_size
         generated = 0
         local_compute = 0
+        finished_any = False
         itl = m.itl
+        running_state = State.RUNNING
         for req, n, prefilling in plan.items:
-            if req.state is not State.RUNNING:
+            if req.state is not running_state:
                 continue  # aborted while the step ran
             req.num_computed += n
             if prefilling:
@@ -462,12 +478,14 @@ class Engine:
             req.last_token_at = now
             if req.outputs >= req.max_tokens:
                 self._finish(req, "length")
+                finished_any = True
             elif req.stop_after is not None and req.outputs >= max(req.stop_after, req.min_tokens):
                 self._finish(req, "stop")
+                finished_any = True
             else:
                 req._wake()
-        if any(r.state is State.FINISHED for r in self.running):
-            self.running = [r for r in self.running if r.state is not State.FINISHED]
+        if finished_any:
+            self.running = [r for r in self.running if r.state is running_state]
         if generated:
             m.generation_tokens.inc(generated)
         if local_compute:

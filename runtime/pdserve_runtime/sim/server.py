@@ -424,11 +424,21 @@ class SimServer:
                     if continuous:
                         parts.append(self._usage_json(prompt_tokens, pos + 1))
                     parts.append(end)
-                await resp.write("".join(parts).encode())
                 sent = produced
-            if req.finished and sent >= req.outputs:
-                break
+                if req.finished and sent >= req.outputs:
+                    # Last token, usage, [DONE] and the chunked-encoding terminator in one socket write.
+                    await resp.write_eof("".join(parts).encode() + self._tail(parsed, req, created, sent))
+                    return
+                await resp.write("".join(parts).encode())
+            elif req.finished and sent >= req.outputs:
+                await resp.write_eof(self._tail(parsed, req, created, sent))
+                return
+
+    @staticmethod
+    def _tail(parsed: ParsedRequest, req: EngineRequest, created: int, sent: int) -> bytes:
+        """The events after the last token: an error or the usage event (if asked for), then [DONE]."""
         tail_parts: list[bytes] = []
+        prompt_tokens = len(req.prompt_ids)
         if req.error is not None:
             tail_parts.append(b"data: " + json.dumps(error_body(req.error_status, req.error)).encode() + b"\n\n")
         elif parsed.include_usage:
@@ -443,8 +453,7 @@ class SimServer:
             }
             tail_parts.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
         tail_parts.append(_DONE)
-        await resp.write(b"".join(tail_parts))
-        await resp.write_eof()
+        return b"".join(tail_parts)
 
     @staticmethod
     def _usage_json(prompt_tokens: int, completion_tokens: int) -> str:
