@@ -1,1 +1,27 @@
-"""The pdserve operator: renders PDService objects into Kubernetes objects and reconciles them."""
+"""The pdserve operator: renders PDService objects into Kubernetes objects and reconciles them.
+
+Layers (imports only go down):
+
+    cli, runner      composition root: client, cache, controller, Lease election, kopf, /metrics, /healthz
+    handlers         kopf registration only: `on.event` for PDServices and every child kind -> controller
+    controller       informer cache + de-duplicating work queue + workers + periodic resync, gated by leadership
+    reconcile        the one level-triggered path: render -> plan -> apply/prune -> status (IO via `api`)
+    plan, status,    pure: what to apply/prune (`plan`), is an observed child still what we applied (`drift`),
+    drift, render    the status and conditions of observed children (`status`), the objects (`render`)
+    api, leader      IO: server-side apply, delete, status patch, events, Lease; every request counted
+
+Operating notes:
+- Install the CRD before starting the operator (kopf resolves resources at start-up and may not pick up a CRD that
+  appears later in the same process).
+- Fields deliberately left to others: a StatefulSet's `spec.replicas` while its pool's autoscaling is enabled (the
+  autoscaler scales it; the operator only clamps it into [minReplicas, maxReplicas]); anything the renderer does not
+  set (extra annotations such as `kubectl rollout restart`'s, extra env entries or labels added by other managers).
+  Every field the renderer sets is restored on the next pass, at the latest after `--resync-seconds`.
+- No finalizer: children carry a controller ownerReference and are garbage-collected with their PDService.
+- kopf writes no bookkeeping at all (only `on.event` handlers, returning None); its progress/diffbase storage is
+  configured to annotations anyway.
+- RBAC the operator needs: pdservices get/list/watch and pdservices/status patch; serviceaccounts, roles,
+  rolebindings, configmaps, services, statefulsets, deployments, poddisruptionbudgets get/list/watch/patch/delete;
+  pods and endpointslices get/list/watch (also needed to grant them in the router's Role); events create;
+  leases get/create/update; customresourcedefinitions and namespaces list/watch (kopf's resource discovery).
+"""
