@@ -128,6 +128,12 @@ class _SimGroup(click.Group):
 @click.option(
     "--tensor-parallel-size", type=int, default=1, help="Reported TP size (prefill TP > decode TP refuses pulls)."
 )
+@click.option(
+    "--eos-mean-tokens",
+    type=float,
+    default=0.0,
+    help="Mean natural output length for requests without ignore_eos (0 = never stop early).",
+)
 @click.option("--fault-fail-next", type=int, default=0, help="Fail the next N generation requests.")
 @click.option("--fault-fail-status", type=int, default=503, help="Status of injected failures.")
 @click.option("--fault-latency", type=float, default=0.0, help="Extra seconds before each request.")
@@ -286,6 +292,7 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
         fast=fast or options.get("preset") == "fast",
         speed=float(options.get("speed") or 1.0),
         tensor_parallel_size=tp,
+        eos_mean_tokens=float(options.get("eos_mean_tokens") or 0.0),
         faults=faults,
     )
 

@@ -52,6 +52,8 @@ class SimConfig:
     fast: bool = True
     speed: float = 1.0
     tensor_parallel_size: int = 1
+    #: Mean natural output length (EOS) of requests without ignore_eos; 0 = the model never emits EOS.
+    eos_mean_tokens: float = 0.0
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     @property

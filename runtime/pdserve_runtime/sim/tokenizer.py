@@ -14,11 +14,14 @@ then ``<|assistant|>``) before tokenizing, so the system prompt and earlier turn
 Generation: the output is a deterministic function of the prompt: token ``i`` of a request is the word
 ``WORDS[(seed + i * 7919) % len(WORDS)]`` with a leading space, where ``seed`` derives from the prompt's token
 ids. Every generated word is one token under the rules above, so re-tokenizing the output gives the count.
+With ``--eos-mean-tokens N`` a request that does not set ``ignore_eos`` ends early ("stop") after
+:func:`natural_length` tokens (never before ``min_tokens``); by default the model never emits EOS.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from collections.abc import Sequence
@@ -78,6 +81,16 @@ def generation_seed(prompt_ids: Sequence[int]) -> int:
 def word_index(seed: int, position: int) -> int:
     """Index into WORDS of the generated token at ``position`` (0-based) for ``seed``."""
     return (seed + position * _STRIDE) % len(WORDS)
+
+
+def natural_length(seed: int, mean_tokens: float) -> int:
+    """How many tokens the simulated model generates before its end-of-sequence token, for a prompt seed.
+
+    Geometric-like with the given mean (``1 + floor(-mean * ln(u))`` for a uniform ``u`` derived from the
+    seed), so output lengths vary across prompts but the same prompt always stops at the same place.
+    """
+    u = ((seed * 2654435761) % (1 << 32) + 0.5) / (1 << 32)
+    return 1 + int(-mean_tokens * math.log(u))
 
 
 def json_string_body(text: str) -> str:

@@ -267,3 +267,21 @@ async def test_tokenize_endpoint(sim: SimServer, http: aiohttp.ClientSession) ->
         assert (await resp.json())["count"] == len(tokenize(flatten_chat([("user", "Hi")])))
     async with http.post(url(sim, "/tokenize"), json={"prompt": 5}) as resp:
         assert resp.status == 400
+
+
+async def test_natural_eos_respects_ignore_eos_and_min_tokens(http: aiohttp.ClientSession) -> None:
+    async with sim_server_in_process(eos_mean_tokens=4) as sim:
+        lengths = []
+        for i in range(5):
+            body = {"prompt": f"prompt number {i}", "max_tokens": 500}
+            async with http.post(url(sim, "/v1/completions"), json=body) as resp:
+                data = await resp.json()
+            assert data["choices"][0]["finish_reason"] == "stop"
+            lengths.append(data["usage"]["completion_tokens"])
+        assert max(lengths) < 100
+        async with http.post(url(sim, "/v1/completions"), json=dict(body, ignore_eos=True)) as resp:
+            data = await resp.json()
+        assert data["choices"][0]["finish_reason"] == "length" and data["usage"]["completion_tokens"] == 500
+        async with http.post(url(sim, "/v1/completions"), json=dict(body, min_tokens=200, stream=True)) as resp:
+            raw = (await resp.read()).decode()
+        assert raw.count('"text"') == 200 and '"finish_reason":"stop"' in raw
