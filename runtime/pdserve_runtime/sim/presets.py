@@ -82,19 +82,19 @@ CPU_TINY = TimingParams(
     kv_link_bytes_per_second=0.0,
 )
 
-# Shaped like Llama-3.1-8B (bf16) served by vLLM on one H200, from a roofline of public hardware and model
-# figures, cross-checked against commonly reported vLLM latencies for 8B models on H100/H200:
+# Shaped like Llama-3.1-8B (bf16) served by vLLM on one H200. The numbers are a roofline estimate from public
+# hardware and model figures; treat them as the right order of magnitude, not a measurement:
 # - NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s, ~989 dense bf16 TFLOPS.
 #   https://www.nvidia.com/en-us/data-center/h200/
 # - Llama-3.1-8B config (meta-llama/Llama-3.1-8B on Hugging Face): 32 layers, 8 KV heads, head dim 128 ->
 #   KV per token = 2 (K,V) x 32 x 8 x 128 x 2 bytes = 128 KiB; weights ~16 GB.
-# - Decode is memory bound: reading 16 GB of weights at 4.8 TB/s is ~3.3 ms; with kernel launch and sampling
-#   overhead vLLM's published ITL for 8B models on Hopper at small batch is ~5-8 ms (vLLM v0.6.0 blog,
-#   https://blog.vllm.ai/2024/09/05/perf-update.html, reports TPOT in this range for Llama-3-8B on one H100).
-#   So c = 5 ms; each extra sequence adds ~40 us of sampling/bookkeeping (d); attention reads 128 KiB per
-#   context token at 4.8 TB/s -> e = 27 ns per context token.
+# - Decode is memory bound: reading 16 GB of weights at 4.8 TB/s takes ~3.3 ms per step. vLLM's v0.6.0
+#   performance post (https://blog.vllm.ai/2024/09/05/perf-update.html, Llama 3 8B on one H100) shows that
+#   CPU-side scheduling and output processing are a large share of each step for an 8B model, so the fixed
+#   step cost c is set to 5 ms rather than the bare 3.3 ms; each extra sequence adds ~40 us of sampling and
+#   bookkeeping (d); attention reads 128 KiB per context token at 4.8 TB/s -> e = 27 ns per context token.
 # - Prefill is compute bound: ~2 x 8e9 = 16 GFLOP per token at ~50% of 989 TFLOPS -> ~32 us/token (b), plus
-#   ~8 ms fixed (a), giving ~40 ms TTFT for a 1k-token prompt, in line with reported vLLM TTFTs on Hopper.
+#   ~8 ms fixed (a): ~45 ms TTFT for a 1k-token prompt on an idle engine.
 # - KV capacity: 0.9 x 141 GB - 16 GB weights ~ 110 GB -> ~840k tokens -> 52k blocks of 16.
 # - NIXL over RDMA (ConnectX-7, 400 Gb/s = 50 GB/s) moves the modelled 128 KiB/token; the side channel moves a
 #   scaled-down real payload (1 KiB/token) and adds the modelled link time on top.
