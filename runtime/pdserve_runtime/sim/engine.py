@@ -326,6 +326,8 @@ class Engine:
                 await asyncio.sleep(0)
             else:
                 seconds = self.timing.step_seconds(plan.prefill_tokens, plan.decode_batch, plan.decode_context)
+                # Chain steps on deadlines: a step that starts late (event-loop busy) is shortened so the
+                # modelled rate holds, but never by more than 50 ms of accumulated lag.
                 deadline = max(deadline, loop.time() - 0.05) + seconds / speed
                 delay = deadline - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)
