@@ -540,6 +540,13 @@ class Engine:
         req.blocks = []
         loop = asyncio.get_running_loop()
         held.timer = loop.call_later(lease, self._expire, req.request_id)
+        previous = self.held.pop(req.request_id, None)
+        if previous is not None:
+            # A client reused an X-Request-Id: the older KV can no longer be addressed, free it.
+            log.warning("Replaced held KV of a duplicate request id request_id=%s", req.request_id)
+            if previous.timer is not None:
+                previous.timer.cancel()
+            self.pool.release(previous.blocks)
         self.held[req.request_id] = held
         req.kv_transfer_params_out = {
             "do_remote_prefill": True,

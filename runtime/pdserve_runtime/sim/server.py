@@ -33,7 +33,7 @@ from pdserve_runtime.sim.faults import Faults
 from pdserve_runtime.sim.metrics import SimMetrics
 from pdserve_runtime.sim.protocol import ApiError, ParsedRequest, decode_json, error_body, parse_request
 from pdserve_runtime.sim.sidechannel import SideChannelServer, pull_kv
-from pdserve_runtime.sim.tokenizer import WORD_PIECES, WORDS, generation_seed, natural_length, word_index
+from pdserve_runtime.sim.tokenizer import WORD_PIECES, WORDS, natural_length, word_index
 
 log = logging.getLogger(__name__)
 
@@ -265,18 +265,16 @@ class SimServer:
             return _error_response(err)
         base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
-        stop_after = None
-        if cfg.eos_mean_tokens > 0 and not parsed.ignore_eos:
-            stop_after = natural_length(generation_seed(parsed.prompt_ids), cfg.eos_mean_tokens)
         req = EngineRequest(
             request_id,
             parsed.prompt_ids,
             parsed.max_tokens,
             min_tokens=parsed.min_tokens,
-            stop_after=stop_after,
             remote_decode=parsed.remote_decode,
             remote_prefill=parsed.remote_prefill,
         )
+        if cfg.eos_mean_tokens > 0 and not parsed.ignore_eos:
+            req.stop_after = natural_length(req.seed, cfg.eos_mean_tokens)
         engine = self.engine
         engine.add(req)
         try:

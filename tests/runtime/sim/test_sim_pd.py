@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdserve_runtime.sim.testing import metric_value, scrape, sim_in_process, sim_process
+from pdserve_runtime.sim.testing import metric_value, scrape, sim_in_process, sim_process, sim_server_in_process
 from pdserve_runtime.sim.tokenizer import tokenize
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
@@ -259,3 +259,16 @@ async def test_first_pull_from_a_new_peer_pays_the_handshake_once(http: aiohttp.
                 assert resp.status == 200
             times.append(time.monotonic() - started)
         assert times[0] >= 0.4 > times[1]
+
+
+async def test_a_reused_request_id_does_not_leak_held_kv(http: aiohttp.ClientSession) -> None:
+    body = dict(model="sim-model", prompt=PROMPT, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
+    async with sim_server_in_process(role="prefill") as prefill:
+        url = f"http://127.0.0.1:{prefill.http_port}/v1/completions"
+        for _ in range(3):
+            async with http.post(url, json=body, headers={"X-Request-Id": "same"}) as resp:
+                assert (await resp.json())["kv_transfer_params"]["remote_request_id"] == "cmpl-same"
+        state = prefill.engine.snapshot()
+        assert state["held_kv"] == 1
+        n_blocks = prefill.engine.pool.blocks_for(len(tokenize(PROMPT)) + 1)
+        assert state["num_blocks"] - state["free_blocks"] == n_blocks
