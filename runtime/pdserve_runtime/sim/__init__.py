@@ -32,6 +32,9 @@ arguments switch to drop-in mode (``sim_process("serve", "my-model", "--kv-trans
 ``env=`` adds environment variables (e.g. ``PDSERVE_BIND_HOST``). ``sim_in_process(config, **fields)`` takes
 a :class:`~pdserve_runtime.sim.config.SimConfig` and field replacements.
 
+Self-check: ``pdserve:sim_step_lag_seconds`` and ``pdserve:sim_late_steps_total`` on ``/metrics`` show when
+the simulator process itself cannot keep up with its modelled step times (then its latencies are inflated).
+
 Run-time fault injection: ``POST /sim/faults`` with a JSON object of faults (see ``faults``), ``DELETE`` to
 clear, ``GET`` to read. ``GET /sim/state`` shows the scheduler's queues and KV usage.
 """

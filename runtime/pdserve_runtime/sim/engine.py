@@ -331,6 +331,10 @@ class Engine:
                 deadline = max(deadline, loop.time() - 0.05) + seconds / speed
                 delay = deadline - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)
+                lag = loop.time() - deadline
+                self.metrics.step_lag.set(lag)
+                if lag > 0.005:
+                    self.metrics.late_steps.inc()
             self._apply(plan)
 
     def _schedule(self) -> _Plan:

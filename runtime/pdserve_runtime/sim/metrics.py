@@ -209,6 +209,16 @@ class SimMetrics:
             "vllm:nixl_num_kv_expired_reqs", "Requests whose held KV expired before decode pulled it."
         )
 
+        # The simulator's own health: when the process cannot keep up with the modelled step times (CPU
+        # bound), steps end late and every latency it reports is inflated; benchmarks should check these.
+        self.step_lag = Gauge(
+            "pdserve:sim_step_lag_seconds", "How late the last engine step ended versus its modelled time.",
+            registry=reg,
+        )  # fmt: skip
+        self.late_steps = Counter(
+            "pdserve:sim_late_steps", "Engine steps that ended more than 5 ms after their modelled time.",
+            registry=reg,
+        )  # fmt: skip
         if cache_info:
             # vLLM's info-style gauge describing the KV cache configuration (always 1).
             info = Gauge(
