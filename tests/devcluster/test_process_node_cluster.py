@@ -14,6 +14,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,11 @@ def _alive(pid: int) -> bool:
 def _pod(cluster: ClusterHelper, namespace: str, name: str) -> Obj:
     pod: Obj = cluster.get_json("pod", name, f"--namespace={namespace}")
     return pod
+
+
+def _is_ready(cluster: ClusterHelper, namespace: str, name: str) -> bool:
+    conditions = _pod(cluster, namespace, name)["status"].get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 def _wait_serving(cluster: ClusterHelper, namespace: str, service: str, count: int) -> dict[str, str]:
@@ -279,6 +285,39 @@ def test_failing_liveness_restarts_the_container(cluster: ClusterHelper, node_di
     assert status["lastState"]["terminated"]["message"].startswith("Liveness probe failed")
     assert not _alive(first_pid)
     assert _get(ip)["pod"] == "live"  # the new process serves on the same pod IP
+
+
+def test_vllm_image_runs_the_engine_simulator_on_the_pod_ip(
+    cluster: ClusterHelper, node_dir: Path, namespace: str
+) -> None:
+    kv = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"$(POD_NAME)"}'
+    engine = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:v0.32.0",
+        "command": ["vllm", "serve"],
+        "args": ["tiny-llama", "--port", "8000", "--kv-transfer-config", kv],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "PDSERVE_SIM_FAST", "value": "1"},
+        ],
+        "resources": {"limits": {"nvidia.com/gpu": "1", "rdma/ib": "1"}},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+    }
+    pods = [
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"prefill-{i}"}, "spec": _pod_spec(engine)}
+        for i in range(2)
+    ]
+    cluster.apply(pods, namespace=namespace)
+    for i in range(2):
+        name = f"prefill-{i}"
+        wait_for(
+            partial(_is_ready, cluster, namespace, name), timeout=60, message=partial(cluster.logs, namespace, name)
+        )
+        ip = _pod(cluster, namespace, name)["status"]["podIP"]
+        # Both engines use port 8000 (and the side-channel port) on their own pod IPs.
+        with urllib.request.urlopen(f"http://{ip}:8000/v1/models", timeout=5) as response:
+            models = json.loads(response.read())
+        assert [m["id"] for m in models["data"]] == ["tiny-llama"]
 
 
 def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: Path, namespace: str) -> None:

@@ -358,3 +358,23 @@ def test_status_conditions_ip_and_transition_times() -> None:
 
 def test_python_for_rewrites_is_this_interpreter() -> None:
     assert ImageMap.load().resolve("python:3", ["python", "-V"], None).argv == [sys.executable, "-V"]
+
+
+# --- command line --------------------------------------------------------------------------------------
+def test_command_line_reports_bad_inputs_clearly(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pdserve.devcluster.process_node.__main__ import main
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
+    bad_map = tmp_path / "map.yaml"
+    bad_map.write_text("images: [{match: []}]\n")
+    base = ["--kubeconfig", str(kubeconfig), "--node-name", "n", "--workdir", str(tmp_path / "w")]
+    runner = CliRunner()
+    result = runner.invoke(main, [*base, "--image-map", str(bad_map)])
+    assert result.exit_code == 1 and "does not follow the format" in result.output
+    result = runner.invoke(main, [*base, "--pod-cidr", "not-a-cidr"])
+    assert result.exit_code == 1 and "not-a-cidr" in result.output
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0 and "--pod-cidr" in result.output and "PDSERVE_POD_CIDR" in result.output
