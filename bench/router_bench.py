@@ -1,0 +1,466 @@
+"""Benchmark: what does the pdserve router add to time-to-first-token, and how many stream chunks can it relay?
+
+Run: ``.venv/bin/python bench/router_bench.py [--seconds 8] [--levels 1,64,256] [--max-tokens 64]``
+
+One prefill and one decode ``pdserve sim --fast`` process are the backends. In the same run, against the same
+backends and with the same load, it measures:
+
+- ``direct``: clients talk to the decode engine itself (no router, no prefill): the baseline;
+- ``pdserve-pd``: the pdserve router with every request disaggregated (threshold 0): prefill hop + decode relay;
+- ``pdserve-decode``: the pdserve router sending everything straight to decode (the proxy path alone);
+- ``vllm-router-pd``: vLLM's Rust router (PyPI ``vllm-router``) in PD mode, when installed.
+
+At each concurrency level a load generator (a separate process, aiohttp) keeps N streaming completions open for
+``--seconds`` and records TTFT (request sent -> first ``data:`` chunk), streamed chunks and requests. "Added
+TTFT" is a router's TTFT percentile minus direct's at the same level. Router CPU (user+sys of the router process
+and its children, from /proc) and RSS are sampled around each run; "chunks/CPU-s" is relayed chunks per second of
+router CPU, i.e. what one fully busy core would relay. With 2 or more CPUs the router is pinned to CPU 0 and
+everything else to the other CPUs, so the router has one core to itself (other tenants of a shared machine
+still interfere: repeat a run before trusting a small difference).
+
+Floors (issue 6): pdserve-pd added TTFT p50 <= 2 ms and p99 <= 10 ms at 64 streams; >= 10,000 relayed chunks per
+router CPU-second. The exit status is 0 when both hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+FILLER = "The quick brown fox jumps over the lazy dog near the river bank today. "
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Load generator (runs in its own process: `router_bench.py loadgen ...`)
+
+
+async def _loadgen(  # noqa: PLR0917 (mirrors the loadgen command line)
+    url: str, concurrency: int, seconds: float, max_tokens: int, warmup: float, prefill: str | None
+) -> dict[str, Any]:
+    """Closed-loop streaming load. With `prefill`, the client itself runs the PD flow (step 1 on `prefill`,
+    step 3 on `url`): the no-router baseline for routers in PD mode."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=120)
+    ttfts: list[float] = []
+    chunks = 0
+    requests = 0
+    errors = 0
+    clock = time.perf_counter  # loop.time() is millisecond-grained on uvloop: too coarse for TTFT
+    start = clock()
+    measure_from = start + warmup
+    stop_at = measure_from + seconds
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def worker(worker_id: int) -> None:
+            nonlocal chunks, requests, errors
+            i = 0
+            while clock() < stop_at:
+                i += 1
+                prompt = f"bench worker {worker_id} request {i}. " + FILLER * 2
+                body = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+                sent = clock()
+                first: float | None = None
+                got = 0
+                try:
+                    if prefill is not None:
+                        step1 = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
+                        async with session.post(prefill + "/v1/completions", json=step1) as response:
+                            answer = await response.json()
+                        body["kv_transfer_params"] = answer["kv_transfer_params"]
+                    async with session.post(url + "/v1/completions", json=body) as response:
+                        if response.status != 200:
+                            await response.read()
+                            errors += 1
+                            continue
+                        async for chunk in response.content.iter_any():
+                            if first is None:
+                                first = clock()
+                            got += chunk.count(b"data: {")
+                except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+                    errors += 1
+                    continue
+                done = clock()
+                if sent >= measure_from and done <= stop_at and first is not None:
+                    ttfts.append(first - sent)
+                    requests += 1
+                    chunks += got
+
+        await asyncio.gather(*(worker(n) for n in range(concurrency)))
+    return {
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "requests": requests,
+        "errors": errors,
+        "chunks": chunks,
+        "ttft_p50_ms": _percentile(ttfts, 50) * 1000,
+        "ttft_p90_ms": _percentile(ttfts, 90) * 1000,
+        "ttft_p99_ms": _percentile(ttfts, 99) * 1000,
+    }
+
+
+def run_loadgen(args: argparse.Namespace) -> None:
+    import uvloop
+
+    result = uvloop.run(_loadgen(args.url, args.concurrency, args.seconds, args.max_tokens, args.warmup, args.prefill))
+    print(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Processes and /proc sampling
+
+
+def _descendants(pid: int) -> list[int]:
+    found = [pid]
+    for child in Path("/proc").iterdir():
+        if not child.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            fields = (child / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) in found:
+                found.append(int(child.name))
+    return found
+
+
+def _cpu_seconds(pid: int) -> float:
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for each in _descendants(pid):
+        with contextlib.suppress(OSError, IndexError):
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return total
+
+
+def _rss_mb(pid: int) -> float:
+    total = 0
+    for each in _descendants(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{each}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+    return total / 1024
+
+
+class Target:
+    """Where the load goes, what it is compared with, and the router process to sample (if any)."""
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        *,
+        baseline: str | None,
+        router: Proc | None = None,
+        client_prefill: str | None = None,
+    ) -> None:
+        self.name = name
+        self.url = url
+        self.baseline = baseline
+        self.router = router
+        self.client_prefill = client_prefill
+
+
+class Proc:
+    """A child process started with an optional CPU set, stopped by PID."""
+
+    def __init__(self, args: list[str], cpus: set[int] | None, env: dict[str, str] | None = None) -> None:
+        self.popen = subprocess.Popen(
+            args, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        if cpus:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(self.popen.pid, cpus)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def _wait_http(url: str, path: str, within: float = 60.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with urllib.request.urlopen(url + path, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}{path} not ready after {within} s")
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def _run_level(target: Target, level: int, args: argparse.Namespace, cpus: set[int] | None) -> dict[str, Any]:
+    router = target.router
+    cmd = [PY, __file__, "loadgen", "--url", target.url, "--concurrency", str(level), "--seconds", str(args.seconds)]
+    cmd += ["--max-tokens", str(args.max_tokens), "--warmup", str(args.warmup)]
+    if target.client_prefill:
+        cmd += ["--prefill", target.client_prefill]
+    cpu_before = _cpu_seconds(router.pid) if router else 0.0
+    started = time.monotonic()
+    loadgen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(loadgen.pid, cpus)
+    # Sample the router while the measured window runs (after the warm-up).
+    time.sleep(args.warmup)
+    cpu_window_start = _cpu_seconds(router.pid) if router else 0.0
+    window_start = time.monotonic()
+    time.sleep(args.seconds)
+    cpu_window = (_cpu_seconds(router.pid) - cpu_window_start) if router else 0.0
+    window = time.monotonic() - window_start
+    rss = _rss_mb(router.pid) if router else 0.0
+    out, _ = loadgen.communicate(timeout=args.seconds + 180)
+    del cpu_before, started
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    seconds = float(result["seconds"])
+    result["tokens_per_s"] = result["chunks"] / seconds
+    result["requests_per_s"] = result["requests"] / seconds
+    result["router_cpu_pct"] = 100 * cpu_window / window if router else 0.0
+    result["router_rss_mb"] = rss
+    result["chunks_per_cpu_s"] = (result["tokens_per_s"] / (cpu_window / window)) if router and cpu_window else 0.0
+    return result
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    levels = [int(level) for level in args.levels.split(",")]
+    status = 0
+    everything: dict[str, Any] = {}
+    for preset in args.sim_presets.split(","):
+        print(f"\n## backends: pdserve sim {'--fast' if preset == 'fast' else '--preset ' + preset}", flush=True)
+        results = run_preset(args, preset, levels)
+        status |= _report(results, levels, preset)
+        everything[preset] = results
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=2))
+    return status
+
+
+def run_preset(args: argparse.Namespace, preset: str, levels: list[int]) -> dict[str, dict[int, dict[str, Any]]]:
+    ncpu = os.cpu_count() or 1
+    pin = ncpu >= 2 and args.pin
+    router_cpus = {0} if pin else None
+    other_cpus = set(range(1, ncpu)) if pin else None
+
+    procs: list[Proc] = []
+    try:
+        timing = ["--fast"] if preset == "fast" else ["--preset", preset]
+        sim = [PY, "-m", "pdserve_runtime.sim", *timing, "--host", "127.0.0.1", "--log-level", "warning"]
+        prefill_port, decode_port = _free_port(), _free_port()
+        prefill = Proc([*sim, "--role", "prefill", "--port", str(prefill_port), "--side-channel-port",
+                        str(_free_port())], other_cpus)  # fmt: skip
+        decode = Proc([*sim, "--role", "decode", "--port", str(decode_port), "--side-channel-port",
+                       str(_free_port())], other_cpus)  # fmt: skip
+        procs += [prefill, decode]
+        prefill_url, decode_url = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
+        _wait_http(prefill_url, "/health")
+        _wait_http(decode_url, "/health")
+
+        def pdserve(threshold: int) -> tuple[str, Proc]:
+            port = _free_port()
+            cmd = [PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--prefill",
+                   prefill_url, "--decode", decode_url, "--disaggregation-threshold", str(threshold),
+                   "--served-model-name", "sim-model", "--log-level", "warning"]  # fmt: skip
+            proc = Proc(cmd, router_cpus)
+            url = f"http://127.0.0.1:{port}"
+            _wait_http(url, "/ready")
+            return url, proc
+
+        def vllm_router() -> tuple[str, Proc]:
+            binary = shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
+            if binary is None:
+                raise FileNotFoundError("vllm-router is not installed (pip install vllm-router)")
+            port = _free_port()
+            cmd = [binary, "--vllm-pd-disaggregation", "--prefill", prefill_url, "none", "--decode", decode_url,
+                   "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(_free_port()),
+                   "--log-level", "warning", "--max-concurrent-requests", "4096", "--queue-size", "4096"]  # fmt: skip
+            proc = Proc(cmd, router_cpus)
+            url = f"http://127.0.0.1:{port}"
+            _wait_http(url, "/health")
+            return url, proc
+
+        targets = [
+            Target("direct-decode", decode_url, baseline=None),
+            Target("direct-pd", decode_url, baseline=None, client_prefill=prefill_url),
+        ]
+        starters: list[tuple[str, Callable[[], tuple[str, Proc]], str]] = [
+            ("pdserve-decode", lambda: pdserve(10**9), "direct-decode"),
+            ("pdserve-pd", lambda: pdserve(0), "direct-pd"),
+            ("vllm-router-pd", vllm_router, "direct-pd"),
+        ]
+        for name, start, baseline in starters:
+            if name == "vllm-router-pd" and args.no_vllm_router:
+                continue
+            try:
+                url, router = start()
+            except (FileNotFoundError, TimeoutError) as exc:
+                print(f"# {name}: skipped ({exc})", flush=True)
+                continue
+            procs.append(router)
+            targets.append(Target(name, url, baseline=baseline, router=router))
+
+        # Interleave: every target runs once per round at a level before any runs again, so slow drifts of a
+        # shared machine hit all targets alike; each figure is the median over rounds.
+        rounds: dict[str, dict[int, list[dict[str, Any]]]] = {t.name: {level: [] for level in levels} for t in targets}
+        for level in levels:
+            for round_index in range(args.rounds):
+                for target in targets:
+                    result = _run_level(target, level, args, other_cpus)
+                    rounds[target.name][level].append(result)
+                    print(f"# {target.name} c={level} round={round_index}: {json.dumps(result)}", flush=True)
+        results = {
+            target.name: {level: _median(rounds[target.name][level]) | {"baseline": target.baseline}
+                          for level in levels}
+            for target in targets
+        }  # fmt: skip
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    return results
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-field median over rounds (numbers), first value otherwise."""
+    merged: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, int | float):
+            values = sorted(float(run[key]) for run in runs)
+            merged[key] = values[len(values) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1 :][:2]) / 2
+        else:
+            merged[key] = value
+    return merged
+
+
+def _report(results: dict[str, dict[int, dict[str, Any]]], levels: list[int], preset: str) -> int:
+    header = (f"{'target':<16}{'c':>5}{'TTFT p50':>10}{'p99':>9}{'+p50':>8}{'+p99':>8}{'tok/s':>9}{'req/s':>8}"
+              f"{'CPU%':>7}{'RSS MB':>8}{'chunks/CPU-s':>14}{'err':>5}")  # fmt: skip
+    print()
+    print(header)
+    print("-" * len(header))
+    for name, by_level in results.items():
+        for level in levels:
+            r = by_level.get(level)
+            if r is None:
+                continue
+            base = results.get(r["baseline"], {}).get(level) if r["baseline"] else None
+            added50 = r["ttft_p50_ms"] - base["ttft_p50_ms"] if base else float("nan")
+            added99 = r["ttft_p99_ms"] - base["ttft_p99_ms"] if base else float("nan")
+            r["added_ttft_p50_ms"], r["added_ttft_p99_ms"] = added50, added99
+            print(f"{name:<16}{level:>5}{r['ttft_p50_ms']:>10.2f}{r['ttft_p99_ms']:>9.2f}{added50:>8.2f}{added99:>8.2f}"
+                  f"{r['tokens_per_s']:>9.0f}{r['requests_per_s']:>8.1f}{r['router_cpu_pct']:>7.0f}"
+                  f"{r['router_rss_mb']:>8.0f}{r['chunks_per_cpu_s']:>14.0f}{r['errors']:>5}")  # fmt: skip
+    ok = True
+    ours = results.get("pdserve-pd", {})
+    theirs = results.get("vllm-router-pd", {})
+    print()
+    if theirs:
+        for level in levels:
+            if level in ours and level in theirs:
+                a, b = ours[level], theirs[level]
+                tokens = a["tokens_per_s"] / max(1e-9, b["tokens_per_s"])
+                ttft = a["ttft_p50_ms"] / max(1e-9, b["ttft_p50_ms"])
+                cpu_a = a["router_cpu_pct"] / max(1e-9, a["tokens_per_s"])
+                cpu_b = b["router_cpu_pct"] / max(1e-9, b["tokens_per_s"])
+                print(
+                    f"pdserve-pd / vllm-router-pd at c={level}: tokens/s x{tokens:.2f}, TTFT p50 x{ttft:.2f}, "
+                    f"router CPU per chunk x{cpu_a / max(1e-9, cpu_b):.2f}"
+                )
+    if 64 in ours and "direct-pd" in results:
+        p50, p99 = ours[64]["added_ttft_p50_ms"], ours[64]["added_ttft_p99_ms"]
+        floor_ttft = p50 <= 2.0 and p99 <= 10.0
+        ok &= floor_ttft
+        print(f"floor: added TTFT at 64 streams p50 {p50:.2f} ms (<= 2), p99 {p99:.2f} ms (<= 10): "
+              f"{'met' if floor_ttft else 'MISSED'}")  # fmt: skip
+    capacity = max((r["chunks_per_cpu_s"] for r in ours.values()), default=0.0)
+    floor_chunks = capacity >= 10_000
+    ok &= floor_chunks
+    print(
+        f"floor: relayed chunks per router CPU-second {capacity:.0f} (>= 10000): {'met' if floor_chunks else 'MISSED'}"
+    )
+    print(f"(backends: {preset})")
+    return 0 if ok else 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    load = sub.add_parser("loadgen", help="internal: the load generator process")
+    load.add_argument("--url", required=True)
+    load.add_argument("--concurrency", type=int, required=True)
+    load.add_argument("--seconds", type=float, required=True)
+    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--warmup", type=float, default=1.0)
+    load.add_argument("--prefill", help="run the PD flow client-side with this prefill engine")
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run")
+    parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each window")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per target and level (median)")
+    parser.add_argument("--levels", default="1,64,256", help="concurrent streams, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed completion")
+    parser.add_argument("--no-vllm-router", action="store_true", help="skip the vllm-router comparison")
+    parser.add_argument(
+        "--pin", action="store_true", help="pin the router to CPU 0 and everything else to the other CPUs"
+    )
+    parser.add_argument(
+        "--sim-presets",
+        default="fast,h200-8b",
+        help="backend timing, comma-separated: fast (no modelled time: saturates the machine) and/or h200-8b "
+        "(streams paced like an 8B model on an H200, so TTFT is not CPU queueing)",
+    )
+    parser.add_argument("--json", help="also write the raw results here")
+    args = parser.parse_args()
+    if args.command == "loadgen":
+        run_loadgen(args)
+        return
+    sys.exit(run_bench(args))
+
+
+if __name__ == "__main__":
+    main()
