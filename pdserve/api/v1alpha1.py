@@ -371,6 +371,10 @@ class RouterSpec(ApiModel):
     )
     routing: RoutingSpec | None = Field(default=None, description="Routing policy settings.")
     resources: ComputeResources | None = Field(default=None, description="Router container resources.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node selector for router pods (they need no GPU; CPU nodes are best)."
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations for router pods.")
 
 
 # ------------------------------------------------------------------------------------------------------------ slo

@@ -149,6 +149,25 @@ def deployment(pds: PDService) -> dict[str, Any]:
         },
     }
     config_hash = hashlib.sha256(config_text(pds).encode()).hexdigest()[:16]
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": name,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": defaults.ROUTER_TERMINATION_GRACE_SECONDS,
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": name}}],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": selector_labels(pds, "router")},
+            }
+        ],
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -162,21 +181,7 @@ def deployment(pds: PDService) -> dict[str, Any]:
                     "labels": labels(pds, "router"),
                     "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
                 },
-                "spec": {
-                    "serviceAccountName": name,
-                    "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": defaults.ROUTER_TERMINATION_GRACE_SECONDS,
-                    "containers": [container],
-                    "volumes": [{"name": "config", "configMap": {"name": name}}],
-                    "topologySpreadConstraints": [
-                        {
-                            "maxSkew": 1,
-                            "topologyKey": "kubernetes.io/hostname",
-                            "whenUnsatisfiable": "ScheduleAnyway",
-                            "labelSelector": {"matchLabels": selector_labels(pds, "router")},
-                        }
-                    ],
-                },
+                "spec": pod_spec,
             },
         },
     }
