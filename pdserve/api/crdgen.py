@@ -6,7 +6,8 @@ optional fields. The conversion is a single recursive walk:
 
 1. `$ref` -> inline the referenced definition (the models have no recursion, so this terminates);
 2. `anyOf` with a `null` branch -> the non-null branch (absent is how Kubernetes says null);
-3. `const` (Literal of one value) -> a one-element `enum`;
+3. `const` (Literal of one value) -> a one-element `enum`; numeric `exclusiveMinimum: x` -> `minimum: x` plus
+   `exclusiveMinimum: true` (OpenAPI v3.0 form);
 4. drop `title` and `default` (defaults live in `pdserve.api.defaults`, not in stored objects);
 5. keep `description`, constraints, `enum`, `x-kubernetes-*` extensions; rename the CEL key.
 
@@ -24,6 +25,7 @@ from pdserve.api import v1alpha1
 from pdserve.api.v1alpha1 import MAX_NAME_LENGTH, NAME_PATTERN, PDServiceSpec, PDServiceStatus
 
 _DROP = frozenset({"title", "default"})
+_EXCLUSIVE_BOUNDS = {"exclusiveMinimum": "minimum", "exclusiveMaximum": "maximum"}
 
 
 def _structural(node: Any, defs: dict[str, Any]) -> Any:
@@ -46,6 +48,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             continue
         if key == "const":
             out["enum"] = [value]
+        elif key in _EXCLUSIVE_BOUNDS:
+            # JSON Schema 2020 has numeric exclusive bounds; OpenAPI v3.0 (and so Kubernetes) a bound plus a flag.
+            out[_EXCLUSIVE_BOUNDS[key]] = value
+            out[key] = True
         elif key in {"properties", "patternProperties"}:
             out[key] = {name: _structural(sub, defs) for name, sub in value.items()}
         else:
@@ -88,7 +94,6 @@ def _root_schema() -> dict[str, Any]:
             # StatefulSet pods need room for their controller-revision-hash label).
             "metadata": {
                 "type": "object",
-                "description": "Standard object metadata.",
                 "properties": {
                     "name": {"type": "string", "maxLength": MAX_NAME_LENGTH, "pattern": NAME_PATTERN},
                 },

@@ -408,8 +408,8 @@ class PDServiceSpec(ApiModel):
         json_schema_extra=_cel(
             (
                 "(has(self.engine.attention) && self.engine.attention == 'mla') || "
-                "(has(self.prefill.tensorParallelSize) ? self.prefill.tensorParallelSize : 1) <= "
-                "(has(self.decode.tensorParallelSize) ? self.decode.tensorParallelSize : 1)",
+                "((has(self.prefill) && has(self.prefill.tensorParallelSize)) ? self.prefill.tensorParallelSize : 1)"
+                " <= ((has(self.decode) && has(self.decode.tensorParallelSize)) ? self.decode.tensorParallelSize : 1)",
                 "prefill.tensorParallelSize must be <= decode.tensorParallelSize for standard attention",
             ),
         )
