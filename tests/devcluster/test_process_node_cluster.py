@@ -320,6 +320,47 @@ def test_vllm_image_runs_the_engine_simulator_on_the_pod_ip(
         assert [m["id"] for m in models["data"]] == ["tiny-llama"]
 
 
+def test_init_containers_run_first_and_sidecars_keep_running(
+    cluster: ClusterHelper, node_dir: Path, namespace: str
+) -> None:
+    work = [{"name": "work", "mountPath": "/work"}]
+    init = {
+        "name": "prepare",
+        "image": "busybox",
+        "command": ["sh", "-c", 'sleep 0.5; echo init-was-here > "$1"', "prepare", "/work/marker"],
+        "volumeMounts": work,
+    }
+    sidecar = _container(
+        args=["--port", "9090"],
+        name="side",
+        restartPolicy="Always",
+        ports=[],
+        readinessProbe={"httpGet": {"path": "/readyz", "port": 9090}, "periodSeconds": 1},
+    )
+    main = {
+        "name": "main",
+        "image": "busybox",
+        "command": ["sh", "-c", 'cat "$1" && exec sleep 300', "main", "/work/marker"],
+        "volumeMounts": work,
+    }
+    spec = _pod_spec(main, initContainers=[init, sidecar], volumes=[{"name": "work", "emptyDir": {}}])
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "seq"}, "spec": spec}, namespace=namespace)
+    wait_for(
+        partial(_is_ready, cluster, namespace, "seq"),
+        timeout=30,
+        message=lambda: str(_pod(cluster, namespace, "seq")["status"]),
+    )
+    status = _pod(cluster, namespace, "seq")["status"]
+    init_states = {s["name"]: s for s in status["initContainerStatuses"]}
+    assert init_states["prepare"]["state"]["terminated"]["exitCode"] == 0
+    assert "running" in init_states["side"]["state"] and init_states["side"]["ready"] is True
+    assert status["containerStatuses"][0]["restartCount"] == 0  # the marker was there when main started
+    assert "init-was-here" in (node_dir / "logs" / f"{namespace}_seq_main.log").read_text()
+    ip = status["podIP"]
+    with urllib.request.urlopen(f"http://{ip}:9090/", timeout=5) as response:
+        assert json.loads(response.read())["pod"] == "seq"
+
+
 def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: Path, namespace: str) -> None:
     cluster.apply(
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"greeting": "hello"}},

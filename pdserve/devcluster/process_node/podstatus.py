@@ -63,6 +63,7 @@ class ContainerView:
     started: bool = False
     pid: int | None = None
     command: list[str] = field(default_factory=list)
+    sidecar: bool = False  # an init container with restartPolicy Always
 
     def state(self) -> Obj:
         if self.running_since is not None:
@@ -95,7 +96,7 @@ class ContainerView:
 def pod_phase(restart_policy: str, init: list[ContainerView], main: list[ContainerView]) -> str:
     """The pod phase from its containers' states (see the module docstring)."""
     for view in init:
-        if view.terminated is not None and view.terminated.exit_code == 0:
+        if view.sidecar or (view.terminated is not None and view.terminated.exit_code == 0):
             continue
         init_failed = view.terminated is not None or view.last_terminated is not None
         return "Failed" if init_failed and restart_policy == "Never" and view.running_since is None else "Pending"
@@ -122,6 +123,13 @@ def pod_phase(restart_policy: str, init: list[ContainerView], main: list[Contain
     if restart_policy == "OnFailure":
         return "Succeeded" if stopped == succeeded else "Running"
     return "Failed" if failed else "Succeeded"
+
+
+def _init_complete(view: ContainerView) -> bool:
+    """A regular init container exited 0; a sidecar has started (once is enough)."""
+    if view.sidecar:
+        return view.started or view.restart_count > 0
+    return view.terminated is not None and view.terminated.exit_code == 0
 
 
 def _condition(kind: str, ok: bool, reason: str = "", message: str = "") -> Obj:
@@ -152,8 +160,9 @@ def pod_conditions(
     gates = [gate["conditionType"] for gate in pod.get("spec", {}).get("readinessGates") or []]
     current = {c.get("type"): c for c in pod.get("status", {}).get("conditions") or []}
     reported = {c.get("type"): c for c in previous or []}
-    pending_init = [v.name for v in init if v.terminated is None or v.terminated.exit_code != 0]
-    unready = [v.name for v in main if not v.ready]
+    pending_init = [v.name for v in init if not _init_complete(v)]
+    # Sidecars count toward readiness like regular containers.
+    unready = [v.name for v in init if v.sidecar and not v.ready] + [v.name for v in main if not v.ready]
     completed = phase in ("Succeeded", "Failed")
     unready_message = f"containers with unready status: [{' '.join(unready)}]"
     containers_ready = _condition(

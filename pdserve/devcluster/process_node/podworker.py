@@ -91,10 +91,21 @@ class Container:
     retry_at: float | None = None  # monotonic; set after a configuration error
     attempts: int = 0
     finished: bool = False  # exited and will not be restarted
+    progressed: bool = False  # a sidecar that has started once: the next init container may run
 
     @property
     def name(self) -> str:
         return str(self.spec["name"])
+
+    @property
+    def sidecar(self) -> bool:
+        """An init container with restartPolicy Always: started in order, then kept running like the rest."""
+        return self.init and self.spec.get("restartPolicy") == "Always"
+
+    @property
+    def init_done(self) -> bool:
+        """Whether the init sequence may move past this container."""
+        return self.progressed if self.sidecar else self.succeeded
 
     @property
     def succeeded(self) -> bool:
@@ -139,7 +150,10 @@ class PodWorker(threading.Thread):
 
     def _container(self, spec: Obj, init: bool, restarts: dict[str | None, int]) -> Container:
         view = ContainerView(
-            name=spec["name"], image=spec.get("image", ""), restart_count=restarts.get(spec["name"], 0)
+            name=spec["name"],
+            image=spec.get("image", ""),
+            restart_count=restarts.get(spec["name"], 0),
+            sidecar=init and spec.get("restartPolicy") == "Always",
         )
         if not init and self.init_pending_at_start():
             view.waiting = ("PodInitializing", "")
@@ -209,12 +223,14 @@ class PodWorker(threading.Thread):
             self._report(pod)
             return now + _CONFIG_RETRY
         for container in self.init:
-            if not container.succeeded:
+            if not container.init_done or container.sidecar:
                 self._step(pod, container)
-            if not container.succeeded:
+                self._probe(pod, container)
+            if container.sidecar and container.view.started:
+                container.progressed = True
+            if not container.init_done:
                 break
-        init_done = all(c.succeeded for c in self.init)
-        if init_done:
+        if all(c.init_done for c in self.init):
             for container in self.main:
                 self._step(pod, container)
             for container in self.main:
@@ -322,7 +338,7 @@ class PodWorker(threading.Thread):
         view.pid = process.pid
         # No startup probe: started at once; no readiness probe: ready as soon as started.
         view.started = "startup" not in probes
-        view.ready = view.started and "readiness" not in probes and not container.init
+        view.ready = view.started and "readiness" not in probes and (container.sidecar or not container.init)
         log.info(
             "Started container pod=%s container=%s pid=%s restarts=%s argv=%s",
             self.label,
@@ -373,7 +389,9 @@ class PodWorker(threading.Thread):
         view.started = False
         policy = pod.get("spec", {}).get("restartPolicy", "Always")
         failed = terminated.exit_code != 0
-        if container.init:
+        if container.sidecar:
+            restart = True
+        elif container.init:
             restart = failed and policy != "Never"
         else:
             restart = policy == "Always" or (policy == "OnFailure" and failed)
