@@ -259,6 +259,9 @@ def test_crashing_container_backs_off_and_counts_restarts(
     assert _pod(cluster, namespace, "crash")["status"]["phase"] == "Running"
     log = (node_dir / "logs" / f"{namespace}_crash_web.log").read_text()
     assert log.count("--- process-node:") >= 3
+    events = cluster.get_json("events", f"--namespace={namespace}", "--field-selector=involvedObject.name=crash")
+    reasons = {event["reason"] for event in events["items"]}
+    assert {"Started", "BackOff"} <= reasons, reasons
 
 
 def test_failing_liveness_restarts_the_container(cluster: ClusterHelper, node_dir: Path, namespace: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client, config
@@ -156,3 +157,34 @@ class Kube:
             if exc.status != 404:
                 raise
             self.coordination.create_namespaced_lease(namespace, lease, _preload_content=False, _request_timeout=30)
+
+    # --- events -----------------------------------------------------------------------------------------
+    def record_event(self, pod: Obj, *, kind: str, reason: str, message: str, container: str, node: str) -> None:
+        """Post a core/v1 Event about ``pod`` as the kubelet would (so `kubectl describe` shows it)."""
+        meta = pod["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        involved: Obj = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": meta["name"],
+            "namespace": meta.get("namespace", "default"),
+            "uid": meta.get("uid"),
+        }
+        if container:
+            involved["fieldPath"] = f"spec.containers{{{container}}}"
+        event: Obj = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": involved["namespace"]},
+            "involvedObject": involved,
+            "reason": reason,
+            "message": message[:1024],
+            "type": kind,
+            "source": {"component": "kubelet", "host": node},
+            "reportingComponent": "kubelet",
+            "reportingInstance": node,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self.core.create_namespaced_event(involved["namespace"], event, _preload_content=False, _request_timeout=10)

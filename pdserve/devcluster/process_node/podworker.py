@@ -306,6 +306,7 @@ class PodWorker(threading.Thread):
                     view.waiting[0],
                     view.waiting[1],
                 )
+                self._event(pod, "Warning", "Failed", f"Error: {view.waiting[0]}: {view.waiting[1]}", container.name)
             return
         container.retry_at = None
         container.restart_at = None
@@ -325,6 +326,7 @@ class PodWorker(threading.Thread):
         except OSError as exc:
             # Like a runtime failing to exec the entrypoint: a StartError termination, then back-off.
             log.warning("Failed to start container pod=%s container=%s error=%s", self.label, container.name, exc)
+            self._event(pod, "Warning", "Failed", f"Error: failed to start {argv[0]!r}: {exc}", container.name)
             now = time.time()
             self._record_exit(pod, container, Terminated(128, "StartError", None, now, str(exc)), ran_for=0.0)
             return
@@ -347,6 +349,7 @@ class PodWorker(threading.Thread):
             view.restart_count,
             argv,
         )
+        self._event(pod, "Normal", "Started", f"Started container {container.name} (pid {process.pid})", container.name)
 
     def _prepare(self, pod: Obj, container: Container) -> tuple[list[str], dict[str, str], Path]:
         """Resolve the container's argv, environment and working folder."""
@@ -410,6 +413,7 @@ class PodWorker(threading.Thread):
                 f"back-off {delay:.0f}s restarting failed container={container.name} pod={self.pod_name}",
             )
             log.info("Backing off container restart pod=%s container=%s delay=%.0fs", self.label, container.name, delay)
+            self._event(pod, "Warning", "BackOff", f"Back-off {delay:.0f}s restarting failed container", container.name)
         else:
             view.waiting = ("ContainerCreating", "")
 
@@ -441,6 +445,8 @@ class PodWorker(threading.Thread):
                     readiness.success,
                     why,
                 )
+                if not readiness.success:
+                    self._event(pod, "Warning", "Unhealthy", f"Readiness probe failed: {why}", container.name)
             view.ready = readiness.success
         liveness = container.probes.get("liveness")
         if liveness is not None and liveness.is_due(time.monotonic()):
@@ -456,9 +462,22 @@ class PodWorker(threading.Thread):
         log.info(
             "Killing unhealthy container pod=%s container=%s pid=%s: %s", self.label, container.name, process.pid, why
         )
+        self._event(pod, "Warning", "Unhealthy", why, container.name)
+        self._event(
+            pod, "Normal", "Killing", f"Container {container.name} failed its probe, will be restarted", container.name
+        )
         code = process.stop(self._grace(pod))
         terminated = Terminated(code, "Error", process.started_at, process.finished_at or time.time(), why)
         self._record_exit(pod, container, terminated, process.ran_for)
+
+    def _event(self, pod: Obj, kind: str, reason: str, message: str, container: str = "") -> None:
+        """Post an Event for `kubectl describe`; an Event that fails to post is only logged."""
+        try:
+            self.ctx.kube.record_event(
+                pod, kind=kind, reason=reason, message=message, container=container, node=self.ctx.node_name
+            )
+        except Exception as exc:
+            log.debug("Failed to post event pod=%s reason=%s error=%s", self.label, reason, exc)
 
     # --- status -----------------------------------------------------------------------------------------
     def _report(self, pod: Obj) -> None:
@@ -518,6 +537,10 @@ class PodWorker(threading.Thread):
             grace = min(grace, _VANISHED_GRACE)
         elif self._node_stopping and not deleting:
             grace = min(grace, self.ctx.shutdown_grace)
+        if deleting:
+            for container in self.init + self.main:
+                if container.process is not None:
+                    self._event(pod, "Normal", "Killing", f"Stopping container {container.name}", container.name)
         self._stop_all(grace)
         if self._node_stopping and not deleting:
             log.info("Stopped pod for node shutdown pod=%s", self.label)
