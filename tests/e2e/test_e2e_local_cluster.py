@@ -1,0 +1,143 @@
+"""End to end on the local cluster: a user applies a PDService and talks to its router.
+
+Everything is real except the container runtime and the GPUs: kube-apiserver, scheduler and controllers, the
+operator as a process, the StatefulSets' pods run by the process node as local processes (the vLLM image runs the
+engine simulator with the exact command line the renderer wrote), the EndpointSlice controller publishing their
+addresses, and the router discovering them through EndpointSlices and moving KV over the simulator's side channel.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.devcluster.testing import ClusterHelper, wait_for
+from pdserve_operator.harness import OperatorProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def namespace(cluster: ClusterHelper) -> Iterator[str]:
+    if cluster.process_node_workdir is None:
+        pytest.skip("the local cluster runs without its process node")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    name = cluster.create_namespace("e2e")
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def demo(cluster: ClusterHelper, namespace: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """examples/local-sim.yaml applied and Available, with the operator running; yields the router's base URL."""
+    log = tmp_path_factory.mktemp("e2e") / "operator.log"
+    with OperatorProcess(
+        cluster.kubeconfig, log, namespaces=[namespace], identity="e2e", lease_namespace=namespace
+    ) as op:
+        op.wait_ready()
+        doc = yaml.safe_load((ROOT / "examples" / "local-sim.yaml").read_text())
+        doc["metadata"]["namespace"] = namespace
+        cluster.apply(json.dumps(doc))
+        result = cluster.kubectl(
+            "wait", "--for=condition=Available", "pds/demo", "-n", namespace, "--timeout=180s", check=False
+        )
+        if result.returncode != 0:
+            status = cluster.kubectl("get", "pds/demo", "-n", namespace, "-o", "yaml", check=False).stdout
+            pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+            pytest.fail(f"demo never became Available\n{status}\n{pods}\n{op.log_tail()}")
+
+        # Available means every role serves; wait for the whole pools too, so the tests see both decode engines.
+        def settled() -> bool:
+            status = cluster.get_json("pds/demo", "-n", namespace).get("status", {})
+            pools = [status.get("prefill", {}), status.get("decode", {})]
+            return all(p.get("readyReplicas") == p.get("desiredReplicas") for p in pools)
+
+        wait_for(settled, timeout=120)
+        [router_ip] = cluster.pod_ips(namespace, "pdserve.io/role=router")
+        yield f"http://{router_ip}:8080"
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.status, dict(response.headers), json.loads(response.read())
+
+
+def engine_counter(cluster: ClusterHelper, namespace: str, role: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for ip in cluster.pod_ips(namespace, f"pdserve.io/role={role}"):
+        text = urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+    return total
+
+
+def test_status_reports_pools_router_and_kv_compat(cluster: ClusterHelper, namespace: str, demo: str) -> None:
+    status = cluster.get_json("pds/demo", "-n", namespace)["status"]
+    assert status["prefill"]["readyReplicas"] == 1
+    assert status["decode"]["readyReplicas"] == 2
+    assert status["routerEndpoint"] == f"http://demo-router.{namespace}.svc:8080"
+    compat = {
+        p["metadata"]["labels"]["pdserve.io/kv-compat"]
+        for p in cluster.pods(namespace, "pdserve.io/role in (prefill,decode)")
+    }
+    assert compat == {status["kvCompatHash"]}
+
+
+def test_long_prompt_goes_through_prefill_and_kv_is_pulled(cluster: ClusterHelper, namespace: str, demo: str) -> None:
+    pulled_before = engine_counter(
+        cluster, namespace, "decode", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+    prompt = " ".join(f"word{i}" for i in range(400))
+    status, headers, body = post(f"{demo}/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 8})
+    assert status == 200
+    assert headers["X-Pdserve-Route"] == "pd"
+    assert body["usage"]["completion_tokens"] == 8
+    pulled = engine_counter(
+        cluster, namespace, "decode", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+    assert pulled - pulled_before == body["usage"]["prompt_tokens"]
+
+
+def test_short_prompt_goes_straight_to_decode(demo: str) -> None:
+    status, headers, body = post(
+        f"{demo}/v1/chat/completions",
+        {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert status == 200
+    assert headers["X-Pdserve-Route"] == "decode-only"
+    assert body["choices"][0]["message"]["content"]
+
+
+def test_router_follows_a_replaced_decode_pod(cluster: ClusterHelper, namespace: str, demo: str) -> None:
+    before = set(cluster.pod_ips(namespace, "pdserve.io/role=decode"))
+    cluster.kubectl("delete", "pod", "demo-decode-0", "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for(lambda: len(cluster.pod_ips(namespace, "pdserve.io/role=decode")) == 2, timeout=90)
+    assert before  # the replacement may or may not reuse its address; the router must serve either way
+    deadline = time.monotonic() + 30
+    prompt = " ".join(f"other{i}" for i in range(300))
+    while True:
+        try:
+            status, headers, _ = post(
+                f"{demo}/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 2}
+            )
+            assert status == 200 and headers["X-Pdserve-Route"] == "pd"
+            break
+        except (OSError, AssertionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
