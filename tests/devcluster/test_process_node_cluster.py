@@ -230,6 +230,12 @@ def test_failing_readiness_takes_the_pod_out_of_the_endpoints(
     _get(ip, "/ready?ok=true", method="POST")
     wait_for(lambda: _ready_endpoints(cluster, namespace, "ready") == set(served), timeout=30)
 
+    # A pod deleted outright (no grace, the object is gone at once) still has its process stopped.
+    pid = _pid(node_dir, namespace, "ready-1")
+    assert pid is not None
+    cluster.kubectl("delete", "pod", "ready-1", f"--namespace={namespace}", "--force", "--grace-period=0")
+    wait_for(lambda: not _alive(pid), timeout=10, message="the force-deleted pod's process to exit")
+
 
 def test_crashing_container_backs_off_and_counts_restarts(
     cluster: ClusterHelper, node_dir: Path, namespace: str
@@ -266,7 +272,8 @@ def test_crashing_container_backs_off_and_counts_restarts(
 
 def test_failing_liveness_restarts_the_container(cluster: ClusterHelper, node_dir: Path, namespace: str) -> None:
     live = _container(
-        livenessProbe={"httpGet": {"path": "/healthz", "port": PORT}, "periodSeconds": 1, "failureThreshold": 2}
+        startupProbe={"tcpSocket": {"port": PORT}, "periodSeconds": 1, "failureThreshold": 30},
+        livenessProbe={"httpGet": {"path": "/healthz", "port": PORT}, "periodSeconds": 1, "failureThreshold": 2},
     )
     cluster.apply(
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "live"}, "spec": _pod_spec(live)}, namespace=namespace
@@ -286,6 +293,7 @@ def test_failing_liveness_restarts_the_container(cluster: ClusterHelper, node_di
         timeout=30,
     )
     assert status["lastState"]["terminated"]["message"].startswith("Liveness probe failed")
+    assert status["started"] is True  # the startup probe passed again after the restart
     assert not _alive(first_pid)
     assert _get(ip)["pod"] == "live"  # the new process serves on the same pod IP
 
