@@ -3,7 +3,8 @@
 Registration creates the Node, or on a restart merges our label and taint into the existing one (taints that
 others added, such as the node lifecycle controller's, are kept). The heartbeat renews the node's Lease in
 ``kube-node-lease`` every 10 s, which is what the node lifecycle controller watches, and refreshes the Ready
-condition's lastHeartbeatTime every minute, so the node stays Ready and its pods are never evicted.
+condition's lastHeartbeatTime every minute, so the node stays Ready and its pods are never evicted. A Node
+that someone deleted is registered again at the next status refresh.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from pdserve.devcluster.process_node.kube import Kube
+from pdserve.devcluster.process_node.kube import ApiException, Kube
 from pdserve.devcluster.process_node.podstatus import rfc3339
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,19 @@ class Heartbeat(threading.Thread):
             try:
                 self._kube.renew_lease(lease_object(self._name, self._node_uid))
                 if time.monotonic() - last_status >= STATUS_SECONDS:
-                    self._kube.patch_node_status(self._name, node_status(self._name, time.time(), transition=False))
+                    self._refresh_status()
                     last_status = time.monotonic()
             except Exception as exc:  # never let the heartbeat die: the node would go NotReady
                 log.warning("Failed to renew node heartbeat node=%s error=%s", self._name, exc)
             self._stop.wait(RENEW_SECONDS)
+
+    def _refresh_status(self) -> None:
+        """Move the Ready heartbeat; register the Node again if someone deleted it."""
+        try:
+            self._kube.patch_node_status(self._name, node_status(self._name, time.time(), transition=False))
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            log.warning("Node was deleted, registering it again node=%s", self._name)
+            node = register(self._kube, self._name)
+            self._node_uid = node.get("metadata", {}).get("uid")

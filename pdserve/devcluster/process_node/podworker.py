@@ -257,9 +257,11 @@ class PodWorker(threading.Thread):
             return True
         except (ContainerConfigError, ApiException, OSError) as exc:
             message = str(exc) if not isinstance(exc, ApiException) else f"API error: {exc.status} {exc.reason}"
+            waiting = ("CreateContainerConfigError", message)
+            if any(c.view.waiting != waiting for c in self.init + self.main):  # log each problem once
+                log.warning("Failed to materialise volumes pod=%s error=%s", self.label, message)
             for container in self.init + self.main:
-                container.view.waiting = ("CreateContainerConfigError", message)
-            log.warning("Failed to materialise volumes pod=%s error=%s", self.label, message)
+                container.view.waiting = waiting
             return False
 
     def _addresses(self) -> PodAddresses:
