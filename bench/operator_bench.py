@@ -211,7 +211,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-operator-bench-") as tmp, cluster_helper(Path(tmp)) as cluster:
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(servable_crd()))
         cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
-        ensure_cpu_node(cluster, pods=CPU_NODE_PODS)
+        ensure_cpu_node(cluster, name="pdserve-operator-bench-cpu", pods=CPU_NODE_PODS, cidr="10.250.251.0/24")
         namespace = cluster.create_namespace("bench-op")
         api = KubeApi(load_client(str(cluster.kubeconfig)))
         operator = OperatorProcess(

@@ -202,21 +202,21 @@ def servable_crd(path: Path | None = None) -> dict[str, Any]:
     return document
 
 
-def ensure_cpu_node(cluster: Any, pods: int = 110) -> None:
+def ensure_cpu_node(cluster: Any, name: str = CPU_NODE, pods: int = 110, cidr: str = "10.250.250.0/24") -> None:
     """An untainted kwok node for router pods (every simulated GPU node carries the GPU taint). `cluster` is a
     pdserve.devcluster.testing.ClusterHelper."""
-    if cluster.kubectl("get", "node", CPU_NODE, check=False).returncode == 0:
+    if cluster.kubectl("get", "node", name, check=False).returncode == 0:
         return
     capacity = {"cpu": "256", "memory": "1Ti", "pods": str(pods)}
     node = {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
-            "name": CPU_NODE,
-            "labels": {"kubernetes.io/hostname": CPU_NODE, "type": "kwok", "topology.kubernetes.io/zone": "zone-a"},
+            "name": name,
+            "labels": {"kubernetes.io/hostname": name, "type": "kwok", "topology.kubernetes.io/zone": "zone-a"},
             "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
         },
-        "spec": {"podCIDR": "10.250.250.0/24", "podCIDRs": ["10.250.250.0/24"]},
+        "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
         "status": {"capacity": capacity, "allocatable": dict(capacity)},
     }
     cluster.kubectl("create", "-f", "-", input=json.dumps(node))
