@@ -389,6 +389,8 @@ def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: P
         "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}],
     }
     unknown = {"name": "mystery", "image": "quay.io/nobody/mystery:1"}
+    # OnFailure: the first run fails, the immediate restart finds its marker in the pod folder and succeeds.
+    retry = {"name": "retry", "image": "busybox", "command": ["sh", "-c", "test -f done || { touch done; exit 4; }"]}
     pods = [
         {
             "apiVersion": "v1",
@@ -397,6 +399,12 @@ def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: P
             "spec": _pod_spec(job, restartPolicy="Never", volumes=[{"name": "cfg", "configMap": {"name": "cfg"}}]),
         },
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "mystery"}, "spec": _pod_spec(unknown)},
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "retry"},
+            "spec": _pod_spec(retry, restartPolicy="OnFailure"),
+        },
     ]
     cluster.apply(pods, namespace=namespace)
     wait_for(
@@ -405,6 +413,11 @@ def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: P
         message=lambda: f"check to succeed: {cluster.logs(namespace, 'check')}",
     )
     assert "ok" in (node_dir / "logs" / f"{namespace}_check_check.log").read_text()
+    wait_for(lambda: _pod(cluster, namespace, "retry")["status"].get("phase") == "Succeeded", timeout=30)
+    retried = _pod(cluster, namespace, "retry")["status"]["containerStatuses"][0]
+    assert retried["restartCount"] == 1
+    assert retried["lastState"]["terminated"]["exitCode"] == 4
+    assert retried["state"]["terminated"]["exitCode"] == 0
     waiting = wait_for(
         lambda: (
             _pod(cluster, namespace, "mystery")["status"]
