@@ -95,6 +95,13 @@ def sim_url() -> Iterator[str]:
             proc.wait()
 
 
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    # One client for every example: creating one costs an SSL context, more than a request here.
+    with httpx.Client(timeout=5) as c:
+        yield c
+
+
 def check(resp: httpx.Response) -> None:
     assert resp.status_code in (200, 400, 404, 500), resp.text
     if resp.status_code == 500:
@@ -109,29 +116,26 @@ def check(resp: httpx.Response) -> None:
         assert resp.json()["choices"]
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies, chat=st.booleans())
-def test_json_bodies_never_crash_or_hang(sim_url: str, body: Any, chat: bool) -> None:
+def test_json_bodies_never_crash_or_hang(sim_url: str, client: httpx.Client, body: Any, chat: bool) -> None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    with httpx.Client(timeout=5) as client:
-        check(client.post(sim_url + path, json=body))
+    check(client.post(sim_url + path, json=body))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     raw=st.binary(max_size=200),
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/abort", "/sim/faults"]),
 )
-def test_raw_bytes_never_crash_or_hang(sim_url: str, raw: bytes, path: str) -> None:
-    with httpx.Client(timeout=5) as client:
-        resp = client.post(sim_url + path, content=raw, headers={"content-type": "application/json"})
-        assert resp.status_code in (200, 400, 404), resp.text
-        # Undo any fault the bytes happened to configure.
-        client.delete(sim_url + "/sim/faults")
+def test_raw_bytes_never_crash_or_hang(sim_url: str, client: httpx.Client, raw: bytes, path: str) -> None:
+    resp = client.post(sim_url + path, content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code in (200, 400, 404), resp.text
+    # Undo any fault the bytes happened to configure.
+    client.delete(sim_url + "/sim/faults")
 
 
-def test_still_healthy_after_fuzzing(sim_url: str) -> None:
-    with httpx.Client(timeout=5) as client:
-        assert client.get(sim_url + "/health").status_code == 200
-        state = client.get(sim_url + "/sim/state").json()
-        assert state["running"] == 0 and state["waiting"] == 0
+def test_still_healthy_after_fuzzing(sim_url: str, client: httpx.Client) -> None:
+    assert client.get(sim_url + "/health").status_code == 200
+    state = client.get(sim_url + "/sim/state").json()
+    assert state["running"] == 0 and state["waiting"] == 0
