@@ -77,7 +77,7 @@ bodies = st.fixed_dictionaries({}, optional=request_fields) | json_values
 @pytest.fixture(scope="module")
 def sim_url() -> Iterator[str]:
     cmd = [sys.executable, "-m", "pdserve_runtime.sim", "--fast", "--host", "127.0.0.1", "--port", "0",
-           "--side-channel-port", "0", "--max-model-len", "256", "--kv-transfer-timeout", "0.2",
+           "--side-channel-port", "0", "--max-model-len", "256", "--kv-transfer-timeout", "0.05",
            "--log-level", "error"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
