@@ -219,6 +219,10 @@ class SimMetrics:
             "pdserve:sim_late_steps", "Engine steps that ended more than 5 ms after their modelled time.",
             registry=reg,
         )  # fmt: skip
+        self.prompt_mismatch = Counter(
+            "pdserve:sim_kv_prompt_mismatch", "KV pulls whose prefill prompt length differs from the decode's.",
+            registry=reg,
+        )  # fmt: skip
         if cache_info:
             # vLLM's info-style gauge describing the KV cache configuration (always 1).
             info = Gauge(

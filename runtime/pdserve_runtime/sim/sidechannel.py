@@ -228,6 +228,18 @@ async def _pull_once(engine: Engine, req: EngineRequest) -> tuple[int, float]:
         if not header.get("ok"):
             raise KVLoadError(str(header.get("error")), str(header.get("message")))
         size = int(header["bytes"])
+        remote_tokens = header.get("num_tokens")
+        if remote_tokens != len(req.prompt_ids):
+            # Real vLLM would silently use KV of a different prompt; make a proxy that changed the body
+            # between prefill and decode visible instead.
+            engine.metrics.prompt_mismatch.inc()
+            log.warning(
+                "Pulled KV for %s prompt tokens into a request with %d request_id=%s remote_request_id=%s",
+                remote_tokens,
+                len(req.prompt_ids),
+                req.request_id,
+                remote.request_id,
+            )
         left = size
         while left > 0:
             chunk = await reader.read(min(left, 1 << 20))

@@ -272,3 +272,13 @@ async def test_a_reused_request_id_does_not_leak_held_kv(http: aiohttp.ClientSes
         assert state["held_kv"] == 1
         n_blocks = prefill.engine.pool.blocks_for(len(tokenize(PROMPT)) + 1)
         assert state["num_blocks"] - state["free_blocks"] == n_blocks
+
+
+async def test_a_decode_body_that_differs_from_the_prefill_body_is_flagged(http: aiohttp.ClientSession) -> None:
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+    async with sim_in_process(role="prefill") as prefill, sim_in_process(role="decode") as decode:
+        params = await prefill_step(http, prefill.url, body)
+        changed = dict(body, prompt=PROMPT + " and more", kv_transfer_params=params)
+        async with http.post(decode.url + "/v1/completions", json=changed) as resp:
+            assert resp.status == 200
+        assert metric_value(await scrape(decode.url), "pdserve:sim_kv_prompt_mismatch_total") == 1
