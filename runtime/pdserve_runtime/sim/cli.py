@@ -138,6 +138,7 @@ class _SimGroup(click.Group):
 @click.option("--fault-fail-status", type=int, default=503, help="Status of injected failures.")
 @click.option("--fault-latency", type=float, default=0.0, help="Extra seconds before each request.")
 @click.option("--fault-stall-after", type=int, default=None, help="Stall streams after K tokens.")
+@click.option("--fault-disconnect-after", type=int, default=None, help="Cut streams after K tokens.")
 @click.option("--fault-drop-side-channel", is_flag=True, help="Close side-channel connections unanswered.")
 @click.option("--fault-unready", is_flag=True, help="Answer /health with 503.")
 @click.option("--fault-crash-after-requests", type=int, default=None, help="Exit on the Nth request.")
@@ -269,6 +270,7 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
         fail_status=int(options.get("fault_fail_status") or 503),
         latency_s=float(options.get("fault_latency") or 0.0),
         stall_after_tokens=options.get("fault_stall_after"),
+        disconnect_after_tokens=options.get("fault_disconnect_after"),
         drop_side_channel=bool(options.get("fault_drop_side_channel")),
         unready=bool(options.get("fault_unready")),
         crash_after_requests=options.get("fault_crash_after_requests"),

@@ -20,6 +20,7 @@ class FaultConfig:
     fail_status: int = 503
     latency_s: float = 0.0
     stall_after_tokens: int | None = None
+    disconnect_after_tokens: int | None = None
     drop_side_channel: bool = False
     unready: bool = False
     crash_after_requests: int | None = None

@@ -5,6 +5,7 @@ Faults (all off by default):
 - ``latency_s``: extra delay before each generation request is processed.
 - ``stall_after_tokens``: streams stop after K tokens and hang (until the fault is cleared or the client
   goes away); non-streaming requests hang the same way.
+- ``disconnect_after_tokens``: streams are cut (the connection is aborted, no [DONE]) after K tokens.
 - ``drop_side_channel``: the side channel closes every connection without answering (decode pulls time out).
 - ``unready``: ``/health`` answers 503 (the process keeps serving).
 - ``crash_after_requests``: the process exits (status 70, no cleanup) when the Nth generation request
@@ -23,6 +24,7 @@ _FIELDS = {
     "fail_status": int,
     "latency_s": float,
     "stall_after_tokens": int,
+    "disconnect_after_tokens": int,
     "drop_side_channel": bool,
     "unready": bool,
     "crash_after_requests": int,
@@ -37,6 +39,7 @@ class Faults:
         self.fail_status = initial.fail_status
         self.latency_s = initial.latency_s
         self.stall_after_tokens = initial.stall_after_tokens
+        self.disconnect_after_tokens = initial.disconnect_after_tokens
         self.drop_side_channel = initial.drop_side_channel
         self.unready = initial.unready
         self.crash_after_requests = initial.crash_after_requests
@@ -52,7 +55,7 @@ class Faults:
             kind = _FIELDS.get(key)
             if kind is None:
                 raise ValueError(f"unknown fault {key!r}; known: {', '.join(sorted(_FIELDS))}, crash")
-            if value is None and key in ("stall_after_tokens", "crash_after_requests"):
+            if value is None and key in ("stall_after_tokens", "disconnect_after_tokens", "crash_after_requests"):
                 setattr(self, key, None)
                 continue
             if kind is bool:
@@ -78,6 +81,7 @@ class Faults:
                 "fail_next": 0,
                 "latency_s": 0.0,
                 "stall_after_tokens": None,
+                "disconnect_after_tokens": None,
                 "drop_side_channel": False,
                 "unready": False,
                 "crash_after_requests": None,

@@ -360,13 +360,15 @@ class SimServer:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         try:
             await resp.prepare(request)
-            await self._stream_events(resp, parsed, req)
+            await self._stream_events(request, resp, parsed, req)
         except ConnectionError:
             # The client went away mid-stream; the caller aborts the request and frees its KV.
             log.debug("Client disconnected request_id=%s", req.request_id)
         return resp
 
-    async def _stream_events(self, resp: web.StreamResponse, parsed: ParsedRequest, req: EngineRequest) -> None:
+    async def _stream_events(
+        self, request: web.Request, resp: web.StreamResponse, parsed: ParsedRequest, req: EngineRequest
+    ) -> None:
         created = int(time.time())
         model = json.dumps(parsed.model)
         prompt_tokens = len(req.prompt_ids)
@@ -397,6 +399,11 @@ class SimServer:
         faults = self.faults
         sent = 0
         while True:
+            cut = faults.disconnect_after_tokens
+            if cut is not None and sent >= cut and request.transport is not None:
+                # Injected connection loss mid-stream: no [DONE], no chunked terminator.
+                request.transport.abort()
+                return
             stall = faults.stall_after_tokens
             if stall is not None and sent >= stall:
                 # Injected stall: hold the stream open without sending until the fault is cleared.
@@ -406,6 +413,8 @@ class SimServer:
             produced = req.outputs
             if stall is not None and produced > stall:
                 produced = stall
+            if cut is not None and produced > cut:
+                produced = cut
             if produced > sent:
                 finished_now = req.finished and produced == req.outputs
                 parts: list[str] = []

@@ -110,3 +110,20 @@ async def test_crash_after_n_requests_flag(http: aiohttp.ClientSession) -> None:
             async with http.post(sim.url + "/v1/completions", json=BODY) as resp:
                 await resp.read()
         assert await asyncio.wait_for(sim.process.wait(), 5) == 70
+
+
+async def test_disconnect_mid_stream(http: aiohttp.ClientSession) -> None:
+    async with sim_in_process(faults=FaultConfig(disconnect_after_tokens=3)) as sim:
+        async with http.post(sim.url + "/v1/completions", json=dict(BODY, stream=True)) as resp:
+            assert resp.status == 200
+            received = b""
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in resp.content.iter_any():
+                    received += chunk
+        assert received.count(b'"text"') == 3 and b"[DONE]" not in received
+        async with http.delete(sim.url + "/sim/faults"):
+            pass
+        async with http.post(sim.url + "/v1/completions", json=dict(BODY, stream=True)) as resp:
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        async with http.get(sim.url + "/sim/state") as resp:
+            assert (await resp.json())["running"] == 0
