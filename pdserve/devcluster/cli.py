@@ -35,6 +35,23 @@ def dev() -> None:
     """Developer tools: the local Kubernetes cluster."""
 
 
+@dev.command("demo")
+@click.option(
+    "-f",
+    "--filename",
+    "manifest",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="PDService YAML to run (default: the embedded examples/local-sim.yaml).",
+)
+@click.option("--keep", is_flag=True, help="Keep everything running at the end (Ctrl-C stops it).")
+def demo(manifest: str | None, keep: bool) -> None:
+    """The whole product on the local cluster: operator, PDService, a routed prefill -> decode request."""
+    from pdserve.devcluster.demo import main  # imports the operator; only this command needs it
+
+    raise SystemExit(main(manifest, keep, click.echo))
+
+
 @dev.group()
 def cluster() -> None:
     """The local cluster: real control plane, kwok GPU nodes, optional process node."""

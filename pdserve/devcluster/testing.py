@@ -7,6 +7,7 @@ cluster from `LocalCluster` or with any kubeconfig (`PDSERVE_CLUSTER_KUBECONFIG`
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 import uuid
@@ -52,6 +53,30 @@ def wait_for(
             detail = f" (last error: {last_error!r})" if last_error is not None else ""
             raise WaitTimeoutError(f"Timed out after {timeout:.0f}s waiting for {text or predicate!r}{detail}")
         time.sleep(interval)
+
+
+_COMPONENT_NAMES = ("etcd", "kube-apiserver", "kube-controll", "kube-scheduler", "kwok")
+
+
+def leaked_listeners(ports: Iterable[int]) -> list[str]:
+    """Ports of `ports` that a cluster component still listens on, with ss' description of the socket.
+
+    Once the cluster is gone its ports are free for anyone: on a machine shared with other test runs another
+    program may bind one a moment later, which is not a leak, so ownership is checked with `ss -p`.
+    """
+    leaked = []
+    for port in ports:
+        with socket.socket() as sock:
+            sock.settimeout(1)
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                continue
+        owners = subprocess.run(
+            ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout.strip()
+        # No LISTEN line: the connect was a TCP self-connect or met a socket closing just then.
+        if owners and ("users:" not in owners or any(f'"{name}' in owners for name in _COMPONENT_NAMES)):
+            leaked.append(f"{port}: {owners}")
+    return leaked
 
 
 @dataclass

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.devcluster import build
 from pdserve.devcluster.processes import process_start_time
+from pdserve.devcluster.testing import leaked_listeners
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -76,7 +77,7 @@ def test_up_status_kubeconfig_down(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stdout + down.stderr
     assert "kube-apiserver" in down.stdout
     assert all(process_start_time(pid) is None for pid in pids)
-    assert not any(_listening(port) for port in ports)
+    assert leaked_listeners(ports) == []
 
     after = _pdserve("status", *where)
     assert after.returncode == 1

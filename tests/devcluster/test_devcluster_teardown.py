@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.devcluster.processes import process_start_time, tracked_processes
+from pdserve.devcluster.testing import leaked_listeners
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -29,28 +30,6 @@ def _listening(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1)
         return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controll", "kube-scheduler", "kwok")
-
-
-def _our_listeners(ports: list[int]) -> list[str]:
-    """Listening sockets on `ports` owned by a cluster component (ss shows the owner's command name).
-
-    Once our processes are gone, their ports are free for anyone: on a machine shared with other test runs,
-    another program may bind one a moment later, which is not a leak.
-    """
-    leaked = []
-    for port in ports:
-        if not _listening(port):
-            continue
-        owners = subprocess.run(
-            ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-        # No LISTEN line: the connect was a TCP self-connect or a socket closing just then, not a listener.
-        if owners.strip() and ("users:" not in owners or any(f'"{name}' in owners for name in COMPONENTS)):
-            leaked.append(f"{port}: {owners.strip()}")
-    return leaked
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
@@ -73,7 +52,7 @@ def test_no_process_or_port_survives_the_owner(tmp_path: Path, sig: signal.Signa
         while time.monotonic() < deadline and any(process_start_time(p) is not None for p in pids):
             time.sleep(0.1)
         assert [p for p in pids if process_start_time(p) is not None] == []
-        assert _our_listeners(ports) == []
+        assert leaked_listeners(ports) == []
     finally:
         if owner.poll() is None:
             owner.kill()
