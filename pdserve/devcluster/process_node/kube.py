@@ -35,7 +35,11 @@ class Kube:
     """API access for one process node."""
 
     def __init__(self, kubeconfig: str) -> None:
-        self.api_client: Any = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        configuration: Any = client.Configuration()
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
+        # Every pod worker patches status on its own thread; a pool smaller than that churns connections.
+        configuration.connection_pool_maxsize = 64
+        self.api_client: Any = client.ApiClient(configuration)
         # Typed as Any: every call here passes dicts and reads raw responses, which the generated stubs
         # (typed for models) do not describe.
         self.core: Any = client.CoreV1Api(self.api_client)
