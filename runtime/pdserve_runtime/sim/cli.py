@@ -167,6 +167,16 @@ def sim(ctx: click.Context, /, **options: Any) -> None:
 @click.pass_context
 def serve(ctx: click.Context, vllm_args: tuple[str, ...]) -> None:
     """Drop-in for ``vllm serve MODEL ...``: accepts vLLM's command line (see the module docstring)."""
+    if "--help" in vllm_args or "-h" in vllm_args:
+        click.echo(
+            "Usage: pdserve sim [NATIVE OPTIONS] serve MODEL [vLLM serve flags]\n\n"
+            "Drop-in for `vllm serve`. Modelled flags: --model, --host, --port, --kv-transfer-config,\n"
+            "--tensor-parallel-size/-tp, --max-model-len, --block-size, --served-model-name, --max-num-seqs,\n"
+            "--max-num-batched-tokens, --num-gpu-blocks-override; other vLLM flags are accepted and ignored.\n"
+            "Timing comes from the native options before `serve` or PDSERVE_SIM_PRESET/_FAST/_SPEED.\n"
+            "See `pdserve sim --help` for the native options."
+        )
+        return
     options = dict(ctx.obj or {})
     vllm = parse_vllm_args(list(vllm_args))
     config = build_config(options, vllm)

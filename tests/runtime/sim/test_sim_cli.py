@@ -157,3 +157,9 @@ async def test_startup_delay_keeps_the_port_closed_while_loading() -> None:
     async with sim_process(fast=True, startup_delay=0.5) as sim:
         assert time.monotonic() - started >= 0.5
         assert sim.http_port > 0
+
+
+async def test_serve_help_prints_instead_of_serving() -> None:
+    proc = await asyncio.create_subprocess_exec(PDSERVE, "sim", "serve", "--help", stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0 and b"Drop-in for `vllm serve`" in out
