@@ -2,10 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /ping``, ``GET /version``, ``GET /metrics``, ``POST /tokenize``, ``POST /abort``
-(``{"request_id": ...}``), and the
-simulator's own ``GET|POST|DELETE /sim/faults`` and ``GET /sim/state``.
+(``{"request_id": ...}``), and the simulator's own ``GET|POST|DELETE /sim/faults`` and ``GET /sim/state``.
 
-Streaming follows vLLM's server byte for byte in shape: ``data: <json>\\n\\n`` events, one per token (several
+Streaming follows the shape of vLLM's server: ``data: <json>\\n\\n`` events, one per token (several
 tokens ready at once are written in one socket write, still as separate events), the chat stream opening
 with a ``{"role": "assistant", "content": ""}`` delta, the last token's event carrying ``finish_reason``, an
 optional usage event (``choices: []``) when ``stream_options.include_usage`` is set, then ``data: [DONE]``.
@@ -33,7 +32,7 @@ from pdserve_runtime.sim.faults import Faults
 from pdserve_runtime.sim.metrics import SimMetrics
 from pdserve_runtime.sim.protocol import ApiError, ParsedRequest, decode_json, error_body, parse_request
 from pdserve_runtime.sim.sidechannel import SideChannelServer, pull_kv
-from pdserve_runtime.sim.tokenizer import WORD_PIECES, WORDS, natural_length, word_index
+from pdserve_runtime.sim.tokenizer import WORD_PIECES, natural_length, word_index
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,6 @@ class SimServer:
         self.http_port = config.port
         self.side_channel_port = config.side_channel_port
         self.created = int(time.time())
-        self._model_json = json.dumps(config.public_model_name)
 
     # ----------------------------------------------------------------------------------------------------
 
@@ -470,6 +468,3 @@ class SimServer:
             f',"usage":{{"prompt_tokens":{prompt_tokens},"total_tokens":{prompt_tokens + completion_tokens},'
             f'"completion_tokens":{completion_tokens}}}'
         )
-
-
-__all__ = ["WORDS", "SimServer", "output_text"]
