@@ -10,6 +10,8 @@
   ITL is observed per chunk read from the engine; when several SSE events arrive in one read their gap is
   observed once (the client saw them together too).
 - `pdserve_router_routing_decision_seconds`: prompt analysis + scheduling, per request.
+- `pdserve_router_added_latency_seconds`: TTFT minus the time spent waiting on engines before the first byte:
+  the router's own share of TTFT (parsing, scheduling, serialising, event-loop queueing in the router).
 - `pdserve_router_retries_total{stage}`, `pdserve_router_fallbacks_total{reason}`.
 - `pdserve_router_endpoint_errors_total{role,endpoint,kind}`, `pdserve_router_endpoint_ejections_total`.
 - `pdserve_router_endpoint_in_flight_requests{role,endpoint}`, `pdserve_router_endpoint_in_flight_tokens`,
@@ -37,6 +39,9 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 0.5, 1.0)  # fmt: skip
+OUTCOMES = ("success", "client_error", "upstream_error", "unavailable", "cancelled", "timeout")
 
 ROUTE_LABELS = (*(route.value for route in Route), "none")
 
@@ -113,6 +118,12 @@ class RouterMetrics:
             buckets=DECISION_BUCKETS,
             registry=registry,
         )
+        self.overhead = Histogram(
+            "pdserve_router_added_latency_seconds",
+            "The router's own share of time to first token: TTFT minus time spent waiting on engines.",
+            buckets=OVERHEAD_BUCKETS,
+            registry=registry,
+        )
         self.retries = Counter(
             "pdserve_router_retries", "Retries of a request stage on another engine.", ["stage"], registry=registry
         )
@@ -139,3 +150,13 @@ class RouterMetrics:
         self.ttft_by_route = {route: self.ttft.labels(route) for route in ROUTE_LABELS}
         self.itl_by_route = {route: self.itl.labels(route) for route in ROUTE_LABELS}
         self.e2e_by_route = {route: self.e2e.labels(route) for route in ROUTE_LABELS}
+        self._requests_by = {
+            (route, outcome): self.requests.labels(route, outcome) for route in ROUTE_LABELS for outcome in OUTCOMES
+        }
+
+    def count_request(self, route: str, outcome: str) -> None:
+        """One finished generation request."""
+        child = self._requests_by.get((route, outcome))
+        if child is None:
+            child = self._requests_by[(route, outcome)] = self.requests.labels(route, outcome)
+        child.inc()

@@ -84,6 +84,8 @@ class _Flow:
     route: str = "none"
     outcome: str = "client_error"
     response: web.StreamResponse | None = None
+    # Seconds spent waiting on engines before the first byte (successful and failed tries alike).
+    upstream_wait: float = 0.0
 
 
 def _detail(data: bytes) -> str:
@@ -164,7 +166,7 @@ class Proxy:
             flow.outcome = "cancelled"
             raise
         finally:
-            self.metrics.requests.labels(flow.route, flow.outcome).inc()
+            self.metrics.count_request(flow.route, flow.outcome)
             self.metrics.e2e_by_route[flow.route].observe(perf_counter() - flow.started)
 
     def _error(self, flow: _Flow, status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -246,6 +248,7 @@ class Proxy:
             state.in_flight += 1
             state.in_flight_tokens += tokens
             self.tracker.record(state.url, flow.prompt.block_hashes, monotonic())
+            waited = perf_counter()
             try:
                 status, data = await self._post_json(state, flow)
             except UpstreamError as failure:
@@ -254,6 +257,7 @@ class Proxy:
             finally:
                 state.in_flight -= 1
                 state.in_flight_tokens -= tokens
+                flow.upstream_wait += perf_counter() - waited
             if status >= 400:
                 # The engine rejected the request itself (bad prompt, unknown model): the client's error.
                 flow.outcome = "client_error"
@@ -308,9 +312,15 @@ class Proxy:
             state.in_flight += 1
             self.tracker.record(state.url, flow.prompt.block_hashes, monotonic())
             body = self._decode_bytes(flow, kv)
+            waited = perf_counter()
             try:
                 response, first = await self._open(state, flow, body)
-            except UpstreamError as failure:
+            except BaseException as error:
+                if not isinstance(error, UpstreamError):
+                    state.in_flight -= 1  # cancelled (client gone) or a bug: release the engine, re-raise
+                    raise
+                failure = error
+                flow.upstream_wait += perf_counter() - waited
                 state.in_flight -= 1
                 self._failed(state, "decode", failure, flow)
                 last = failure
@@ -343,6 +353,7 @@ class Proxy:
                         self.metrics.fallbacks.labels("prefill_failed").inc()
                     kv = result
                 continue
+            flow.upstream_wait += perf_counter() - waited
             try:
                 return await self._relay(flow, state, response, first)
             finally:
@@ -406,7 +417,7 @@ class Proxy:
         if not flow.stream or upstream.status >= 400:
             flow.outcome = "success" if upstream.status < 400 else "client_error"
             if upstream.status < 400:
-                metrics.ttft_by_route[flow.route].observe(perf_counter() - flow.started)
+                self._first_byte(flow, perf_counter())
             return web.Response(status=upstream.status, body=first, headers=headers)
 
         response = web.StreamResponse(status=upstream.status, headers=headers)
@@ -418,7 +429,7 @@ class Proxy:
             flow.outcome = "cancelled"
             return response
         last = perf_counter()
-        metrics.ttft_by_route[flow.route].observe(last - flow.started)
+        self._first_byte(flow, last)
         itl = metrics.itl_by_route[flow.route]
         content = upstream.content
         while True:
@@ -446,6 +457,12 @@ class Proxy:
         except ConnectionResetError:
             flow.outcome = "cancelled"
         return response
+
+    def _first_byte(self, flow: _Flow, now: float) -> None:
+        """Record TTFT and the router's own share of it (TTFT minus the time spent waiting on engines)."""
+        ttft = now - flow.started
+        self.metrics.ttft_by_route[flow.route].observe(ttft)
+        self.metrics.overhead.observe(max(0.0, ttft - flow.upstream_wait))
 
     async def _end_stream(self, response: web.StreamResponse, event: bytes) -> None:
         try:

@@ -209,17 +209,24 @@ async def test_a_client_disconnect_cancels_the_engine_request(
         assert metric_value(exposition, "pdserve_router_endpoint_in_flight_requests") == 0
 
 
-async def test_a_client_disconnect_during_prefill_releases_it(
-    router_server: Any, make_config: Callable[..., RouterConfig]
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+async def test_a_client_disconnect_before_the_first_byte_releases_the_engine(
+    router_server: Any, make_config: Callable[..., RouterConfig], stage: str
 ) -> None:
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
-        await set_faults(p.url, latency_s=10)
+        await set_faults(p.url if stage == "prefill" else d.url, latency_s=10)
         config = make_config([p.url], [d.url], disaggregation_threshold_tokens=0)
         async with router_server(config) as (url, router):
             with pytest.raises(TimeoutError):
                 await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}, within=0.3)
-            assert await eventually(lambda: asyncio.sleep(0, router.table.states("prefill")[0].in_flight), want=0)
-        assert await requests_seen(d.url) == 0
+            state = router.table.states(stage)[0]
+            assert await eventually(lambda: asyncio.sleep(0, state.in_flight), want=0)
+            assert state.in_flight_tokens == 0
+            await asyncio.sleep(0.1)
+            exposition = await router_metrics(url)
+        assert metric_value(exposition, "pdserve_router_requests_total", outcome="cancelled") == 1
+        if stage == "prefill":
+            assert await requests_seen(d.url) == 0
 
 
 async def test_failing_engines_are_ejected_and_probed_back_in(

@@ -67,6 +67,9 @@ async def test_selective_disaggregation_sends_short_and_cached_prompts_straight_
         assert metric_value(exposition, "pdserve_router_requests_total", route="decode-only", outcome="success") == 2
         assert metric_value(exposition, "pdserve_router_routing_decision_seconds_count") == 3
         assert metric_value(exposition, "pdserve_router_time_to_first_token_seconds_count") == 3
+        assert metric_value(exposition, "pdserve_router_added_latency_seconds_count") == 3
+        # The router's own share of TTFT is small next to the engines' (sub-ms on an idle machine).
+        assert metric_value(exposition, "pdserve_router_added_latency_seconds_sum") < 0.3
 
 
 async def test_client_kv_transfer_params_are_stripped(
