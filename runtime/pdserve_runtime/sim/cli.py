@@ -47,25 +47,36 @@ def _env_port() -> int:
     return int(value) if value else _SIDE_CHANNEL_PORT_DEFAULT
 
 
+_VLLM_HINTS = ("--model", "--kv-transfer-config", "--served-model-name", "--tensor-parallel-size", "-tp")
+
+
+def route_vllm_args(args: list[str], native: set[str], flags: set[str]) -> list[str]:
+    """Insert ``serve`` before a vLLM-style argument list that lacks it.
+
+    vLLM's image runs ``vllm serve`` as its entrypoint, so pod args begin with the model (a positional word)
+    or with vLLM-only flags. ``native`` are the group's own option names, ``flags`` those taking no value.
+    """
+    for i, arg in enumerate(args):
+        if arg == "serve":
+            return args
+        name = arg.split("=", 1)[0]
+        if name in _VLLM_HINTS and name not in native:
+            return [*args[:i], "serve", *args[i:]]
+        previous = args[i - 1] if i else ""
+        takes_value = previous.startswith("-") and "=" not in previous and previous not in flags
+        if not arg.startswith("-") and not takes_value:
+            # A positional word that is not a subcommand: vLLM's MODEL argument.
+            return [*args[:i], "serve", *args[i:]]
+    return args
+
+
 class _SimGroup(click.Group):
     """A group that routes vLLM-style argument lists (no ``serve`` word) to the ``serve`` subcommand."""
 
-    _VLLM_HINTS = ("--model", "--kv-transfer-config", "--served-model-name", "--tensor-parallel-size", "-tp")
-
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         native = {opt for param in self.params for opt in getattr(param, "opts", [])}
-        for i, arg in enumerate(args):
-            if arg == "serve":
-                break
-            name = arg.split("=", 1)[0]
-            if name in self._VLLM_HINTS and name not in native:
-                args = [*args[:i], "serve", *args[i:]]
-                break
-            if not arg.startswith("-") and (i == 0 or not args[i - 1].startswith("-")):
-                # A positional word that is not a subcommand: vLLM's MODEL argument.
-                args = [*args[:i], "serve", *args[i:]]
-                break
-        return super().parse_args(ctx, args)
+        flags = {opt for p in self.params if isinstance(p, click.Option) and p.is_flag for opt in p.opts}
+        return super().parse_args(ctx, route_vllm_args(args, native, flags))
 
 
 @click.group(

@@ -112,3 +112,23 @@ def test_bad_kv_transfer_config_is_rejected() -> None:
         parse_vllm_args(["m", "--kv-transfer-config", "{nope"])
     with pytest.raises(click.BadParameter):
         parse_vllm_args(["m", "--kv-transfer-config", "[1]"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "routed"),
+    [
+        (["--role", "decode", "--port", "8001", "--fast"], False),
+        (["--fast", "my-model", "--port", "1"], True),
+        (["my-model", "--port", "1"], True),
+        (["--model", "m", "--kv-transfer-config", "{}"], True),
+        (["--model", "m", "--port", "1"], False),
+        (["--port=1", "m"], True),
+        (["serve", "m"], True),
+    ],
+)
+def test_vllm_style_arguments_are_routed_to_serve(argv: list[str], routed: bool) -> None:
+    from pdserve_runtime.sim.cli import route_vllm_args, sim
+
+    native = {opt for param in sim.params for opt in getattr(param, "opts", [])}
+    flags = {opt for p in sim.params if isinstance(p, click.Option) and p.is_flag for opt in p.opts}
+    assert ("serve" in route_vllm_args(argv, native, flags)) == routed
