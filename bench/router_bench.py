@@ -1,25 +1,31 @@
 """Benchmark: what does the pdserve router add to time-to-first-token, and how many stream chunks can it relay?
 
-Run: ``.venv/bin/python bench/router_bench.py [--seconds 8] [--levels 1,64,256] [--max-tokens 64]``
+Run: ``.venv/bin/python bench/router_bench.py [--seconds 4] [--rounds 2] [--levels 1,64,256] [--max-tokens 64]``
 
-One prefill and one decode ``pdserve sim --fast`` process are the backends. In the same run, against the same
-backends and with the same load, it measures:
+One prefill and one decode ``pdserve sim`` process are the backends, first with ``--fast`` (no modelled time: the
+machine saturates, which measures throughput and CPU cost), then with ``--preset h200-8b`` (streams paced like an
+8B model on an H200, so TTFT is not just CPU queueing). In the same run, against the same backends, with the
+same load, it measures:
 
-- ``direct``: clients talk to the decode engine itself (no router, no prefill): the baseline;
-- ``pdserve-pd``: the pdserve router with every request disaggregated (threshold 0): prefill hop + decode relay;
+- ``direct-decode``: clients stream from the decode engine itself (no router, no prefill);
+- ``direct-pd``: the client runs the 3-step PD flow itself (prefill, then decode with the KV): the no-router
+  baseline for routers in PD mode, since a PD request costs a prefill round trip with or without a router;
 - ``pdserve-decode``: the pdserve router sending everything straight to decode (the proxy path alone);
+- ``pdserve-pd``: the pdserve router disaggregating every request (threshold 0);
 - ``vllm-router-pd``: vLLM's Rust router (PyPI ``vllm-router``) in PD mode, when installed.
 
-At each concurrency level a load generator (a separate process, aiohttp) keeps N streaming completions open for
-``--seconds`` and records TTFT (request sent -> first ``data:`` chunk), streamed chunks and requests. "Added
-TTFT" is a router's TTFT percentile minus direct's at the same level. Router CPU (user+sys of the router process
-and its children, from /proc) and RSS are sampled around each run; "chunks/CPU-s" is relayed chunks per second of
-router CPU, i.e. what one fully busy core would relay. With 2 or more CPUs the router is pinned to CPU 0 and
-everything else to the other CPUs, so the router has one core to itself (other tenants of a shared machine
-still interfere: repeat a run before trusting a small difference).
+At each concurrency level a load generator (a separate process, aiohttp, closed loop) keeps N streaming
+completions open; TTFT is request sent -> first chunk, throughput is chunks received inside the measured window.
+Targets run interleaved (every target once per round, ``--rounds`` rounds, medians reported) so the drift of a
+shared machine hits all of them alike. "+p50/+p99" are a router's TTFT percentiles minus its baseline's
+(direct-decode for pdserve-decode, direct-pd for the PD routers). "own50/own99" are the pdserve router's own
+measure of its share of TTFT (``pdserve_router_added_latency_seconds``: TTFT minus time spent waiting on
+engines). Router CPU (user+sys of the router process and its children, from /proc) and RSS are sampled over the
+window; "chunks/CPU-s" is relayed chunks per second of router CPU, i.e. what one fully busy core relays.
+``--pin`` pins the router to CPU 0 and everything else to the other CPUs.
 
 Floors (issue 6): pdserve-pd added TTFT p50 <= 2 ms and p99 <= 10 ms at 64 streams; >= 10,000 relayed chunks per
-router CPU-second. The exit status is 0 when both hold.
+router CPU-second. The exit status is 0 when both hold in every backend phase.
 """
 
 from __future__ import annotations
@@ -92,7 +98,6 @@ async def _loadgen(  # noqa: PLR0917 (mirrors the loadgen command line)
                 body = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
                 sent = clock()
                 first: float | None = None
-                got = 0
                 try:
                     if prefill is not None:
                         step1 = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
@@ -105,19 +110,26 @@ async def _loadgen(  # noqa: PLR0917 (mirrors the loadgen command line)
                             errors += 1
                             continue
                         async for chunk in response.content.iter_any():
+                            now = clock()
                             if first is None:
-                                first = clock()
-                            got += chunk.count(b"data: {")
+                                first = now
+                                # TTFT of requests sent inside the window whose first byte also came inside it.
+                                if measure_from <= sent and now <= stop_at:
+                                    ttfts.append(now - sent)
+                            if measure_from <= now <= stop_at:
+                                chunks += chunk.count(b"data: {")  # throughput: what arrived in the window
                 except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
                     errors += 1
                     continue
-                done = clock()
-                if sent >= measure_from and done <= stop_at and first is not None:
-                    ttfts.append(first - sent)
+                if measure_from <= clock() <= stop_at:
                     requests += 1
-                    chunks += got
 
-        await asyncio.gather(*(worker(n) for n in range(concurrency)))
+        tasks = [asyncio.create_task(worker(n)) for n in range(concurrency)]
+        # Requests still open a little after the window count for nothing more: do not wait for stragglers.
+        await asyncio.wait(tasks, timeout=max(0.0, stop_at - clock()) + 10.0)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return {
         "concurrency": concurrency,
         "seconds": seconds,
@@ -238,6 +250,37 @@ def _wait_http(url: str, path: str, within: float = 60.0) -> None:
 # The benchmark
 
 
+def _histogram(url: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts of a Prometheus histogram, by upper bound."""
+    import urllib.request
+
+    buckets: dict[float, float] = {}
+    with contextlib.suppress(OSError), urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + "_bucket{"):
+                bound = line.split('le="', 1)[1].split('"', 1)[0]
+                buckets[float("inf") if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def _histogram_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Like PromQL histogram_quantile over the increase between two scrapes (linear within a bucket)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return float("nan")
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, cumulative in zip(bounds, counts, strict=True):
+        if cumulative >= rank:
+            if bound == float("inf"):
+                return lower
+            inside = cumulative - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, cumulative
+    return lower
+
+
 def _run_level(target: Target, level: int, args: argparse.Namespace, cpus: set[int] | None) -> dict[str, Any]:
     router = target.router
     cmd = [PY, __file__, "loadgen", "--url", target.url, "--concurrency", str(level), "--seconds", str(args.seconds)]
@@ -252,12 +295,15 @@ def _run_level(target: Target, level: int, args: argparse.Namespace, cpus: set[i
             os.sched_setaffinity(loadgen.pid, cpus)
     # Sample the router while the measured window runs (after the warm-up).
     time.sleep(args.warmup)
+    own = "pdserve_router_added_latency_seconds"
+    own_before = _histogram(target.url, own) if target.name.startswith("pdserve") else {}
     cpu_window_start = _cpu_seconds(router.pid) if router else 0.0
     window_start = time.monotonic()
     time.sleep(args.seconds)
     cpu_window = (_cpu_seconds(router.pid) - cpu_window_start) if router else 0.0
     window = time.monotonic() - window_start
     rss = _rss_mb(router.pid) if router else 0.0
+    own_after = _histogram(target.url, own) if target.name.startswith("pdserve") else {}
     out, _ = loadgen.communicate(timeout=args.seconds + 180)
     del cpu_before, started
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
@@ -266,6 +312,9 @@ def _run_level(target: Target, level: int, args: argparse.Namespace, cpus: set[i
     result["requests_per_s"] = result["requests"] / seconds
     result["router_cpu_pct"] = 100 * cpu_window / window if router else 0.0
     result["router_rss_mb"] = rss
+    # The router's own measure of its share of TTFT (TTFT minus time waiting on engines), pdserve only.
+    result["own_p50_ms"] = 1000 * _histogram_quantile(own_before, own_after, 0.5) if own_after else float("nan")
+    result["own_p99_ms"] = 1000 * _histogram_quantile(own_before, own_after, 0.99) if own_after else float("nan")
     result["chunks_per_cpu_s"] = (result["tokens_per_s"] / (cpu_window / window)) if router and cpu_window else 0.0
     return result
 
@@ -380,8 +429,8 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _report(results: dict[str, dict[int, dict[str, Any]]], levels: list[int], preset: str) -> int:
-    header = (f"{'target':<16}{'c':>5}{'TTFT p50':>10}{'p99':>9}{'+p50':>8}{'+p99':>8}{'tok/s':>9}{'req/s':>8}"
-              f"{'CPU%':>7}{'RSS MB':>8}{'chunks/CPU-s':>14}{'err':>5}")  # fmt: skip
+    header = (f"{'target':<16}{'c':>5}{'TTFT p50':>10}{'p99':>9}{'+p50':>8}{'+p99':>8}{'own50':>7}{'own99':>7}"
+              f"{'tok/s':>9}{'req/s':>8}{'CPU%':>7}{'RSS MB':>8}{'chunks/CPU-s':>14}{'err':>5}")  # fmt: skip
     print()
     print(header)
     print("-" * len(header))
@@ -395,6 +444,7 @@ def _report(results: dict[str, dict[int, dict[str, Any]]], levels: list[int], pr
             added99 = r["ttft_p99_ms"] - base["ttft_p99_ms"] if base else float("nan")
             r["added_ttft_p50_ms"], r["added_ttft_p99_ms"] = added50, added99
             print(f"{name:<16}{level:>5}{r['ttft_p50_ms']:>10.2f}{r['ttft_p99_ms']:>9.2f}{added50:>8.2f}{added99:>8.2f}"
+                  f"{r['own_p50_ms']:>7.2f}{r['own_p99_ms']:>7.2f}"
                   f"{r['tokens_per_s']:>9.0f}{r['requests_per_s']:>8.1f}{r['router_cpu_pct']:>7.0f}"
                   f"{r['router_rss_mb']:>8.0f}{r['chunks_per_cpu_s']:>14.0f}{r['errors']:>5}")  # fmt: skip
     ok = True
