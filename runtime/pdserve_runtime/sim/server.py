@@ -31,7 +31,7 @@ from pdserve_runtime.sim.engine import Engine, EngineRequest
 from pdserve_runtime.sim.faults import Faults
 from pdserve_runtime.sim.metrics import SimMetrics
 from pdserve_runtime.sim.protocol import ApiError, ParsedRequest, decode_json, error_body, parse_request
-from pdserve_runtime.sim.sidechannel import SideChannelServer, pull_kv
+from pdserve_runtime.sim.sidechannel import ConnectionPool, SideChannelServer, pull_kv
 from pdserve_runtime.sim.tokenizer import WORD_PIECES, natural_length, word_index
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class SimServer:
         self.engine = Engine(config, self.metrics)
         self.faults = Faults(config.faults)
         self.side_channel = SideChannelServer(self.engine, self.faults)
-        self.engine.pull = lambda req: pull_kv(self.engine, req)
+        self.kv_connections = ConnectionPool()
+        self.engine.pull = lambda req: pull_kv(self.engine, req, self.kv_connections)
         self.runner: web.AppRunner | None = None
         self.http_port = config.port
         self.side_channel_port = config.side_channel_port
@@ -125,6 +126,7 @@ class SimServer:
         # Finish every request first (streams end with their last event), release stalled streams, then
         # close the HTTP server, so shutdown never waits on an open stream.
         await self.engine.stop()
+        self.kv_connections.close()
         self.faults.clear()
         if self.runner is not None:
             await self.runner.cleanup()
@@ -226,6 +228,7 @@ class SimServer:
             kv_compat_id=cfg.effective_kv_compat_id,
             http_port=self.http_port,
             side_channel_port=self.side_channel_port,
+            side_channel_connections=self.side_channel.accepted,
             model=cfg.public_model_name,
         )
         return _json_response(out)

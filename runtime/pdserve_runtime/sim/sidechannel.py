@@ -1,7 +1,9 @@
 """The KV side channel: how a decode engine pulls a prompt's KV from the prefill engine that computed it.
 
 It stands in for NIXL's transfer. A real TCP server (asyncio streams) listens on the prefill engine's
-side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``, advertised as ``remote_port``). One pull = one connection:
+side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``, advertised as ``remote_port``). A connection carries
+one pull at a time; decode engines keep idle connections to each peer for reuse (like NIXL keeps its agent
+connections), and either side may close an idle connection (the client then simply opens a new one):
 
     decode -> prefill   one JSON line: {"v": 1, "op": "pull", "kv_compat_id": ..., "engine_id": <decode id>,
                         "tp_size": <decode TP>, "remote_engine_id": ..., "remote_request_id": ...,
@@ -34,6 +36,43 @@ log = logging.getLogger(__name__)
 
 _LINE_LIMIT = 1 << 20
 _ZEROS = bytes(1 << 20)
+#: The server closes a connection idle this long; clients stop reusing theirs well before.
+_SERVER_IDLE_S = 60.0
+_CLIENT_IDLE_S = 20.0
+_POOL_PER_PEER = 64
+
+
+class ConnectionPool:
+    """Idle side-channel connections of a decode engine, per prefill peer (host, port)."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+
+    def take(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """An idle, recently used connection to the peer, if any."""
+        idle = self._idle.get((host, port))
+        now = time.monotonic()
+        while idle:
+            used, reader, writer = idle.pop()
+            if now - used < _CLIENT_IDLE_S and not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return None
+
+    def give_back(self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Keep a healthy connection for the next pull."""
+        idle = self._idle.setdefault((host, port), [])
+        if len(idle) >= _POOL_PER_PEER or writer.is_closing():
+            writer.close()
+            return
+        idle.append((time.monotonic(), reader, writer))
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for idle in self._idle.values():
+            for _used, _reader, writer in idle:
+                writer.close()
+        self._idle.clear()
 
 
 class SideChannelServer:
@@ -44,6 +83,8 @@ class SideChannelServer:
         self.faults = faults
         self.server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[Any]] = set()
+        #: Connections accepted so far (pooled clients reuse theirs, so this grows slower than pulls).
+        self.accepted = 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (port 0 = any); returns the bound port."""
@@ -64,19 +105,24 @@ class SideChannelServer:
         task = asyncio.current_task()
         if task is not None:
             self._conns.add(task)
+        self.accepted += 1
         try:
-            if self.faults.drop_side_channel:
-                return  # simulate a dead transfer path: close without answering
-            try:
-                line = await asyncio.wait_for(reader.readline(), 10)
-                msg = json.loads(line)
-                if not isinstance(msg, dict) or msg.get("op") != "pull":
-                    raise ValueError("expected a pull request")
-            except (ValueError, TimeoutError, asyncio.LimitOverrunError, ConnectionError):
-                await self._refuse(writer, "bad_request", "malformed side-channel request")
-                return
-            await self._serve_pull(msg, writer)
-        except (ConnectionError, asyncio.CancelledError):
+            while not self.faults.drop_side_channel:  # the fault: close without answering
+                try:
+                    line = await asyncio.wait_for(reader.readline(), _SERVER_IDLE_S)
+                except TimeoutError:
+                    return
+                if not line:
+                    return
+                try:
+                    msg = json.loads(line)
+                    if not isinstance(msg, dict) or msg.get("op") != "pull":
+                        raise ValueError("expected a pull request")
+                except ValueError:
+                    await self._refuse(writer, "bad_request", "malformed side-channel request")
+                    return
+                await self._serve_pull(msg, writer)
+        except (ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
             pass
         finally:
             if task is not None:
@@ -143,7 +189,11 @@ class _TransientError(Exception):
     """A failure worth retrying (peer not reachable yet / connection dropped)."""
 
 
-async def pull_kv(engine: Engine, req: EngineRequest) -> int:
+class _StaleConnectionError(_TransientError):
+    """A reused connection failed before the peer answered: open a new one right away."""
+
+
+async def pull_kv(engine: Engine, req: EngineRequest, pool: ConnectionPool | None = None) -> int:
     """Pull ``req``'s KV from its prefill engine; returns the payload size. Raises KVLoadError."""
     remote = req.remote_prefill
     assert remote is not None
@@ -159,7 +209,12 @@ async def pull_kv(engine: Engine, req: EngineRequest) -> int:
             raise KVLoadError("unreachable", f"KV pull from {remote.host}:{remote.port} failed: {last}")
         try:
             started = time.monotonic()
-            size, posted = await asyncio.wait_for(_pull_once(engine, req), left)
+            try:
+                size, posted = await asyncio.wait_for(_pull_once(engine, req, pool, reuse=True), left)
+            except _StaleConnectionError:
+                # The pooled connection had gone stale (peer closed it): retry at once on a fresh one.
+                left = max(deadline - time.monotonic(), 0.001)
+                size, posted = await asyncio.wait_for(_pull_once(engine, req, pool, reuse=False), left)
             elapsed = time.monotonic() - started
             m.nixl_post_time.observe(posted)
             m.nixl_bytes.observe(size)
@@ -198,12 +253,20 @@ async def _handshake(engine: Engine, req: EngineRequest) -> None:
     await asyncio.shield(done)
 
 
-async def _pull_once(engine: Engine, req: EngineRequest) -> tuple[int, float]:
+async def _pull_once(
+    engine: Engine, req: EngineRequest, pool: ConnectionPool | None, *, reuse: bool
+) -> tuple[int, float]:
     remote = req.remote_prefill
     assert remote is not None
     cfg = engine.config
     t0 = time.monotonic()
-    reader, writer = await asyncio.open_connection(remote.host, remote.port, limit=_LINE_LIMIT)
+    conn = pool.take(remote.host, remote.port) if pool is not None and reuse else None
+    reused = conn is not None
+    if conn is None:
+        conn = await asyncio.open_connection(remote.host, remote.port, limit=_LINE_LIMIT)
+    reader, writer = conn
+    healthy = False
+    answered = False
     try:
         msg = {
             "v": 1,
@@ -221,11 +284,13 @@ async def _pull_once(engine: Engine, req: EngineRequest) -> tuple[int, float]:
         line = await reader.readline()
         if not line:
             raise _TransientError("the prefill engine closed the side channel without answering")
+        answered = True
         try:
             header = json.loads(line)
         except ValueError:
             raise KVLoadError("protocol", "malformed side-channel answer") from None
         if not header.get("ok"):
+            healthy = True  # a refusal leaves the connection usable
             raise KVLoadError(str(header.get("error")), str(header.get("message")))
         size = int(header["bytes"])
         remote_tokens = header.get("num_tokens")
@@ -246,10 +311,16 @@ async def _pull_once(engine: Engine, req: EngineRequest) -> tuple[int, float]:
             if not chunk:
                 raise _TransientError("the side channel closed mid-transfer")
             left -= len(chunk)
+        healthy = True
         return size, posted
-    except (ConnectionError, asyncio.IncompleteReadError) as exc:
+    except (ConnectionError, asyncio.IncompleteReadError, _TransientError) as exc:
+        if reused and not answered:
+            raise _StaleConnectionError(f"{type(exc).__name__}: {exc}") from None
+        if isinstance(exc, _TransientError):
+            raise
         raise _TransientError(f"{type(exc).__name__}: {exc}") from None
     finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
+        if healthy and pool is not None:
+            pool.give_back(remote.host, remote.port, reader, writer)
+        else:
+            writer.close()

@@ -282,3 +282,33 @@ async def test_a_decode_body_that_differs_from_the_prefill_body_is_flagged(http:
         async with http.post(decode.url + "/v1/completions", json=changed) as resp:
             assert resp.status == 200
         assert metric_value(await scrape(decode.url), "pdserve:sim_kv_prompt_mismatch_total") == 1
+
+
+async def test_decode_reuses_side_channel_connections(http: aiohttp.ClientSession) -> None:
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+    async with sim_in_process(role="prefill") as prefill, sim_in_process(role="decode") as decode:
+        for _ in range(5):
+            params = await prefill_step(http, prefill.url, body)
+            async with http.post(decode.url + "/v1/completions", json=dict(body, kv_transfer_params=params)) as resp:
+                assert resp.status == 200
+        async with http.get(prefill.url + "/sim/state") as resp:
+            assert (await resp.json())["side_channel_connections"] == 1
+
+
+async def test_a_restarted_prefill_engine_is_reached_on_a_fresh_connection(http: aiohttp.ClientSession) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        side_port = s.getsockname()[1]
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+    async with sim_in_process(role="decode", kv_transfer_timeout_s=3.0) as decode:
+        for _ in range(2):
+            async with sim_process(role="prefill", fast=True, side_channel_port=side_port) as prefill:
+                params = await prefill_step(http, prefill.url, body)
+                started = time.monotonic()
+                url = decode.url + "/v1/completions"
+                async with http.post(url, json=dict(body, kv_transfer_params=params)) as resp:
+                    assert resp.status == 200
+                # The second round's pooled connection points at the dead first process: no backoff wait.
+                assert time.monotonic() - started < 1.0
