@@ -23,6 +23,7 @@ from pdserve.api.router_config import RouterConfig
 from pdserve_runtime.router.discovery import Discovery
 from pdserve_runtime.router.discovery.static import StaticDiscovery
 from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable
+from pdserve_runtime.router.engine_metrics import EngineMetricsScraper
 from pdserve_runtime.router.errors import error_response
 from pdserve_runtime.router.metrics import RouterMetrics
 from pdserve_runtime.router.policy.scheduler import Scheduler
@@ -44,7 +45,10 @@ def default_discovery(config: RouterConfig, table: EndpointTable) -> Discovery:
 class RouterApp:
     """One router: its state, its background tasks and its HTTP routes."""
 
-    def __init__(self, config: RouterConfig, discovery: Discovery | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, discovery: Discovery | None = None, engine_metrics_interval: float = 2.0
+    ) -> None:
+        """`engine_metrics_interval`: seconds between scrapes of decode engines' /metrics (0 turns it off)."""
         self.config = config
         policy = config.policy
         self.tracker = PrefixTracker(
@@ -62,6 +66,7 @@ class RouterApp:
         self.proxy = Proxy(config, self.scheduler, self.tracker, self.metrics)
         self.discovery = discovery or default_discovery(config, self.table)
         self._prober: asyncio.Task[None] | None = None
+        self._scraper = EngineMetricsScraper(self.table, engine_metrics_interval) if engine_metrics_interval else None
         self._created = int(time.time())
 
     def web_app(self) -> web.Application:
@@ -81,12 +86,16 @@ class RouterApp:
         await self.proxy.start()
         await self.discovery.start()
         self._prober = asyncio.create_task(self._probe_loop(), name="pdserve-router-prober")
+        if self._scraper is not None:
+            self._scraper.start(self.proxy.session)
 
     async def _cleanup(self, _app: web.Application) -> None:
         if self._prober is not None:
             self._prober.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._prober
+        if self._scraper is not None:
+            await self._scraper.stop()
         await self.discovery.stop()
         await self.proxy.close()
 

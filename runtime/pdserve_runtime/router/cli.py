@@ -85,6 +85,13 @@ def load_config(
     help="Uncached prompt tokens at or above which a request goes through prefill (0: always).",
 )
 @click.option("--fallback/--no-fallback", default=None, help="Let decode prefill locally when prefill fails.")
+@click.option(
+    "--engine-metrics-interval",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off).",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--access-log/--no-access-log", default=False, help="Log every request line (costs CPU).")
 def router(  # noqa: PLR0917 (click passes every option as an argument)
@@ -96,6 +103,7 @@ def router(  # noqa: PLR0917 (click passes every option as an argument)
     served_model_name: str | None,
     threshold: int | None,
     fallback: bool | None,
+    engine_metrics_interval: float,
     log_level: str,
     access_log: bool,
 ) -> None:
@@ -111,17 +119,19 @@ def router(  # noqa: PLR0917 (click passes every option as an argument)
         fallback=fallback,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    serve(config, access_log=access_log)
+    if engine_metrics_interval < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--engine-metrics-interval")
+    serve(config, access_log=access_log, engine_metrics_interval=engine_metrics_interval)
 
 
-def serve(config: RouterConfig, *, access_log: bool = False) -> None:
+def serve(config: RouterConfig, *, access_log: bool = False, engine_metrics_interval: float = 2.0) -> None:
     """Run the router until SIGINT/SIGTERM, on uvloop."""
     import uvloop
     from aiohttp import web
 
     from pdserve_runtime.router.app import RouterApp
 
-    app = RouterApp(config).web_app()
+    app = RouterApp(config, engine_metrics_interval=engine_metrics_interval).web_app()
     log = logging.getLogger("pdserve.router")
     log.info(
         "Started router host=%s port=%d discovery=%s threshold=%d",

@@ -44,6 +44,9 @@ class EndpointState:
     in_flight: int = 0
     in_flight_tokens: int = 0
     errors: int = 0
+    # From the engine's own /metrics (decode engines; see engine_metrics): usage in [0, 1] and when it was read.
+    kv_cache_usage: float | None = None
+    kv_cache_usage_at: float = 0.0
 
     @property
     def url(self) -> str:

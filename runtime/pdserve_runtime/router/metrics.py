@@ -15,7 +15,8 @@
 - `pdserve_router_retries_total{stage}`, `pdserve_router_fallbacks_total{reason}`.
 - `pdserve_router_endpoint_errors_total{role,endpoint,kind}`, `pdserve_router_endpoint_ejections_total`.
 - `pdserve_router_endpoint_in_flight_requests{role,endpoint}`, `pdserve_router_endpoint_in_flight_tokens`,
-  `pdserve_router_endpoint_up{role,endpoint}` (1 usable, 0 not): read from the endpoint table at scrape time
+  `pdserve_router_endpoint_up{role,endpoint}` (1 usable, 0 not), `pdserve_router_endpoint_kv_cache_usage`
+  (engine-reported, decode only): read from the endpoint table at scrape time
   by a custom collector, so the request path pays nothing for them.
 
 Each router owns its registry (no global state): several routers can run in one test process.
@@ -68,15 +69,23 @@ class _TableCollector(Collector):
             "1 when the engine is ready and not ejected by the circuit breaker, else 0.",
             labels=["role", "endpoint"],
         )
+        kv_usage = GaugeMetricFamily(
+            "pdserve_router_endpoint_kv_cache_usage",
+            "KV-cache usage in [0, 1] last scraped from each decode engine's /metrics.",
+            labels=["role", "endpoint"],
+        )
         for role in ROLES:
             for state in self._table.states(role):
                 labels = [role, state.endpoint.label]
                 in_flight.add_metric(labels, state.in_flight)
                 tokens.add_metric(labels, state.in_flight_tokens)
                 up.add_metric(labels, 1.0 if state.usable else 0.0)
+                if state.kv_cache_usage is not None:
+                    kv_usage.add_metric(labels, state.kv_cache_usage)
         yield in_flight
         yield tokens
         yield up
+        yield kv_usage
 
 
 class RouterMetrics:

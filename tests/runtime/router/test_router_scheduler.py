@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -136,3 +137,11 @@ def test_prefix_awareness_can_be_turned_off() -> None:
     sched, _, tracker = scheduler([p("p1")], [d("d1")], prefix_aware=False)
     tracker.record("http://d1", prompt(40).block_hashes, now=0.0)
     assert sched.plan(prompt(40), now=1.0).route is Route.PD
+
+
+def test_engine_reported_kv_usage_steers_decode_choice() -> None:
+    sched, table, _ = scheduler([p("p1")], [d("d1"), d("d2")])
+    full, empty = table.states("decode")
+    full.kv_cache_usage, full.kv_cache_usage_at = 0.95, time.monotonic()
+    empty.kv_cache_usage, empty.kv_cache_usage_at = 0.05, time.monotonic()
+    assert {sched.plan(prompt(2), now=0.0).decode.url for _ in range(10)} == {"http://d2"}  # type: ignore[union-attr]

@@ -3,9 +3,11 @@
 Default profiles and why:
 
 - decode: available -> kv-compat with the peer (only on retries that reuse a prefill's KV) -> scores
-  `decodeLoadWeight` x least in-flight requests + `decodePrefixWeight` x prefix affinity -> max. Load first
-  because decode engines are where every stream's inter-token latency lives; prefix affinity equally, because
-  a decode-only request that hits the engine's cache skips its prefill entirely.
+  `decodeLoadWeight` x least in-flight requests + `decodePrefixWeight` x prefix affinity + 0.5 x KV-cache
+  headroom (engine-reported, when scraping is on) -> max. Load first because decode engines are where every
+  stream's inter-token latency lives; prefix affinity equally, because a decode-only request that hits the
+  engine's cache skips its prefill entirely; KV headroom at half weight as a guard against engines the router's
+  own counts misjudge (long contexts, other routers), without letting a lagging metric dominate.
 - prefill: available -> kv-compat with the chosen decode -> scores `prefillPrefixWeight` x prefix affinity +
   `prefillLoadWeight` x least in-flight prefill tokens + `prefillTopologyWeight` x same topology domain -> max.
   Prefill time is dominated by uncached tokens, so the engine holding the prefix usually wins unless it is much
@@ -30,6 +32,7 @@ from pdserve_runtime.router.policy.decision import Route, uncached_tokens, wants
 from pdserve_runtime.router.policy.filter_available import AvailableFilter
 from pdserve_runtime.router.policy.filter_kv_compat import KvCompatFilter
 from pdserve_runtime.router.policy.picker_max import MaxScorePicker
+from pdserve_runtime.router.policy.scorer_kv_usage import KvCacheHeadroomScorer
 from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight_requests, in_flight_tokens
 from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
 from pdserve_runtime.router.policy.scorer_topology import SameTopologyScorer
@@ -48,12 +51,18 @@ class Plan:
     prefix_blocks: Mapping[str, int]
 
 
+# Weight of engine-reported KV-cache headroom in the decode profile, and how old a reading may be.
+KV_HEADROOM_WEIGHT = 0.5
+KV_USAGE_STALE_SECONDS = 10.0
+
+
 def decode_profile(policy: RoutingPolicyConfig, rng: random.Random | None = None) -> Profile:
     return Profile(
         filters=(AvailableFilter(), KvCompatFilter()),
         scorers=(
             WeightedScorer(LeastLoadScorer(in_flight_requests), policy.decode_load_weight),
             WeightedScorer(PrefixAffinityScorer(), policy.decode_prefix_weight if policy.prefix_aware else 0.0),
+            WeightedScorer(KvCacheHeadroomScorer(stale_after=KV_USAGE_STALE_SECONDS), KV_HEADROOM_WEIGHT),
         ),
         picker=MaxScorePicker(rng),
     )

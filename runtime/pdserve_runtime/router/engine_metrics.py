@@ -1,0 +1,80 @@
+"""Engine-reported load: scrape decode engines' Prometheus /metrics for KV-cache usage.
+
+The router's own in-flight counts miss what it cannot see: long prompts that filled an engine's KV cache, other
+routers sharing the pool, preemptions. vLLM exports `vllm:kv_cache_usage_perc` (0..1) per engine; an engine
+close to full will queue or preempt new requests, so the decode profile scores headroom (1 - usage).
+
+`parse_kv_usage` is pure (a line scan, not a full exposition parser: the scrape runs every couple of seconds
+per engine and an engine's exposition is large). `EngineMetricsScraper` polls the usable decode engines every
+`interval` seconds with a short timeout; a failed or slow scrape leaves the previous value, which goes stale
+(ignored by the scorer) after `stale_after` seconds. Scraping never affects the circuit breaker: a metrics
+endpoint is not the serving path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+from time import monotonic
+
+import aiohttp
+
+from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
+
+log = logging.getLogger("pdserve.router")
+
+_KV_USAGE = re.compile(rb"^vllm:kv_cache_usage_perc(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE)
+
+
+def parse_kv_usage(exposition: bytes) -> float | None:
+    """The engine's KV-cache usage in [0, 1] (the highest of its series, e.g. across DP ranks), or None."""
+    values = []
+    for match in _KV_USAGE.finditer(exposition):
+        with contextlib.suppress(ValueError):
+            value = float(match.group(1))
+            if not math.isnan(value):
+                values.append(min(1.0, max(0.0, value)))
+    return max(values) if values else None
+
+
+class EngineMetricsScraper:
+    """Background task keeping `EndpointState.kv_cache_usage` of decode engines fresh."""
+
+    def __init__(self, table: EndpointTable, interval: float, timeout: float = 1.0) -> None:
+        self._table = table
+        self._interval = interval
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._task = asyncio.create_task(self._run(session), name="pdserve-router-engine-metrics")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            states = self._table.usable("decode")
+            if states:
+                await asyncio.gather(*(self.scrape(session, state) for state in states))
+            await asyncio.sleep(self._interval)
+
+    async def scrape(self, session: aiohttp.ClientSession, state: EndpointState) -> None:
+        """Read one engine's KV-cache usage into its state (errors keep the old value)."""
+        try:
+            async with session.get(state.url + "/metrics", timeout=self._timeout) as response:
+                if response.status != 200:
+                    return
+                usage = parse_kv_usage(await response.read())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("Failed scraping metrics endpoint=%s error=%s", state.endpoint.label, exc)
+            return
+        if usage is not None:
+            state.kv_cache_usage = usage
+            state.kv_cache_usage_at = monotonic()
