@@ -11,8 +11,9 @@ import kopf
 import prometheus_client
 
 from pdserve_operator import handlers
-from pdserve_operator.api import KubeApi, load_client
+from pdserve_operator.api import ApiError, KubeApi, load_client
 from pdserve_operator.controller import Controller
+from pdserve_operator.kinds import PDSERVICE
 from pdserve_operator.leader import LeaseElector
 
 log = logging.getLogger("pdserve.operator")
@@ -71,6 +72,7 @@ async def run(options: Options) -> None:
         ",".join(options.namespaces) or "*",
         options.leader_elect,
     )
+    await wait_for_crd(KubeApi(client))
     tasks = [asyncio.create_task(controller.run(stop))]
     if elector is not None:
         tasks.append(asyncio.create_task(elector.run(stop)))
@@ -87,6 +89,23 @@ async def run(options: Options) -> None:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         log.info("Stopped operator identity=%s", options.identity)
+
+
+async def wait_for_crd(api: KubeApi, max_delay: float = 30.0) -> None:
+    """Block until the API server serves PDServices. kopf resolves its resources when it starts and may not pick
+    up a CRD created later, so starting before the CRD would leave the operator deaf until restarted."""
+    delay = 1.0
+    path = PDSERVICE.collection_path(None) + "?limit=1"
+    while True:
+        try:
+            await asyncio.to_thread(api.get, path, PDSERVICE.kind)
+            return
+        except ApiError as exc:
+            if exc.code not in (0, 404, 503):
+                return  # e.g. 403 in namespaced RBAC: the resource exists, kopf will list per namespace
+            log.warning("Waiting for the PDService CRD to be served error=%s retry_in=%.0fs", exc, delay)
+        await asyncio.sleep(delay)
+        delay = min(max_delay, delay * 2)
 
 
 def api_is_leader(elector_ref: Callable[[], LeaseElector | None]) -> Callable[[], bool]:
