@@ -145,6 +145,8 @@ class _SimGroup(click.Group):
     default=0.0,
     help="Mean natural output length for requests without ignore_eos (0 = never stop early).",
 )
+@click.option("--enable-prompt-tokens-details", is_flag=True, help="Report cached prompt tokens in usage.")
+@click.option("--enable-request-id-headers", is_flag=True, help="Send X-Request-Id response headers.")
 @click.option("--fault-fail-next", type=int, default=0, help="Fail the next N generation requests.")
 @click.option("--fault-fail-status", type=int, default=503, help="Status of injected failures.")
 @click.option("--fault-latency", type=float, default=0.0, help="Extra seconds before each request.")
@@ -183,7 +185,8 @@ def serve(ctx: click.Context, vllm_args: tuple[str, ...]) -> None:
             "Usage: pdserve sim [NATIVE OPTIONS] serve MODEL [vLLM serve flags]\n\n"
             "Drop-in for `vllm serve`. Modelled flags: --model, --host, --port, --kv-transfer-config,\n"
             "--tensor-parallel-size/-tp, --max-model-len, --block-size, --served-model-name, --max-num-seqs,\n"
-            "--max-num-batched-tokens, --num-gpu-blocks-override; other vLLM flags are accepted and ignored.\n"
+            "--max-num-batched-tokens, --num-gpu-blocks-override, --enable-prompt-tokens-details,\n"
+            "--enable-request-id-headers; other vLLM flags are accepted and ignored.\n"
             "Timing comes from the native options before `serve` or PDSERVE_SIM_PRESET/_FAST/_SPEED.\n"
             "See `pdserve sim --help` for the native options."
         )
@@ -209,6 +212,8 @@ def parse_vllm_args(args: list[str]) -> dict[str, Any]:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--num-gpu-blocks-override", type=int)
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=None)
+    parser.add_argument("--enable-request-id-headers", action="store_true", default=None)
     ns, unknown = parser.parse_known_args(args)
     out: dict[str, Any] = {k: v for k, v in vars(ns).items() if v is not None}
     if "model_tag" in out:
@@ -316,6 +321,10 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
         speed=float(options.get("speed") or 1.0),
         tensor_parallel_size=tp,
         eos_mean_tokens=float(options.get("eos_mean_tokens") or 0.0),
+        prompt_tokens_details=bool(
+            vllm.get("enable_prompt_tokens_details") or options.get("enable_prompt_tokens_details")
+        ),
+        request_id_headers=bool(vllm.get("enable_request_id_headers") or options.get("enable_request_id_headers")),
         faults=faults,
     )
 

@@ -53,6 +53,10 @@ class SimConfig:
     fast: bool = True
     speed: float = 1.0
     tensor_parallel_size: int = 1
+    #: vLLM's --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens.
+    prompt_tokens_details: bool = False
+    #: vLLM's --enable-request-id-headers: responses carry an X-Request-Id header.
+    request_id_headers: bool = False
     #: Mean natural output length (EOS) of requests without ignore_eos; 0 = the model never emits EOS.
     eos_mean_tokens: float = 0.0
     faults: FaultConfig = field(default_factory=FaultConfig)

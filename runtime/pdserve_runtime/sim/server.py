@@ -278,10 +278,13 @@ class SimServer:
             req.stop_after = natural_length(req.seed, cfg.eos_mean_tokens)
         engine = self.engine
         engine.add(req)
+        headers = {"X-Request-Id": base} if cfg.request_id_headers else {}
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, req)
-            return await self._unary(parsed, req)
+                return await self._stream(request, parsed, req, headers)
+            response = await self._unary(parsed, req)
+            response.headers.update(headers)
+            return response
         finally:
             if not req.finished:
                 engine.abort(req)
@@ -300,7 +303,7 @@ class SimServer:
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + req.outputs,
             "completion_tokens": req.outputs,
-            "prompt_tokens_details": None,
+            "prompt_tokens_details": self._prompt_details(req),
         }
         finish = req.finish_reason if req.finish_reason in ("length", "stop") else "abort"
         body: dict[str, Any]
@@ -357,8 +360,10 @@ class SimServer:
             }
         return _json_response(body)
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, req: EngineRequest) -> web.StreamResponse:
-        resp = web.StreamResponse(headers=_SSE_HEADERS)
+    async def _stream(
+        self, request: web.Request, parsed: ParsedRequest, req: EngineRequest, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         try:
             await resp.prepare(request)
             await self._stream_events(request, resp, parsed, req)
@@ -444,15 +449,21 @@ class SimServer:
                 await resp.write_eof(self._tail(parsed, req, created, sent))
                 return
 
-    @staticmethod
-    def _tail(parsed: ParsedRequest, req: EngineRequest, created: int, sent: int) -> bytes:
+    def _tail(self, parsed: ParsedRequest, req: EngineRequest, created: int, sent: int) -> bytes:
         """The events after the last token: an error or the usage event (if asked for), then [DONE]."""
         tail_parts: list[bytes] = []
         prompt_tokens = len(req.prompt_ids)
         if req.error is not None:
             tail_parts.append(b"data: " + json.dumps(error_body(req.error_status, req.error)).encode() + b"\n\n")
         elif parsed.include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + sent, "completion_tokens": sent}
+            usage: dict[str, Any] = {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + sent,
+                "completion_tokens": sent,
+            }
+            details = self._prompt_details(req)
+            if details is not None:
+                usage["prompt_tokens_details"] = details
             chunk: dict[str, Any] = {
                 "id": req.request_id,
                 "object": "chat.completion.chunk" if parsed.chat else "text_completion",
@@ -464,6 +475,12 @@ class SimServer:
             tail_parts.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
         tail_parts.append(_DONE)
         return b"".join(tail_parts)
+
+    def _prompt_details(self, req: EngineRequest) -> dict[str, int] | None:
+        """vLLM's prompt_tokens_details (with --enable-prompt-tokens-details): tokens not computed here."""
+        if not self.config.prompt_tokens_details:
+            return None
+        return {"cached_tokens": req.num_cached_tokens + req.external_tokens}
 
     @staticmethod
     def _usage_json(prompt_tokens: int, completion_tokens: int) -> str:

@@ -285,3 +285,19 @@ async def test_natural_eos_respects_ignore_eos_and_min_tokens(http: aiohttp.Clie
         async with http.post(url(sim, "/v1/completions"), json=dict(body, min_tokens=200, stream=True)) as resp:
             raw = (await resp.read()).decode()
         assert raw.count('"text"') == 200 and '"finish_reason":"stop"' in raw
+
+
+async def test_prompt_tokens_details_and_request_id_headers(http: aiohttp.ClientSession) -> None:
+    async with sim_server_in_process(prompt_tokens_details=True, request_id_headers=True) as sim:
+        prompt = [100 + i for i in range(40)]
+        for expected_cached in (0, 32):  # the second time, two full blocks of 16 come from the prefix cache
+            body = {"prompt": prompt, "max_tokens": 2}
+            async with http.post(url(sim, "/v1/completions"), json=body, headers={"X-Request-Id": "r1"}) as resp:
+                assert resp.headers["X-Request-Id"] == "r1"
+                data = await resp.json()
+            assert data["usage"]["prompt_tokens_details"] == {"cached_tokens": expected_cached}
+        stream = {"prompt": prompt, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+        async with http.post(url(sim, "/v1/completions"), json=stream) as resp:
+            assert len(resp.headers["X-Request-Id"]) == 32
+            chunks = [json.loads(e) for e in await sse_events(resp)]
+        assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -132,3 +132,10 @@ def test_vllm_style_arguments_are_routed_to_serve(argv: list[str], routed: bool)
     native = {opt for param in sim.params for opt in getattr(param, "opts", [])}
     flags = {opt for p in sim.params if isinstance(p, click.Option) and p.is_flag for opt in p.opts}
     assert ("serve" in route_vllm_args(argv, native, flags)) == routed
+
+
+def test_modelled_vllm_feature_flags() -> None:
+    cfg = dropin("m", "--enable-prompt-tokens-details", "--enable-request-id-headers")
+    assert cfg.prompt_tokens_details and cfg.request_id_headers
+    plain = dropin("m")
+    assert not plain.prompt_tokens_details and not plain.request_id_headers
