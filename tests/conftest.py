@@ -15,15 +15,29 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pdserve.devcluster import build
+from pdserve.devcluster import build, netns
 from pdserve.devcluster.build import CLUSTER_BINARIES
 from pdserve.devcluster.cluster import PROCESS_NODE_MODULE, LocalCluster
 from pdserve.devcluster.testing import ClusterHelper
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Run the whole session in a private network namespace holding only loopback (pdserve/devcluster/netns.py):
+    nothing a test starts can reach beyond this machine, and the cluster's pod addresses exist only there.
+    Without root the session stays where it is and the cluster falls back to loopback pod addresses."""
+    if netns.should_isolate() and not os.environ.get("PDSERVE_TEST_HOST_NETWORK"):
+        params = config.invocation_params
+        capture = config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.stop_global_capturing()  # give the new process the real stdout/stderr back
+        os.chdir(params.dir)
+        netns.exec_in_fresh([sys.executable, "-m", "pytest", *params.args])
 
 
 def _want_process_node() -> bool:

@@ -11,13 +11,14 @@ import importlib.util
 import json
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import click
 
 from pdserve.devcluster import build as build_mod
-from pdserve.devcluster import versions
+from pdserve.devcluster import netns, versions
 from pdserve.devcluster.cluster import (
     PROCESS_NODE_MODULE,
     ClusterError,
@@ -65,6 +66,17 @@ def _workdir_options(function: click.decorators.FC) -> click.decorators.FC:
         help="Cluster state directory (default: $PDSERVE_CACHE_DIR/clusters/<name>).",
     )(function)
     return click.option("--name", default="default", show_default=True, help="Cluster name.")(function)
+
+
+def _enter_cluster_namespace(directory: Path) -> None:
+    """Re-run this command inside the cluster's named network namespace (netns.py) when it should be there.
+
+    Never returns when it re-runs: the exit code of the re-run command is this command's."""
+    if not netns.should_isolate():
+        return
+    name = netns.named_namespace(directory)
+    netns.ensure_named(name)
+    raise SystemExit(netns.run_in_named(name, [sys.executable, "-m", "pdserve.cli", *sys.argv[1:]]))
 
 
 def _resolve(name: str, workdir: Path | None) -> Path:
@@ -134,6 +146,7 @@ def up(
     if process_node is None:
         process_node = importlib.util.find_spec(f"{PROCESS_NODE_MODULE}.__main__") is not None
     directory = _resolve(name, workdir)
+    _enter_cluster_namespace(directory)
     if not restart and cluster_status(directory)["running"]:
         click.echo(f"Cluster {name!r} is already running (workdir {directory}); `--restart` starts it afresh.")
         click.echo(f"export KUBECONFIG={directory / 'kubeconfig'}")
@@ -154,6 +167,16 @@ def up(
         raise click.ClickException(str(exc)) from exc
     click.echo(f"Cluster {name!r} is up after {time.monotonic() - started:.1f}s (workdir {directory}).")
     click.echo(f"export KUBECONFIG={local.kubeconfig}")
+    _namespace_hint(directory)
+
+
+def _namespace_hint(directory: Path) -> None:
+    name = netns.named_namespace(directory)
+    if netns.named_exists(name):
+        click.echo(
+            f"The cluster lives in network namespace {name}: run clients with `ip netns exec {name} ...` "
+            "or use `pdserve dev cluster kubectl ...`."
+        )
 
 
 @cluster.command("down")
@@ -162,6 +185,7 @@ def down(name: str, workdir: Path | None) -> None:
     """Stop every process of the cluster (by recorded PIDs); logs stay in the workdir."""
     directory = _resolve(name, workdir)
     stopped = stop_workdir(directory)
+    netns.delete_named(netns.named_namespace(directory))
     click.echo(f"Stopped {', '.join(stopped)}." if stopped else f"Nothing was running in {directory}.")
 
 
@@ -170,7 +194,10 @@ def down(name: str, workdir: Path | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def status(name: str, workdir: Path | None, as_json: bool) -> None:
     """Show whether the cluster runs: processes, API readiness, nodes. Exit 1 when it does not."""
-    info = cluster_status(_resolve(name, workdir))
+    directory = _resolve(name, workdir)
+    if netns.named_exists(netns.named_namespace(directory)):
+        _enter_cluster_namespace(directory)
+    info = cluster_status(directory)
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:
@@ -197,6 +224,8 @@ def kubeconfig(name: str, workdir: Path | None) -> None:
     if state is None:
         raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
     click.echo(state.kubeconfig)
+    if netns.named_exists(netns.named_namespace(directory)):
+        click.echo(f"(reachable inside network namespace {netns.named_namespace(directory)})", err=True)
 
 
 @cluster.command("env")
@@ -209,6 +238,8 @@ def env(name: str, workdir: Path | None) -> None:
         raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
     click.echo(f'export PATH={shlex.quote(state.bin_dir)}:"$PATH"')
     click.echo(f"export KUBECONFIG={shlex.quote(state.kubeconfig)}")
+    if netns.named_exists(netns.named_namespace(directory)):
+        click.echo(f"# the cluster is reachable inside network namespace {netns.named_namespace(directory)}")
 
 
 @cluster.command("kubectl", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -217,6 +248,8 @@ def env(name: str, workdir: Path | None) -> None:
 def kubectl(name: str, workdir: Path | None, args: tuple[str, ...]) -> None:
     """Run the built kubectl against the cluster, e.g. `pdserve dev cluster kubectl get nodes`."""
     directory = _resolve(name, workdir)
+    if netns.named_exists(netns.named_namespace(directory)):
+        _enter_cluster_namespace(directory)
     state = ClusterState.load(directory)
     if state is None:
         raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")

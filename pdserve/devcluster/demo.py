@@ -14,9 +14,7 @@ demo first moves itself into a private network namespace that holds only a loopb
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,30 +28,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.api.crdgen import custom_resource_definition
+from pdserve.devcluster import netns
 from pdserve.devcluster.cluster import LocalCluster
 from pdserve.devcluster.testing import ClusterHelper, wait_for
 
 DEMO_NAMESPACE = "demo"
-_ISOLATED_ENV = "PDSERVE_DEMO_ISOLATED"
-
-
-def in_private_network_namespace() -> bool:
-    """True when this process's network namespace differs from PID 1's (the host's)."""
-    try:
-        return os.readlink("/proc/self/ns/net") != os.readlink("/proc/1/ns/net")
-    except OSError:
-        return False
-
-
-def reexec_isolated(argv: list[str]) -> int | None:
-    """Run `argv` again inside a fresh network namespace with only loopback; None when that is not possible."""
-    if os.environ.get(_ISOLATED_ENV) or in_private_network_namespace():
-        return None
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
-        return None
-    env = {**os.environ, _ISOLATED_ENV: "1"}
-    script = 'ip link set lo up && exec "$@"'
-    return subprocess.call(["unshare", "--net", "--", "bash", "-c", script, "demo", *argv], env=env)
 
 
 def default_manifest() -> str:
@@ -108,7 +87,9 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
         echo(f"Operator running (pid {operator.pid}); applying PDService {DEMO_NAMESPACE}/{name}")
         helper.apply(json.dumps(doc))
         started = time.monotonic()
-        helper.kubectl("wait", "--for=condition=Available", f"pds/{name}", "-n", DEMO_NAMESPACE, "--timeout=180s")
+        helper.kubectl(
+            "wait", "--for=condition=Available", f"pds/{name}", "-n", DEMO_NAMESPACE, "--timeout=180s", timeout=200
+        )
         echo(f"PDService Available after {time.monotonic() - started:.1f}s")
         echo(helper.kubectl("get", "pds,statefulsets,deployments,pods", "-n", DEMO_NAMESPACE, "-o", "wide").stdout)
         router_ip = wait_for(lambda: helper.pod_ips(DEMO_NAMESPACE, "pdserve.io/role=router"), timeout=60)[0]
@@ -125,7 +106,10 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
         after = _kv_tokens(helper, DEMO_NAMESPACE)
         moved = after.get("external_kv_transfer", 0.0) - before.get("external_kv_transfer", 0.0)
         computed = after.get("local_compute", 0.0) - before.get("local_compute", 0.0)
-        echo(f"Decode engines: {moved:.0f} prompt tokens pulled from prefill over the (simulated) NIXL side channel, {computed:.0f} computed")
+        echo(
+            f"Decode engines: {moved:.0f} prompt tokens pulled from prefill over the (simulated) NIXL side channel, "
+            f"{computed:.0f} computed locally"
+        )
         headers, body, seconds = _post(
             f"{base}/v1/chat/completions",
             {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
@@ -150,14 +134,11 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
 
 
 def main(manifest_path: str | None, keep: bool, echo: Callable[[str], None] = print) -> int:
-    """Entry point of `pdserve dev demo`: isolate the network when possible, then run the demo."""
-    code = reexec_isolated([sys.executable, "-m", "pdserve.cli", "dev", "demo", *_args(manifest_path, keep)])
-    if code is not None:
-        return code
+    """Entry point of `pdserve dev demo`: move into a private network namespace when possible, then run."""
+    if netns.should_isolate():
+        args = ["-f", str(Path(manifest_path).resolve())] if manifest_path else []
+        return netns.run_in_fresh(
+            [sys.executable, "-m", "pdserve.cli", "dev", "demo", *args, *(["--keep"] if keep else [])]
+        )
     manifest = Path(manifest_path).read_text() if manifest_path else default_manifest()
     return run_demo(manifest, keep, echo)
-
-
-def _args(manifest_path: str | None, keep: bool) -> list[str]:
-    args = ["-f", str(Path(manifest_path).resolve())] if manifest_path else []
-    return args + (["--keep"] if keep else [])

@@ -15,10 +15,10 @@ routed on the Internet. The block is split:
     198.19.128.0/18   Service ClusterIPs (there is no kube-proxy: a ClusterIP is only a name)
     198.19.255.254    the kwok nodes' InternalIP
 
-Adding the route needs CAP_NET_ADMIN (root in sessions and CI). Without it, the cluster still starts, with
-kwok pod IPs on loopback (127.250.0.0/16), and warns that EndpointSlices will not list those pods.
-The route is left in place at teardown: it is shared by every cluster on the machine, holds no port and
-no process, and `remove_local_route()` (or `ip route del local 198.18.0.0/15 dev lo table local`) drops it.
+The route is added only inside a private network namespace that holds nothing but `lo` (netns.py): tests,
+`pdserve dev demo` and `pdserve dev cluster up` move there first, so the block never exists on the host.
+Elsewhere (or without CAP_NET_ADMIN) the cluster still starts, with kwok pod IPs on loopback
+(127.250.0.0/16), and warns that EndpointSlices will not list those pods. The route dies with its namespace.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import ipaddress
 import shutil
 import subprocess
 from dataclasses import dataclass
+
+from pdserve.devcluster import netns
 
 LOCAL_BLOCK = "198.18.0.0/15"
 
@@ -85,7 +87,11 @@ def has_local_route() -> bool:
 
 
 def ensure_local_route() -> tuple[bool, str]:
-    """Make LOCAL_BLOCK local if it is not; return (ok, reason when not ok)."""
+    """Make LOCAL_BLOCK local if it is not; return (ok, reason when not ok).
+
+    Only ever inside a private network namespace (see netns): in the host's, the block stays what it is."""
+    if not netns.loopback_only():
+        return False, "pdserve routes it only inside a network namespace that has nothing but loopback"
     if has_local_route():
         return True, ""
     ip = _ip()
@@ -101,18 +107,6 @@ def ensure_local_route() -> tuple[bool, str]:
     if proc.returncode != 0 and not has_local_route():  # a concurrent cluster may have won the race
         return False, proc.stderr.strip() or f"`ip route add` exited {proc.returncode}"
     return True, ""
-
-
-def remove_local_route() -> None:
-    """Drop the local route (no-op when absent)."""
-    ip = _ip()
-    if ip is not None and has_local_route():
-        subprocess.run(
-            [ip, "-4", "route", "del", "local", LOCAL_BLOCK, "dev", "lo", "table", "local"],
-            capture_output=True,
-            check=False,
-            timeout=10,
-        )
 
 
 def plan(want_local_route: bool = True) -> tuple[PodNetwork, str]:

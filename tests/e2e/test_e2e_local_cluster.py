@@ -49,7 +49,7 @@ def demo(cluster: ClusterHelper, namespace: str, tmp_path_factory: pytest.TempPa
         doc["metadata"]["namespace"] = namespace
         cluster.apply(json.dumps(doc))
         result = cluster.kubectl(
-            "wait", "--for=condition=Available", "pds/demo", "-n", namespace, "--timeout=180s", check=False
+            "wait", "--for=condition=Available", "pds/demo", "-n", namespace, "--timeout=180s", check=False, timeout=200
         )
         if result.returncode != 0:
             status = cluster.kubectl("get", "pds/demo", "-n", namespace, "-o", "yaml", check=False).stdout
