@@ -31,7 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
     """Run the whole session in a private network namespace holding only loopback (pdserve/devcluster/netns.py):
     nothing a test starts can reach beyond this machine, and the cluster's pod addresses exist only there.
     Without root the session stays where it is and the cluster falls back to loopback pod addresses."""
-    if netns.should_isolate() and not os.environ.get("PDSERVE_TEST_HOST_NETWORK"):
+    # A reused cluster (PDSERVE_CLUSTER_KUBECONFIG) lives in the caller's namespace: stay there with it.
+    stay = os.environ.get("PDSERVE_TEST_HOST_NETWORK") or os.environ.get("PDSERVE_CLUSTER_KUBECONFIG")
+    if netns.should_isolate() and not stay:
         params = config.invocation_params
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:
