@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from pdserve_runtime.sim.engine import Engine, EngineRequest, KVLoadError
+from pdserve_runtime.sim.faults import Faults
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class ConnectionPool:
 class SideChannelServer:
     """Serves held KV to pulling decode engines."""
 
-    def __init__(self, engine: Engine, faults: Any) -> None:
+    def __init__(self, engine: Engine, faults: Faults) -> None:
         self.engine = engine
         self.faults = faults
         self.server: asyncio.Server | None = None
@@ -107,13 +108,16 @@ class SideChannelServer:
             self._conns.add(task)
         self.accepted += 1
         try:
-            while not self.faults.drop_side_channel:  # the fault: close without answering
+            while True:
                 try:
                     line = await asyncio.wait_for(reader.readline(), _SERVER_IDLE_S)
                 except TimeoutError:
                     return
-                if not line:
+                except ValueError:  # a line over the limit
+                    await self._refuse(writer, "bad_request", "side-channel request too long")
                     return
+                if not line or self.faults.drop_side_channel:
+                    return  # closed by the peer, or the fault: close without answering
                 try:
                     msg = json.loads(line)
                     if not isinstance(msg, dict) or msg.get("op") != "pull":

@@ -312,3 +312,21 @@ async def test_a_restarted_prefill_engine_is_reached_on_a_fresh_connection(http:
                     assert resp.status == 200
                 # The second round's pooled connection points at the dead first process: no backoff wait.
                 assert time.monotonic() - started < 1.0
+
+
+async def test_side_channel_survives_garbage(http: aiohttp.ClientSession) -> None:
+    async with sim_in_process(role="prefill") as prefill:
+        for garbage in (b"not json\n", b"[1]\n", b"x" * (2 << 20) + b"\n", b"\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", prefill.side_channel_port)
+            try:
+                writer.write(garbage)
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionResetError:
+                answer = b""  # the server refused and closed while the oversized line was still arriving
+            finally:
+                writer.close()
+            assert answer == b"" or json.loads(answer)["error"] == "bad_request"
+        body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}
+        async with http.post(prefill.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
