@@ -30,7 +30,12 @@ Python API for tests and benchmarks (``pdserve_runtime.sim.testing``)::
 ``kv_lease_seconds=1``, ``kv_load_failure_policy="recompute"``, ``fault_fail_next=2``, ...), positional
 arguments switch to drop-in mode (``sim_process("serve", "my-model", "--kv-transfer-config", "{...}")``), and
 ``env=`` adds environment variables (e.g. ``PDSERVE_BIND_HOST``). ``sim_in_process(config, **fields)`` takes
-a :class:`~pdserve_runtime.sim.config.SimConfig` and field replacements.
+a :class:`~pdserve_runtime.sim.config.SimConfig` and field replacements; ``sim_server_in_process`` yields the
+``SimServer`` itself (engine state, metrics objects). ``scrape(url)`` and ``metric_value(text, name,
+**labels)`` read ``/metrics``.
+
+Benchmarks: ``bench/sim_throughput.py`` (the ``--fast`` performance floor: 500 streams, 20,000 tokens/s,
+``--pd`` for the 3-step flow) and ``bench/sim_fidelity.py`` (measured vs modelled TTFT/ITL of the presets).
 
 Self-check: ``pdserve:sim_step_lag_seconds`` and ``pdserve:sim_late_steps_total`` on ``/metrics`` show when
 the simulator process itself cannot keep up with its modelled step times (then its latencies are inflated).

@@ -11,9 +11,9 @@ decode, kv_both or absent = both), the engine id from its ``engine_id``, the lea
 side channel honours ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``VLLM_NIXL_SIDE_CHANNEL_PORT`` (default 5600). The
 kv-compat id is ``PDSERVE_KV_COMPAT`` if set, else derived from model, block size and max-model-len
 (:func:`pdserve_runtime.sim.config.derive_kv_compat_id`). vLLM flags the simulator does not model are
-accepted and logged once. ``PDSERVE_SIM_PRESET``, ``PDSERVE_SIM_FAST`` and ``PDSERVE_SIM_SPEED`` pick the
-timing in either mode. ``PDSERVE_BIND_HOST``, when set, is where HTTP and the side channel bind, whatever
-``--host`` says.
+accepted and logged once. ``PDSERVE_SIM_PRESET``, ``PDSERVE_SIM_FAST``, ``PDSERVE_SIM_SPEED`` and
+``PDSERVE_SIM_STARTUP_DELAY`` pick the timing in either mode. ``PDSERVE_BIND_HOST``, when set, is where HTTP
+and the side channel bind, whatever ``--host`` says.
 
 On startup the process prints one line ``PDSERVE_SIM_READY {"http_port": ..., "side_channel_port": ...,
 "pid": ...}`` to stdout once both listeners are bound (ports given as 0 are resolved there).
