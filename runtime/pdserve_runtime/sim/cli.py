@@ -145,6 +145,12 @@ class _SimGroup(click.Group):
     default=0.0,
     help="Mean natural output length for requests without ignore_eos (0 = never stop early).",
 )
+@click.option(
+    "--shutdown-timeout",
+    type=float,
+    default=0.0,
+    help="On SIGTERM, refuse new requests and drain in-flight ones for up to this many seconds (0 = abort).",
+)
 @click.option("--enable-prompt-tokens-details", is_flag=True, help="Report cached prompt tokens in usage.")
 @click.option("--enable-request-id-headers", is_flag=True, help="Send X-Request-Id response headers.")
 @click.option("--fault-fail-next", type=int, default=0, help="Fail the next N generation requests.")
@@ -186,7 +192,7 @@ def serve(ctx: click.Context, vllm_args: tuple[str, ...]) -> None:
             "Drop-in for `vllm serve`. Modelled flags: --model, --host, --port, --kv-transfer-config,\n"
             "--tensor-parallel-size/-tp, --max-model-len, --block-size, --served-model-name, --max-num-seqs,\n"
             "--max-num-batched-tokens, --num-gpu-blocks-override, --enable-prompt-tokens-details,\n"
-            "--enable-request-id-headers; other vLLM flags are accepted and ignored.\n"
+            "--enable-request-id-headers, --shutdown-timeout; other vLLM flags are accepted and ignored.\n"
             "Timing comes from the native options before `serve` or PDSERVE_SIM_PRESET/_FAST/_SPEED.\n"
             "See `pdserve sim --help` for the native options."
         )
@@ -213,6 +219,7 @@ def parse_vllm_args(args: list[str]) -> dict[str, Any]:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--num-gpu-blocks-override", type=int)
     parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=None)
+    parser.add_argument("--shutdown-timeout", type=float)
     parser.add_argument("--enable-request-id-headers", action="store_true", default=None)
     ns, unknown = parser.parse_known_args(args)
     out: dict[str, Any] = {k: v for k, v in vars(ns).items() if v is not None}
@@ -325,6 +332,7 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
             vllm.get("enable_prompt_tokens_details") or options.get("enable_prompt_tokens_details")
         ),
         request_id_headers=bool(vllm.get("enable_request_id_headers") or options.get("enable_request_id_headers")),
+        shutdown_timeout_s=float(vllm.get("shutdown_timeout", options.get("shutdown_timeout")) or 0.0),
         faults=faults,
     )
 
@@ -387,6 +395,8 @@ async def _serve(config: SimConfig, startup_delay: float = 0.0) -> None:
     print("PDSERVE_SIM_READY " + json.dumps(ready), flush=True)
     try:
         await stop.wait()
+        if config.shutdown_timeout_s > 0:
+            await server.drain(config.shutdown_timeout_s)
     finally:
         log.info("Stopping simulator engine_id=%s", config.engine_id)
         await server.stop()

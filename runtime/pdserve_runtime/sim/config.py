@@ -53,6 +53,9 @@ class SimConfig:
     fast: bool = True
     speed: float = 1.0
     tensor_parallel_size: int = 1
+    #: vLLM's --shutdown-timeout: on SIGTERM refuse new requests and let in-flight ones finish for up to this
+    #: long (0 = abort them at once, vLLM's default).
+    shutdown_timeout_s: float = 0.0
     #: vLLM's --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens.
     prompt_tokens_details: bool = False
     #: vLLM's --enable-request-id-headers: responses carry an X-Request-Id header.

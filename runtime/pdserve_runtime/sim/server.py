@@ -15,6 +15,7 @@ The token events are formatted from precomputed string fragments: the hot path d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -76,6 +77,11 @@ class SimServer:
         self.http_port = config.port
         self.side_channel_port = config.side_channel_port
         self.created = int(time.time())
+        #: Set on a graceful shutdown: new requests are refused while in-flight ones finish.
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # ----------------------------------------------------------------------------------------------------
 
@@ -120,6 +126,17 @@ class SimServer:
         if sockets:
             self.http_port = int(sockets[0].getsockname()[1])
 
+    async def drain(self, within: float) -> None:
+        """vLLM's --shutdown-timeout: refuse new requests, wait up to ``within`` s for in-flight ones.
+
+        Like vLLM, held KV that no decode engine pulled yet is not waited for.
+        """
+        self.draining = True
+        log.info("Draining in-flight requests count=%d timeout=%.1fs", self._inflight, within)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await self._idle.wait()
+
     async def stop(self) -> None:
         """Stop serving and release everything."""
         await self.side_channel.stop()
@@ -135,7 +152,7 @@ class SimServer:
     # Small endpoints
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.faults.unready:
+        if self.faults.unready or self.draining:
             return web.Response(status=503)
         return web.Response(status=200)
 
@@ -248,6 +265,8 @@ class SimServer:
         if faults.crash_after_requests is not None and faults.requests_seen >= faults.crash_after_requests:
             log.warning("Crashing on request %d (fault crash_after_requests)", faults.requests_seen)
             os._exit(70)
+        if self.draining:
+            return _json_response(error_body(503, "The server is shutting down."), 503)
         if faults.fail_next > 0:
             faults.fail_next -= 1
             status = faults.fail_status
@@ -279,6 +298,8 @@ class SimServer:
         engine = self.engine
         engine.add(req)
         headers = {"X-Request-Id": base} if cfg.request_id_headers else {}
+        self._inflight += 1
+        self._idle.clear()
         try:
             if parsed.stream:
                 return await self._stream(request, parsed, req, headers)
@@ -288,6 +309,9 @@ class SimServer:
         finally:
             if not req.finished:
                 engine.abort(req)
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
 
     async def _unary(self, parsed: ParsedRequest, req: EngineRequest) -> web.Response:
         faults = self.faults
@@ -446,7 +470,12 @@ class SimServer:
                     return
                 await resp.write("".join(parts).encode())
             elif req.finished and sent >= req.outputs:
-                await resp.write_eof(self._tail(parsed, req, created, sent))
+                final = ""
+                if req.error is None and req.finish_reason not in ("length", "stop"):
+                    # Aborted between tokens (shutdown, /abort): an empty event carries the finish reason.
+                    final = (opening + end if sent == 0 and opening else "") + head + last_pre + "abort" + last_post
+                    final += self._usage_json(prompt_tokens, sent) + end if continuous else end
+                await resp.write_eof(final.encode() + self._tail(parsed, req, created, sent))
                 return
 
     def _tail(self, parsed: ParsedRequest, req: EngineRequest, created: int, sent: int) -> bytes:

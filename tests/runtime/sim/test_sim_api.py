@@ -252,8 +252,7 @@ async def test_abort_endpoint(http: aiohttp.ClientSession) -> None:
             async with http.post(url(sim, "/abort"), json={"request_id": "cmpl-abc"}) as aborted:
                 assert aborted.status == 200
             raw = (await resp.read()).decode()
-        assert '"finish_reason":"abort"' not in raw or raw.endswith("data: [DONE]\n\n")
-        assert raw.endswith("data: [DONE]\n\n")
+        assert raw.endswith('"finish_reason":"abort","stop_reason":null}]}\n\ndata: [DONE]\n\n')
         async with http.post(url(sim, "/abort"), json={"request_id": "cmpl-abc"}) as again:
             assert again.status == 404
 

@@ -163,3 +163,29 @@ async def test_serve_help_prints_instead_of_serving() -> None:
     proc = await asyncio.create_subprocess_exec(PDSERVE, "sim", "serve", "--help", stdout=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0 and b"Drop-in for `vllm serve`" in out
+
+
+@pytest.mark.parametrize("shutdown_timeout", [0, 5])
+async def test_sigterm_aborts_or_drains_in_flight_requests(http: aiohttp.ClientSession, shutdown_timeout: int) -> None:
+    import signal
+
+    async with sim_process(preset="cpu-tiny", shutdown_timeout=shutdown_timeout) as sim:
+        body = {"prompt": "drain me", "max_tokens": 40, "stream": True}
+        unary = asyncio.create_task(http.post(sim.url + "/v1/completions", json=dict(body, stream=False)))
+        async with http.post(sim.url + "/v1/completions", json=body) as resp:
+            await resp.content.readuntil(b"\n\n")
+            sim.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            if shutdown_timeout:
+                async with http.post(sim.url + "/v1/completions", json=body) as refused:
+                    assert refused.status == 503
+                async with http.get(sim.url + "/health") as health:
+                    assert health.status == 503
+            raw = (await resp.read()).decode()
+        assert raw.endswith("data: [DONE]\n\n")
+        reason = '"finish_reason":"length"' if shutdown_timeout else '"finish_reason":"abort"'
+        assert reason in raw
+        finished = await unary
+        data = await finished.json()
+        assert data["choices"][0]["finish_reason"] == ("length" if shutdown_timeout else "abort")
+        assert await asyncio.wait_for(sim.process.wait(), 10) == 0
