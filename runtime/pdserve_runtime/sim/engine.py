@@ -119,6 +119,7 @@ class EngineRequest:
         "seed",
         "state",
         "stop_after",
+        "wants_tokens",
     )
 
     def __init__(
@@ -162,6 +163,8 @@ class EngineRequest:
         self.error_status = 500
         self.kv_transfer_params_out: dict[str, Any] | None = None
         self._waiter: asyncio.Future[None] | None = None
+        #: False for non-streaming requests: their handler is only woken when the request finishes.
+        self.wants_tokens = True
 
     @property
     def finished(self) -> bool:
@@ -488,7 +491,7 @@ class Engine:
             elif req.stop_after is not None and req.outputs >= max(req.stop_after, req.min_tokens):
                 self._finish(req, "stop")
                 finished_any = True
-            else:
+            elif req.wants_tokens:
                 req._wake()
         if finished_any:
             self.running = [r for r in self.running if r.state is running_state]

@@ -293,6 +293,7 @@ class SimServer:
             remote_decode=parsed.remote_decode,
             remote_prefill=parsed.remote_prefill,
         )
+        req.wants_tokens = parsed.stream
         if cfg.eos_mean_tokens > 0 and not parsed.ignore_eos:
             req.stop_after = natural_length(req.seed, cfg.eos_mean_tokens)
         engine = self.engine
