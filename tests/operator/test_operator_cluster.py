@@ -85,9 +85,16 @@ def matches_render(cluster: ClusterHelper, namespace: str, name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def crd(cluster: ClusterHelper) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(servable_crd()))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
-    ensure_cpu_node(cluster)
+    # Retried: right after the cluster comes up, the first requests can still fail transiently.
+    text = yaml.safe_dump(servable_crd())
+    wait_for(lambda: cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=text), 60)
+    wait_for(
+        lambda: cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=30s"),
+        60,
+    )
+    # The CRD is established but discovery may lag: the operator waits for it too (runner.wait_for_crd).
+    wait_for(lambda: cluster.kubectl("get", "pdservices.pdserve.io", "--all-namespaces"), 60)
+    wait_for(lambda: ensure_cpu_node(cluster) or True, 60)
 
 
 @pytest.fixture(scope="module")
