@@ -94,7 +94,7 @@ def crd(cluster: ClusterHelper) -> None:
     )
     # The CRD is established but discovery may lag: the operator waits for it too (runner.wait_for_crd).
     wait_for(lambda: cluster.kubectl("get", "pdservices.pdserve.io", "--all-namespaces"), 60)
-    wait_for(lambda: ensure_cpu_node(cluster) or True, 60)
+    ensure_cpu_node(cluster)
 
 
 @pytest.fixture(scope="module")
