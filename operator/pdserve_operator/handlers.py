@@ -34,7 +34,7 @@ def configure(settings: kopf.OperatorSettings, *, server_timeout: int = 270, cli
     settings.watching.connect_timeout = 10
     settings.networking.connect_timeout = 10
     settings.networking.request_timeout = 60
-    settings.posting.level = 30  # kopf's own events: warnings and errors only
+X
     for kind in OBSERVED:
         settings.watching.label_selectors[_matches(kind)] = CHILD_SELECTOR
 

@@ -42,7 +42,7 @@ class RetryLaterError(Exception):
 class Outcome:
     """What one pass did, for metrics, logs and tests."""
 
-    result: str  # noop | applied | invalid | gone | failed
+    result: str  # noop | status (only status changed) | applied | invalid | gone
     applied: list[str] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)
     status_written: bool = False
