@@ -7,6 +7,7 @@ never streams the cluster's unrelated Pods or ConfigMaps.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import kopf
@@ -34,7 +35,7 @@ def configure(settings: kopf.OperatorSettings, *, server_timeout: int = 270, cli
     settings.watching.connect_timeout = 10
     settings.networking.connect_timeout = 10
     settings.networking.request_timeout = 60
-X
+    settings.posting.level = logging.WARNING  # kopf's own events: warnings and errors only
     for kind in OBSERVED:
         settings.watching.label_selectors[_matches(kind)] = CHILD_SELECTOR
 
