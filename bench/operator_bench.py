@@ -11,7 +11,8 @@ Measures:
    own create latency for those objects, sent one by one). Printed as a ratio operator/baseline.
 2. `--fleet` PDServices created at once: time until all are Available (kwok makes pods Ready), operator RSS (peak
    while converging and at rest), API requests per reconcile pass, and writes per no-op reconcile pass once the
-   fleet has settled (must be 0).
+   fleet has settled (must be 0). Baseline, same run: the fleet's rendered objects applied directly (8 concurrent
+   clients) until every workload is ready, i.e. the cluster's own speed without the operator.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -145,6 +147,36 @@ def available_count(api: KubeApi, namespace: str, prefix: str) -> int:
     return count
 
 
+def workloads_ready(api: KubeApi, namespace: str, prefix: str) -> int:
+    """Ready workloads (StatefulSets and Deployments with every replica ready) whose name starts with `prefix`."""
+    ready = 0
+    for kind in (MANAGED_BY_KIND["StatefulSet"], MANAGED_BY_KIND["Deployment"]):
+        for item in api.list(kind.collection_path(namespace), kind.kind):
+            if not item["metadata"]["name"].startswith(prefix):
+                continue
+            want = item["spec"].get("replicas", 1)
+            status = item.get("status") or {}
+            have = status.get("readyReplicas", 0) if kind.kind == "StatefulSet" else status.get("availableReplicas", 0)
+            ready += int(have >= want and status.get("observedGeneration", 0) >= item["metadata"]["generation"])
+    return ready
+
+
+def baseline_fleet(api: KubeApi, namespace: str, size: int) -> float:
+    """The same fleet without the operator: its rendered objects applied directly by 8 concurrent clients (as the
+    operator does), timed until every workload is ready. What is left is the cluster's own speed."""
+    objects = []
+    for index in range(size):
+        objects += render(PDService.model_validate(small_pds(f"bfleet-{index}", namespace)))
+    workloads = [o for o in objects if o["kind"] in ("StatefulSet", "Deployment")]
+    others = [o for o in objects if o["kind"] not in ("StatefulSet", "Deployment")]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(api.apply, others))
+        list(pool.map(api.apply, workloads))
+    wait_for(lambda: workloads_ready(api, namespace, "bfleet-") >= len(workloads), 900, interval=1)
+    return time.perf_counter() - started
+
+
 def fleet_run(api: KubeApi, operator: OperatorProcess, namespace: str, size: int) -> dict[str, float]:
     before = operator.metrics()
     peak_rss = operator.rss_bytes()
@@ -229,6 +261,8 @@ def main() -> None:
             operator.start().wait_ready()
             latency = latency_runs(cluster, api, namespace, args.runs)
             fleet = fleet_run(api, operator, namespace, args.fleet)
+            fleet["baseline_all_ready_s"] = baseline_fleet(api, namespace, args.fleet)
+            fleet["all_available_over_baseline"] = fleet["all_available_s"] / fleet["baseline_all_ready_s"]
         except BaseException:
             print(operator.log_tail(), file=sys.stderr)
             raise
