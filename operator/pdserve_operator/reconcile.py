@@ -9,7 +9,7 @@ Failure policy:
   problem, a Warning event when the problems change, children untouched, and *no* retry: nothing will change until
   the user edits the spec, which produces a watch event and a new pass.
 - The API refused an object (4xx other than conflict/throttling): Degraded/ApplyFailed with the server's message
-  and an event; no hot retry (the periodic resync tries again).
+  and a Warning event when that message changes; no backoff retry (the next event or resync tries again).
 - Transient errors (connection, 5xx, 409, 429): `RetryLaterError` after recording status where possible; the work queue
   re-queues the PDService with exponential backoff.
 """
@@ -145,8 +145,8 @@ def reconcile(namespace: str, name: str, store: Store, api: KubeApi, now: Callab
     if outcome.pruned:
         message = f"Deleted {', '.join(outcome.pruned)}: the spec no longer produces them"
         _event(api, body, "Normal", "Pruned", message, now=now, outcome=outcome)
-    for message in apply_errors:
-        _event(api, body, "Warning", "ApplyFailed", message, now=now, outcome=outcome)
+    # Refused applies become Degraded/ApplyFailed; its Warning event is posted when the condition changes (below),
+    # not on every pass, so a persistent refusal does not flood the namespace with events.
 
     new_status = status_mod.compute_status(
         body,
