@@ -26,8 +26,9 @@ import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-_PIECES = re.compile(r"\w+|[^\w\s]")
-_CHUNK = 6
+# Runs of word characters in slices of at most 6, or one other non-space character. Greedy `\w{1,6}` cuts a run
+# of n word characters into exactly the ceil(n / 6) slices of the simulator's rule, in C instead of a loop.
+_TOKENS = re.compile(r"\w{1,6}|[^\w\s]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +42,7 @@ class PromptInfo:
 
 def text_tokens(text: str) -> list[str]:
     """Split text into approximate tokens (pieces, long pieces cut into 6-character slices)."""
-    tokens: list[str] = []
-    for piece in _PIECES.findall(text):
-        if len(piece) <= _CHUNK:
-            tokens.append(piece)
-        else:
-            tokens.extend(piece[start : start + _CHUNK] for start in range(0, len(piece), _CHUNK))
-    return tokens
+    return _TOKENS.findall(text)
 
 
 def _content_text(content: object) -> str:
