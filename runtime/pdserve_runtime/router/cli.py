@@ -9,6 +9,7 @@ listen address whatever else says (the local test cluster runs each pod as a pro
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from pathlib import Path
@@ -132,6 +133,10 @@ def serve(config: RouterConfig, *, access_log: bool = False, engine_metrics_inte
     from pdserve_runtime.router.app import RouterApp
 
     app = RouterApp(config, engine_metrics_interval=engine_metrics_interval).web_app()
+    # Everything imported and built so far lives as long as the process: move it out of the collector's way so
+    # full collections on the request path only walk request-scoped objects (shorter GC pauses, lower p99).
+    gc.collect()
+    gc.freeze()
     log = logging.getLogger("pdserve.router")
     log.info(
         "Started router host=%s port=%d discovery=%s threshold=%d",
