@@ -52,6 +52,9 @@ def test_no_process_or_port_survives_the_owner(tmp_path: Path, sig: signal.Signa
         while time.monotonic() < deadline and any(process_start_time(p) is not None for p in pids):
             time.sleep(0.1)
         assert [p for p in pids if process_start_time(p) is not None] == []
+        # A killed process's sockets close as the kernel reaps it, a moment after its /proc entry changes: poll.
+        while time.monotonic() < deadline and leaked_listeners(ports):
+            time.sleep(0.2)
         assert leaked_listeners(ports) == []
     finally:
         if owner.poll() is None:
