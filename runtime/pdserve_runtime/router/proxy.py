@@ -226,9 +226,12 @@ class Proxy:
     # -- prefill --------------------------------------------------------------------------------------------
 
     async def _prefill(
-        self, flow: _Flow, decode: EndpointState, first: EndpointState | None
+        self, flow: _Flow, decode: EndpointState, first: EndpointState | None, avoid: str | None = None
     ) -> tuple[dict[str, Any], EndpointState] | web.StreamResponse | None:
-        """Run step 1 with retries. Returns (kv_transfer_params, engine), a relayed 4xx, or None if all failed."""
+        """Run step 1 with retries. Returns (kv_transfer_params, engine), a relayed 4xx, or None if all failed.
+
+        `avoid`: an engine whose KV just failed to reach decode; used only when no other engine can serve.
+        """
         assert flow.prompt is not None
         if flow.prefill_bytes is None:
             flow.prefill_bytes = prefill_body(flow.payload, flow.chat)
@@ -236,7 +239,11 @@ class Proxy:
         candidate = first
         for attempt in range(self.config.policy.max_prefill_attempts):
             if candidate is None:
-                candidate = self.scheduler.pick_prefill(flow.prompt, flow.prefix_blocks, decode, excluded=tried)
+                pick = self.scheduler.pick_prefill
+                if avoid is not None:
+                    candidate = pick(flow.prompt, flow.prefix_blocks, decode, excluded={*tried, avoid})
+                if candidate is None:
+                    candidate = pick(flow.prompt, flow.prefix_blocks, decode, excluded=tried)
                 if candidate is None:
                     break
                 if attempt:
@@ -343,7 +350,7 @@ class Proxy:
                     if state is None:
                         break
                     self.metrics.retries.labels("reprefill").inc()
-                    result = await self._prefill(flow, state, None)
+                    result = await self._prefill(flow, state, None, avoid=peer.url if peer else None)
                     if isinstance(result, web.StreamResponse):
                         return result
                     if result is None:

@@ -155,6 +155,27 @@ async def test_decode_failing_everywhere_with_the_kv_gets_a_fresh_prefill(
         assert metric_value(exposition, "pdserve_router_retries_total", stage="reprefill") == 1
 
 
+async def test_kv_that_cannot_be_pulled_is_prefilled_again_elsewhere(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    # p1 computes the prefill but its side channel drops every pull: decode answers 500 after its transfer
+    # timeout. The router must re-prefill on the other engine, not on p1 again.
+    async with (
+        sim_in_process(role="prefill") as p1,
+        sim_in_process(role="prefill") as p2,
+        sim_in_process(role="decode", kv_transfer_timeout_s=0.3) as d,
+    ):
+        await set_faults(p1.url, drop_side_channel=True)
+        async with router_server(make_config([p1.url, p2.url], [d.url])) as (url, router):
+            prefer(router, "prefill", p1.url)
+            status, headers, body = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
+            exposition = await router_metrics(url)
+        assert status == 200, body
+        assert headers["X-Pdserve-Route"] == "pd"
+        assert (await requests_seen(p1.url), await requests_seen(p2.url)) == (1, 1)
+        assert metric_value(exposition, "pdserve_router_retries_total", stage="reprefill") == 1
+
+
 async def test_decode_failing_for_good_is_a_502_in_openai_shape(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
