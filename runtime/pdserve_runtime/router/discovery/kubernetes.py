@@ -277,12 +277,17 @@ class KubernetesDiscovery:
                          sorted(after - before), sorted(before - after))  # fmt: skip
 
 
+_SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
 def _default_api_client() -> Any:
-    """An API client from in-cluster config when running in a pod, else from KUBECONFIG / ~/.kube/config."""
+    """An API client: KUBECONFIG when set (local runs, the process node's pods), else the pod's service
+    account (in-cluster), else ~/.kube/config."""
     from kubernetes import client, config
 
     configuration = client.Configuration()
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(_SERVICE_ACCOUNT_TOKEN)
+    if in_cluster and not os.environ.get("KUBECONFIG"):
         config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     else:
         config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
