@@ -283,6 +283,33 @@ def test_drift_is_restored(cluster: ClusterHelper, namespace: str, operator: Ope
     assert matches_render(cluster, namespace, llama)
 
 
+def test_owned_leftovers_are_pruned_and_foreign_objects_kept(
+    cluster: ClusterHelper, namespace: str, operator: OperatorProcess, llama: str
+) -> None:
+    uid = pds_get(cluster, namespace, llama)["metadata"]["uid"]
+    labels = {"app.kubernetes.io/instance": llama, "app.kubernetes.io/managed-by": "pdserve-operator"}
+    owner = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDService", "name": llama, "uid": uid, "controller": True}
+
+    def config_map(name: str, owners: list[dict[str, Any]]) -> dict[str, Any]:
+        meta = {"name": name, "namespace": namespace, "labels": labels, "ownerReferences": owners}
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"k": "v"}}
+
+    # A child an older render produced (controlled by this PDService) and an object someone else owns.
+    cluster.apply([config_map("llama-leftover", [owner]), config_map("llama-foreign", [])])
+    wait_for(
+        lambda: (
+            cluster.kubectl("get", "configmap", "llama-leftover", f"--namespace={namespace}", check=False).returncode
+        ),
+        30,
+        message="the leftover ConfigMap to be pruned",
+    )
+    time.sleep(2)
+    assert cluster.kubectl("get", "configmap", "llama-foreign", f"--namespace={namespace}", check=False).returncode == 0
+    events = cluster.get_json("events", f"--namespace={namespace}", f"--field-selector=involvedObject.name={llama}")
+    assert any(e["reason"] == "Pruned" and "llama-leftover" in e["message"] for e in events["items"])
+    cluster.kubectl("delete", "configmap", "llama-foreign", f"--namespace={namespace}")
+
+
 def test_invalid_spec_is_reported_and_children_untouched(
     cluster: ClusterHelper, namespace: str, operator: OperatorProcess, llama: str
 ) -> None:
