@@ -255,7 +255,7 @@ def main() -> None:
             identity=f"bench-{uuid.uuid4().hex[:6]}",
             lease_name=f"bench-{namespace}",
             lease_namespace=namespace,
-            extra=["--resync-seconds", "10", "--log-level", "warning"],
+            extra=["--resync-seconds", "10", "--relist-seconds", "3600", "--log-level", "warning"],
         )
         try:
             operator.start().wait_ready()

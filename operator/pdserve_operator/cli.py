@@ -29,6 +29,7 @@ log = logging.getLogger("pdserve.operator")
 @click.option("--identity", help="Leader identity; default hostname + random suffix.")
 @click.option("--workers", type=int, default=4, show_default=True, help="Concurrent reconciles (distinct objects).")
 @click.option("--resync-seconds", type=float, default=60.0, show_default=True, help="Periodic full resync.")
+@click.option("--relist-seconds", type=float, default=600.0, show_default=True, help="Full relist of children.")
 @click.option("--watch-timeout", type=int, default=270, show_default=True, help="Server-side watch timeout (s).")
 @click.option("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
@@ -48,6 +49,7 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
     identity: str | None,
     workers: int,
     resync_seconds: float,
+    relist_seconds: float,
     watch_timeout: int,
     log_format: str,
     log_level: str,
@@ -81,6 +83,7 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         identity=identity or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
         workers=workers,
         resync_seconds=resync_seconds,
+        relist_seconds=relist_seconds,
         watch_timeout=watch_timeout,
     )
     try:

@@ -11,13 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from pdserve_operator import metrics
-from pdserve_operator.api import KubeApi, NotLeaderError
+from pdserve_operator.api import ApiError, KubeApi, NotLeaderError
+from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.reconcile import RetryLaterError, reconcile
+from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
 from pdserve_operator.store import OwnerKey, Store
+
+CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 
 log = logging.getLogger("pdserve.operator.controller")
 
@@ -30,6 +34,8 @@ class Controller:
         *,
         workers: int = 4,
         resync_seconds: float = 60.0,
+        relist_seconds: float = 600.0,
+        namespaces: Collection[str] = (),
         is_leader: Callable[[], bool] = lambda: True,
     ) -> None:
         from pdserve_operator.workqueue import WorkQueue
@@ -39,6 +45,8 @@ class Controller:
         self.queue: WorkQueue[OwnerKey] = WorkQueue()
         self.workers = workers
         self.resync_seconds = resync_seconds
+        self.relist_seconds = relist_seconds
+        self.namespaces = list(namespaces)  # empty: cluster-wide
         self.is_leader = is_leader
 
     # ------------------------------------------------------------------------------------------ event intake
@@ -79,6 +87,7 @@ class Controller:
     async def run(self, stop: asyncio.Event) -> None:
         tasks = [asyncio.create_task(self._worker(i)) for i in range(self.workers)]
         tasks.append(asyncio.create_task(self._resync(stop)))
+        tasks.append(asyncio.create_task(self._relist(stop)))
         try:
             await stop.wait()
         finally:
@@ -90,6 +99,34 @@ class Controller:
         while not stop.is_set():
             await asyncio.sleep(self.resync_seconds)
             self.enqueue_all()
+
+    async def _relist(self, stop: asyncio.Event) -> None:
+        """Every `relist_seconds`, list each watched kind once (by the managed-by label, not per PDService) and
+        replace the cache's copy: a safety net for deletions a watch restart may have missed."""
+        while not stop.is_set():
+            await asyncio.sleep(self.relist_seconds)
+            try:
+                dropped = await asyncio.to_thread(self.relist)
+            except ApiError as exc:
+                log.warning("Failed to relist children error=%s", exc)
+                continue
+            if dropped:
+                log.warning("Dropped stale cache entries count=%d", dropped)
+                self.enqueue_all()
+
+    def relist(self) -> int:
+        dropped = 0
+        scopes: list[str | None] = list(self.namespaces) or [None]
+        for kind in OBSERVED:
+            objects = []
+            for namespace in scopes:
+                for item in self.api.list(kind.collection_path(namespace), kind.kind, CHILD_SELECTOR):
+                    item.setdefault("apiVersion", kind.api_version)
+                    item.setdefault("kind", kind.kind)
+                    objects.append(item)
+            dropped += self.store.replace_kind(kind.kind, self.namespaces or None, objects)
+        metrics.CACHED_OBJECTS.set(self.store.size())
+        return dropped
 
     async def _worker(self, index: int) -> None:
         while True:

@@ -13,11 +13,8 @@ from typing import Any
 import kopf
 
 from pdserve.api.v1alpha1 import GROUP, PLURAL, VERSION
-from pdserve_operator.controller import Controller
+from pdserve_operator.controller import CHILD_SELECTOR, Controller
 from pdserve_operator.kinds import OBSERVED, Kind
-from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
-
-CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 
 
 def _matches(kind: Kind) -> Any:

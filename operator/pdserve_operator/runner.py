@@ -35,6 +35,7 @@ class Options:
     identity: str = "pdserve-operator"
     workers: int = 4
     resync_seconds: float = 60.0
+    relist_seconds: float = 600.0
     watch_timeout: int = 270
 
 
@@ -43,7 +44,12 @@ async def run(options: Options) -> None:
     elector: LeaseElector | None = None
     api = KubeApi(client, is_leader=lambda: elector.is_leader() if elector else True)
     controller = Controller(
-        api, workers=options.workers, resync_seconds=options.resync_seconds, is_leader=api_is_leader(lambda: elector)
+        api,
+        workers=options.workers,
+        resync_seconds=options.resync_seconds,
+        relist_seconds=options.relist_seconds,
+        namespaces=options.namespaces,
+        is_leader=api_is_leader(lambda: elector),
     )
     if options.leader_elect:
         # A separate KubeApi so lease traffic is not counted as reconcile traffic.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from pdserve_operator.plan import ObjectKey, key_of
@@ -100,6 +100,25 @@ class Store:
             if owner is not None:
                 self._by_owner[owner].discard(key)
         return owner
+
+    def replace_kind(self, kind: str, namespaces: Collection[str] | None, objects: list[dict[str, Any]]) -> int:
+        """Make the cache's objects of `kind` (in `namespaces`, or everywhere) exactly `objects`, a fresh list.
+
+        This is an informer's relist: it drops entries whose DELETED event was never seen (kopf re-lists after a
+        410 Gone without synthesising deletions), which would otherwise hide a missing child forever. Returns the
+        number of stale entries dropped."""
+        fresh = {key_of(obj): obj for obj in objects}
+        with self._lock:
+            stale = [
+                key
+                for key in self._objects
+                if key[0] == kind and (namespaces is None or key[1] in namespaces) and key not in fresh
+            ]
+        for key in stale:
+            self.delete({"kind": key[0], "metadata": {"namespace": key[1], "name": key[2]}})
+        for obj in objects:
+            self.put(obj)
+        return len(stale)
 
     def snapshot(self, namespace: str, name: str) -> Snapshot:
         """Observed children, pods and router endpoint slices of one PDService (copies are not needed: callers

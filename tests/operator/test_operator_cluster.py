@@ -112,7 +112,18 @@ def start_operator(cluster: ClusterHelper, namespace: str, log_dir: Path, identi
         identity=identity,
         lease_name=f"pdserve-operator-{namespace}",
         lease_namespace=namespace,
-        extra=["--resync-seconds", "3", "--lease-seconds", "6", "--renew-deadline", "4", "--retry-period", "1"],
+        extra=[
+            "--resync-seconds",
+            "3",
+            "--relist-seconds",
+            "4",
+            "--lease-seconds",
+            "6",
+            "--renew-deadline",
+            "4",
+            "--retry-period",
+            "1",
+        ],
     ).start()
 
 

@@ -52,3 +52,16 @@ def test_owner_lifecycle() -> None:
     store.delete_owner("ns", "a")
     assert store.owner("ns", "a") is None
     assert store.owner_keys() == []
+
+
+def test_relist_drops_entries_whose_deletion_was_missed() -> None:
+    store = Store()
+    store.put(obj("Service", "llama-router", 5))
+    store.put(obj("Service", "llama-prefill", 6))
+    other = obj("Service", "x-router", 7, instance="x")
+    other["metadata"]["namespace"] = "elsewhere"
+    store.put(other)
+    dropped = store.replace_kind("Service", ["ns"], [obj("Service", "llama-prefill", 8)])
+    assert dropped == 1
+    assert list(store.snapshot("ns", "llama").children) == [("Service", "ns", "llama-prefill")]
+    assert store.snapshot("elsewhere", "x").children  # outside the relisted namespaces: untouched
