@@ -33,11 +33,12 @@ from typing import Any
 
 import yaml
 
+from pdserve.api.crdgen import custom_resource_definition
 from pdserve.api.v1alpha1 import PDService
 from pdserve.devcluster.cluster import LocalCluster
 from pdserve.devcluster.testing import ClusterHelper, wait_for
 from pdserve_operator.api import KubeApi, load_client
-from pdserve_operator.harness import OperatorProcess, ensure_cpu_node, servable_crd
+from pdserve_operator.harness import OperatorProcess, ensure_cpu_node
 from pdserve_operator.kinds import MANAGED, PDSERVICE
 from pdserve_operator.render import render
 
@@ -243,7 +244,8 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="pdserve-operator-bench-") as tmp, cluster_helper(Path(tmp)) as cluster:
-        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(servable_crd()))
+        crd = yaml.safe_dump(custom_resource_definition())
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd)
         cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
         ensure_cpu_node(cluster, name="pdserve-operator-bench-cpu", pods=CPU_NODE_PODS, cidr="10.250.251.0/24")
         namespace = cluster.create_namespace("bench-op")

@@ -19,7 +19,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 CPU_NODE = "pdserve-operator-tests-cpu"
@@ -172,13 +171,6 @@ class OperatorProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-def servable_crd(path: Path | None = None) -> dict[str, Any]:
-    """The checked-in CRD (crds/pdservice.yaml), as applied by the tests and the benchmark."""
-    path = path or Path(__file__).resolve().parents[2] / "crds" / "pdservice.yaml"
-    document: dict[str, Any] = yaml.safe_load(path.read_text())
-    return document
 
 
 def ensure_cpu_node(cluster: Any, name: str = CPU_NODE, pods: int = 110, cidr: str = "10.250.250.0/24") -> None:

@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.api.crdgen import custom_resource_definition
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.devcluster.testing import ClusterHelper, wait_for
 from pdserve_operator import drift
 from pdserve_operator.api import KubeApi, load_client
-from pdserve_operator.harness import OperatorProcess, ensure_cpu_node, servable_crd
+from pdserve_operator.harness import OperatorProcess, ensure_cpu_node
 from pdserve_operator.kinds import SERVICE_ACCOUNT
 from pdserve_operator.render import render
 
@@ -86,7 +87,7 @@ def matches_render(cluster: ClusterHelper, namespace: str, name: str) -> bool:
 @pytest.fixture(scope="module")
 def crd(cluster: ClusterHelper) -> None:
     # Retried: right after the cluster comes up, the first requests can still fail transiently.
-    text = yaml.safe_dump(servable_crd())
+    text = yaml.safe_dump(custom_resource_definition())
     wait_for(lambda: cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=text), 60)
     wait_for(
         lambda: cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=30s"),
