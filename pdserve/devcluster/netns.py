@@ -16,6 +16,7 @@ back to loopback pod addresses (kwok pods only; Services then list no endpoints)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -35,9 +36,16 @@ def loopback_only() -> bool:
     return all(name == "lo" for _, name in socket.if_nameindex())
 
 
+@functools.cache
 def can_isolate() -> bool:
-    """Whether this process may create and enter network namespaces."""
-    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("unshare") is not None
+    """Whether this process may create and enter network namespaces (tried once, not assumed from being root:
+    a container may deny unshare even to root)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--net", "--", "ip", "link", "set", "lo", "up"], check=False, capture_output=True, timeout=10
+    )
+    return probe.returncode == 0
 
 
 def should_isolate() -> bool:
