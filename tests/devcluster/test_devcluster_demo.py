@@ -1,0 +1,29 @@
+"""`pdserve dev demo`, run as a user runs it: the README's main job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def test_demo_routes_a_long_prompt_through_prefill_and_pulls_its_kv() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "dev", "demo"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "PDService Available" in output
+    assert "route=pd " in output
+    assert "route=decode-only " in output
+    assert ", 0 computed locally" in output
