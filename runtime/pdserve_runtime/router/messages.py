@@ -46,10 +46,14 @@ _HOP_BY_HOP = frozenset(
     }
 )
 # Recomputed by the router (or meaningless once re-sent): never copied from the client to an engine.
+# `content-encoding`: the router's HTTP server has already decoded a gzip/deflate/br request body, and the router
+# forwards plain JSON; passing the header on would label that plain body as compressed (engine 500s, which would
+# then count against, and eject, healthy engines).
 _NOT_FORWARDED_UP = _HOP_BY_HOP | {
     "host",
     "content-length",
     "content-type",
+    "content-encoding",
     "accept-encoding",
     "expect",
     "x-request-id",

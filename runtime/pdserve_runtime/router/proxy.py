@@ -126,6 +126,9 @@ class Proxy:
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=timeout,
+            # Engines must answer uncompressed: the router parses prefill answers and relays decode bytes as they
+            # are, without Content-Encoding (aiohttp would otherwise ask for gzip/deflate on the router's behalf).
+            headers={"Accept-Encoding": "identity"},
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
             raise_for_status=False,
