@@ -183,6 +183,10 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge:
             limit = self.config.max_request_body_bytes
             return self._error(flow, 413, f"request body is larger than the router's limit of {limit} bytes")
+        except web.RequestPayloadError:
+            # The body's Content-Encoding (gzip, deflate) does not match its bytes: the client's error, not ours.
+            coding = request.headers.get("Content-Encoding", "")
+            return self._error(flow, 400, f"request body could not be decoded (Content-Encoding: {coding!r})")
         try:
             flow.payload = parse_body(raw)
         except ValueError as exc:

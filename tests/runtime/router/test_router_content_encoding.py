@@ -108,3 +108,17 @@ async def test_compressing_engines_do_not_reach_the_client_compressed(
     assert decode["body"]["kv_transfer_params"] == KV
     for request in seen:
         assert request["headers"].get("Accept-Encoding", "identity") == "identity"
+
+
+async def test_an_undecodable_gzip_body_is_a_400_in_openai_shape(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    async with sim_in_process(role="decode") as d:
+        async with router_server(make_config([], [d.url])) as (url, _), aiohttp.ClientSession() as session:
+            raw = orjson.dumps({"model": "sim-model", "prompt": SHORT})  # labelled gzip, but it is not
+            headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+            async with session.post(url + "/v1/completions", data=raw, headers=headers) as response:
+                assert response.status == 400
+                error = (await response.json())["error"]
+        assert error["type"] == "BadRequestError"
+        assert "gzip" in error["message"]
