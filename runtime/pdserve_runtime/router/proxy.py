@@ -323,9 +323,10 @@ class Proxy:
         last: UpstreamError | None = None
         state: EndpointState | None = decode
         while state is not None:
+            body = self._decode_bytes(flow, kv)
+            # Nothing may raise between taking the engine's in-flight count and the try that releases it.
             state.in_flight += 1
             self.tracker.record(state.url, flow.prompt.block_hashes, monotonic())
-            body = self._decode_bytes(flow, kv)
             waited = perf_counter()
             try:
                 response, first = await self._open(state, flow, body)
