@@ -16,7 +16,8 @@ Containment rules (what the API server does to an object between apply and read-
 - Lists of maps that all have a `name` (containers, env, ports, volumes, ...) are map-lists keyed by name in the
   API: match items by name, ignore extra observed items (another manager's entries survive our apply).
 - Other lists (args, tolerations, ...) are atomic: same length, item by item.
-- Empty desired values (`{}`, `[]`, None) match a missing observed field: Go's `omitempty` drops them.
+- Empty desired values (`{}`, `[]`, `""`, None) match a missing observed field: Go's `omitempty` drops them (an
+  env var with `value: ""` or a toleration with `key: ""` reads back without that field).
 - Quantities are compared by value ("0.5" == "500m"); the API server canonicalises them.
 - Ints and strings are compared as written, except an int-or-string port that the server leaves alone.
 """
@@ -105,7 +106,8 @@ def first_difference(desired: Any, observed: Any, path: str = "") -> str | None:
 
 
 def _empty(value: Any) -> bool:
-    return value is None or value in ({}, [])
+    # "" too: every string field we render that may be empty (EnvVar.value, Toleration.key/value) is `omitempty`.
+    return value is None or value in ({}, [], "")
 
 
 def _mismatch_if_not_empty(desired: Any, observed: Any, path: str) -> str | None:

@@ -295,6 +295,34 @@ def test_drift_is_restored(cluster: ClusterHelper, namespace: str, operator: Ope
     assert matches_render(cluster, namespace, llama)
 
 
+def test_empty_string_fields_settle(cluster: ClusterHelper, namespace: str, operator: OperatorProcess) -> None:
+    """An env var with value "" and a toleration with key "" come back from the API server without those fields
+    (omitempty). The operator must not take that for drift: the PDService settles and further passes write nothing."""
+    document = example("blank", namespace)
+    document["spec"]["engine"]["env"] = [{"name": "EMPTY", "value": ""}]
+    document["spec"]["placement"]["tolerations"] = [{"key": "", "operator": "Exists"}]
+    cluster.apply(document)
+    try:
+        cluster.kubectl(
+            "wait",
+            "--for=condition=Available",
+            "pdservices.pdserve.io/blank",
+            f"--namespace={namespace}",
+            "--timeout=120s",
+        )
+        wait_for(
+            lambda: condition(pds_get(cluster, namespace, "blank"), "Progressing").get("status") == "False",
+            60,
+            message="Progressing to become False",
+        )
+        time.sleep(2)
+        writes = operator.writes()
+        time.sleep(8)  # several resync periods (3 s)
+        assert operator.writes() == writes
+    finally:
+        cluster.kubectl("delete", "pdservices.pdserve.io", "blank", f"--namespace={namespace}")
+
+
 def test_owned_leftovers_are_pruned_and_foreign_objects_kept(
     cluster: ClusterHelper, namespace: str, operator: OperatorProcess, llama: str
 ) -> None:

@@ -87,6 +87,8 @@ def test_first_difference(desired: dict[str, Any], difference: str | None) -> No
         ({}, {"x": 1}, True),
         ([], None, True),  # omitempty dropped it
         ([], ["a"], False),  # an atomic list we set empty was filled by someone
+        ("", None, True),  # omitempty dropped an empty string (env value "", toleration key "")
+        ("", "x", False),  # someone set a string we keep empty
     ],
 )
 def test_scalars_and_empties(want: Any, have: Any, equal: bool) -> None:
@@ -107,3 +109,13 @@ def test_stamp_and_reason() -> None:
     # A field we stopped setting is only visible through the hash.
     smaller = drift.stamp({**obj, "spec": {}})
     assert drift.apply_reason(smaller, observed) == "changed"
+
+
+def test_empty_strings_round_trip_without_drift() -> None:
+    """Go's `omitempty` drops empty strings on read-back: an env var with value "" or a toleration with key ""
+    comes back without that field. Taken for drift, it would be re-applied (and an event posted) on every pass."""
+    desired = desired_sts(env=[{"name": "EMPTY", "value": ""}])
+    desired["spec"]["template"]["spec"]["tolerations"] = [{"key": "", "operator": "Exists"}]
+    observed = desired_sts(env=[{"name": "EMPTY"}])
+    observed["spec"]["template"]["spec"]["tolerations"] = [{"operator": "Exists"}]
+    assert drift.first_difference(desired, observed) is None
