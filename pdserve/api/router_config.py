@@ -83,7 +83,9 @@ class CircuitBreakerConfig(_Model):
     success_threshold: int = Field(
         default=1, ge=1, description="Consecutive successful probes that bring an ejected engine back."
     )
-    health_path: str = Field(default="/health", description="Engine path probed while an engine is ejected.")
+    health_path: str = Field(
+        default="/health", pattern=r"^/", description="Engine path probed while an engine is ejected."
+    )
 
 
 class RouterConfig(_Model):

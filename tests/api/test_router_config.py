@@ -65,3 +65,13 @@ def test_a_dump_round_trips() -> None:
 def test_invalid_configs_are_rejected_with_a_reason(document: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         RouterConfig.model_validate(document)
+
+
+def test_breaker_health_path_must_be_absolute() -> None:
+    import pydantic
+
+    from pdserve.api.router_config import CircuitBreakerConfig
+
+    with pytest.raises(pydantic.ValidationError, match=r"healthPath|health_path"):
+        CircuitBreakerConfig.model_validate({"healthPath": "health"})
+    assert CircuitBreakerConfig.model_validate({"healthPath": "/ping"}).health_path == "/ping"
