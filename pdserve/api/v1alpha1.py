@@ -31,10 +31,11 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MAX_NAME_LENGTH = 40
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
-# Kubernetes resource quantity, e.g. "500m", "16Gi", "2".
+# Kubernetes resource quantity, e.g. "500m", "16Gi", "2": the suffixes apimachinery parses (binary Ki..Ei, decimal
+# n u m k M G T P E, or a decimal exponent), so a value the CRD admits never fails later in a rendered StatefulSet.
 Quantity = Annotated[
     str,
-    StringConstraints(pattern=r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkKMGTPE]i?)?$"),
+    StringConstraints(pattern=r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"),
 ]
 # A label key such as "topology.kubernetes.io/zone" (optional DNS prefix, then a name).
 LabelKey = Annotated[

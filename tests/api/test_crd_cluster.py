@@ -103,3 +103,23 @@ def test_printer_columns(cluster: ClusterHelper, namespace: str) -> None:
         "AGE",
     ]
     assert "qwen2.5-7b" in table
+
+
+def test_quantity_pattern_agrees_with_kubernetes(cluster: ClusterHelper, namespace: str) -> None:
+    """A quantity the CRD admits is one the API server parses (the renderer copies it into StatefulSets), and a
+    spelling Kubernetes rejects ("1K", "1ki") is rejected by the CRD instead of failing later as ApplyFailed."""
+    good = ["8", "500m", "0.5", ".5", "1k", "16Gi", "1Ei", "1E", "1e3", "1E-3", "+2", "100u", "5n"]
+    bad = ["1K", "1ki", "1mi", "1ni", "1ui", "1gi", "1KB", "-1", "1e", ""]
+    disagreements = []
+    for quantity in good + bad:
+        quota = {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {"name": "q", "namespace": namespace},
+            "spec": {"hard": {"memory": quantity}},
+        }
+        core, _ = dry_run(cluster, namespace, quota)
+        crd, _ = dry_run(cluster, namespace, _set(example("minimal"), "spec.engine.shmSize", quantity))
+        if (core == 0) != (crd == 0) or (core == 0) != (quantity in good):
+            disagreements.append(f"{quantity!r}: ResourceQuota rc={core}, PDService rc={crd}")
+    assert disagreements == [], "; ".join(disagreements)

@@ -173,3 +173,20 @@ def test_parse_or_raise() -> None:
         parse_or_raise(broken)
     assert info.value.problems == [Problem("spec.prefill.tensorParallelSize", info.value.problems[0].message)]
     assert "spec.prefill.tensorParallelSize" in str(info.value)
+
+
+# Quantities Kubernetes parses (suffixes n u m k M G T P E, Ki..Ei, or a decimal exponent) and spellings it rejects
+# ("K" alone, a lower-case binary suffix): a spec the CRD admits must render objects the API server admits.
+GOOD_QUANTITIES = ["8", "500m", "0.5", ".5", "1k", "16Gi", "1Ei", "1E", "1e3", "1E-3", "+2", "100u", "5n"]
+BAD_QUANTITIES = ["1K", "1ki", "1mi", "1ni", "1ui", "1gi", "1KB", "-1", "1e", ""]
+
+
+@pytest.mark.parametrize("quantity", GOOD_QUANTITIES)
+def test_kubernetes_quantities_are_accepted(quantity: str) -> None:
+    assert validate(with_spec(decode__resources={"limits": {"memory": quantity}}, engine__shmSize=quantity)) == []
+
+
+@pytest.mark.parametrize("quantity", BAD_QUANTITIES)
+def test_non_kubernetes_quantities_are_rejected(quantity: str) -> None:
+    problems = validate(with_spec(decode__resources={"limits": {"memory": quantity}}, engine__shmSize=quantity))
+    assert {p.field for p in problems} == {"spec.decode.resources.limits.memory", "spec.engine.shmSize"}
