@@ -85,6 +85,16 @@ class EnvVar(ApiModel):
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
+    # Kubernetes rejects a non-empty value beside valueFrom (validation.py has the Python twin).
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "!has(self.valueFrom) || !has(self.value) || self.value == ''",
+                "set value or valueFrom, not both",
+            ),
+        )
+    )
+
 
 class Toleration(ApiModel):
     """A pod toleration, shaped like core/v1 Toleration."""
@@ -97,6 +107,24 @@ class Toleration(ApiModel):
     )
     toleration_seconds: int | None = Field(
         default=None, description="How long a NoExecute taint is tolerated before eviction."
+    )
+
+    # The rules Kubernetes applies to a pod's tolerations (validation.py has the Python twins).
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+                "an empty key needs operator Exists (it then matches every taint)",
+            ),
+            (
+                "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                "value must be empty when operator is Exists",
+            ),
+            (
+                "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+                "tolerationSeconds applies to effect NoExecute only",
+            ),
+        )
     )
 
 

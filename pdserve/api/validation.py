@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdserve.api import defaults
-from pdserve.api.v1alpha1 import EnvVar, PDService, PDServiceSpec, PoolSpec
+from pdserve.api.v1alpha1 import EnvVar, PDService, PDServiceSpec, PoolSpec, Toleration
 
 
 @dataclass(frozen=True, order=True)
@@ -206,6 +206,41 @@ def _owned_env(spec: PDServiceSpec) -> Iterator[Problem]:
                 yield Problem(f"{path}[{index}].name", f"{var.name} is set by pdserve; {OWNED_ENV[var.name]}")
 
 
+def _env_sources(spec: PDServiceSpec) -> Iterator[Problem]:
+    # Mirrors EnvVar's CEL rule (and Kubernetes' own check): a non-empty value and valueFrom exclude each other.
+    sources: list[tuple[str, list[EnvVar]]] = [("spec.engine.env", spec.engine.env)]
+    sources += [(f"{path}.env", pool.env) for path, pool in _pools(spec)]
+    for path, env in sources:
+        for index, var in enumerate(env):
+            if var.value_from is not None and var.value:
+                yield Problem(f"{path}[{index}].valueFrom", "set value or valueFrom, not both; remove one of them")
+
+
+def _tolerations(spec: PDServiceSpec) -> Iterator[Problem]:
+    # Mirrors Toleration's CEL rules, which are Kubernetes' pod validation: rendered pod templates must pass it.
+    sources: list[tuple[str, list[Toleration]]] = []
+    if spec.placement is not None and spec.placement.tolerations is not None:
+        sources.append(("spec.placement.tolerations", spec.placement.tolerations))
+    sources += [(f"{path}.tolerations", pool.tolerations) for path, pool in _pools(spec)]
+    if spec.router is not None:
+        sources.append(("spec.router.tolerations", spec.router.tolerations))
+    for path, tolerations in sources:
+        for index, toleration in enumerate(tolerations):
+            at = f"{path}[{index}]"
+            if not toleration.key and toleration.operator != "Exists":
+                yield Problem(
+                    f"{at}.operator",
+                    "an empty key needs operator Exists (it then matches every taint); set a key or operator Exists",
+                )
+            if toleration.operator == "Exists" and toleration.value:
+                yield Problem(f"{at}.value", "value must be empty when operator is Exists; remove it or use Equal")
+            if toleration.toleration_seconds is not None and toleration.effect != "NoExecute":
+                yield Problem(
+                    f"{at}.tolerationSeconds",
+                    "tolerationSeconds applies to effect NoExecute only; set effect NoExecute or remove it",
+                )
+
+
 def _duplicate_env(path: str, env: Iterable[EnvVar]) -> Iterator[Problem]:
     seen: set[str] = set()
     for index, var in enumerate(env):
@@ -243,6 +278,8 @@ _RULES: tuple[Callable[[PDServiceSpec], Iterable[Problem]], ...] = (
     _colocation_needs_topology_key,
     _owned_flags,
     _owned_env,
+    _env_sources,
+    _tolerations,
     _ports_distinct,
     _rdma_consistent,
 )

@@ -123,3 +123,30 @@ def test_quantity_pattern_agrees_with_kubernetes(cluster: ClusterHelper, namespa
         if (core == 0) != (crd == 0) or (core == 0) != (quantity in good):
             disagreements.append(f"{quantity!r}: ResourceQuota rc={core}, PDService rc={crd}")
     assert disagreements == [], "; ".join(disagreements)
+
+
+# Env vars and tolerations the CRD admits are copied into pod templates: what a Pod rejects, the CRD must reject.
+POD_INVALID = [
+    ("env", [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}], "not both"),
+    ("tolerations", [{"key": "k", "operator": "Exists", "value": "v"}], "operator is Exists"),
+    ("tolerations", [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 5}], "NoExecute"),
+    ("tolerations", [{"effect": "NoSchedule"}], "empty key"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), POD_INVALID, ids=[m for _, _, m in POD_INVALID])
+def test_env_and_tolerations_a_pod_rejects(
+    cluster: ClusterHelper, namespace: str, field: str, value: Any, message: str
+) -> None:
+    container = {"name": "c", "image": "i", **({"env": value} if field == "env" else {})}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": namespace},
+        "spec": {"containers": [container], **({"tolerations": value} if field == "tolerations" else {})},
+    }
+    code, output = dry_run(cluster, namespace, pod)
+    assert code != 0, f"a Pod admits {field}={value}: the rule is stricter than Kubernetes"
+    code, output = dry_run(cluster, namespace, _set(example("minimal"), f"spec.decode.{field}", value))
+    assert code != 0, f"the CRD admits {field}={value}"
+    assert message in output, output

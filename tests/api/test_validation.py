@@ -129,6 +129,32 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.engine.kvConnector",
         "'nixl'",
     ),
+    (
+        "env value and valueFrom",
+        with_spec(
+            prefill__env=[{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+        ),
+        "spec.prefill.env[0].valueFrom",
+        "not both",
+    ),
+    (
+        "toleration Exists with a value",
+        with_spec(placement={"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}),
+        "spec.placement.tolerations[0].value",
+        "operator is Exists",
+    ),
+    (
+        "tolerationSeconds without NoExecute",
+        with_spec(router={"tolerations": [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 5}]}),
+        "spec.router.tolerations[0].tolerationSeconds",
+        "NoExecute",
+    ),
+    (
+        "toleration without key or Exists",
+        with_spec(decode__tolerations=[{"effect": "NoSchedule"}]),
+        "spec.decode.tolerations[0].operator",
+        "empty key",
+    ),
     ("unknown field", with_spec(decode__replica=2), "spec.decode.replica", "unknown field"),
     ("missing engine", {**base(), "spec": {"model": {"name": "m", "uri": "hf://o/m"}}}, "spec.engine", "missing"),
     ("bad uri", with_spec(model={"name": "m", "uri": "s3://bucket/x"}), "spec.model.uri", "pattern"),
@@ -190,3 +216,12 @@ def test_kubernetes_quantities_are_accepted(quantity: str) -> None:
 def test_non_kubernetes_quantities_are_rejected(quantity: str) -> None:
     problems = validate(with_spec(decode__resources={"limits": {"memory": quantity}}, engine__shmSize=quantity))
     assert {p.field for p in problems} == {"spec.decode.resources.limits.memory", "spec.engine.shmSize"}
+
+
+def test_kubernetes_valid_env_and_tolerations_pass() -> None:
+    doc = with_spec(
+        engine={"image": "i", "env": [{"name": "E", "value": "", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]},
+        placement={"tolerations": [{"operator": "Exists"}, {"key": "k", "operator": "Exists", "value": ""}]},
+        router={"tolerations": [{"key": "k", "value": "v", "effect": "NoExecute", "tolerationSeconds": 0}]},
+    )
+    assert validate(doc) == []
