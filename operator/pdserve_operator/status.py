@@ -8,7 +8,8 @@ Conditions (metav1.Condition shape, the Deployment convention):
   an empty prefill pool is fine only if decode can prefill, i.e. routing.fallbackToDecode) and the router has a
   ready pod *and* a ready endpoint in its Service. `kubectl wait --for=condition=Available` waits for this.
 - Progressing: a child is missing, being applied, scaling, or rolling out (StatefulSet revisions differ, the
-  controllers have not observed the latest generation, or not all replicas are updated and ready).
+  controllers have not observed the latest generation, or not all replicas are updated and ready). False/Complete
+  once all of that is done, False/ApplyFailed instead when the API server refused a child (it runs the old spec).
 - Degraded: the first of InvalidSpec, ApplyFailed, PodsPending (the scheduler's own message), CrashLooping,
   ImagePullFailed, RouterUnavailable (the router Deployment gave up: ProgressDeadlineExceeded/ReplicaFailure).
   False/AsExpected otherwise. Not-yet-ready pods that are simply starting are Progressing, not Degraded.
@@ -210,11 +211,17 @@ def available_condition(facts: Facts) -> ConditionValue:
     return ConditionValue(AVAILABLE, "True", "MinimumReplicasAvailable", message)
 
 
-def progressing_condition(facts: Facts, applied: bool) -> ConditionValue:
+def progressing_condition(facts: Facts, applied: bool, apply_errors: Sequence[str] = ()) -> ConditionValue:
     if applied:
         return ConditionValue(PROGRESSING, "True", "Applying", "the operator applied changed children")
     if facts.progress:
         return ConditionValue(PROGRESSING, "True", "RollingOut", _summarise(facts.progress))
+    if apply_errors:
+        # A refused child still runs the previous spec: stalled, not complete (like a Deployment's
+        # ProgressDeadlineExceeded). The Degraded condition carries the server's message.
+        return ConditionValue(
+            PROGRESSING, "False", "ApplyFailed", "the API server refused some children; see the Degraded condition"
+        )
     return ConditionValue(PROGRESSING, "False", "Complete", "all children are up to date")
 
 
@@ -331,7 +338,11 @@ def compute_status(
             ConditionValue(DEGRADED, "True", "InvalidSpec", message),
         ]
     else:
-        conditions = [available, progressing_condition(facts, applied), degraded_condition(facts, apply_errors)]
+        conditions = [
+            available,
+            progressing_condition(facts, applied, apply_errors),
+            degraded_condition(facts, apply_errors),
+        ]
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions") or [], conditions, generation, now),

@@ -240,3 +240,19 @@ def test_invalid_spec_keeps_last_good_endpoint_and_reports_every_problem() -> No
 def test_status_patch_nulls_removed_keys() -> None:
     assert st.status_patch({"a": 1, "b": 2}, {"a": 1}) == {"a": 1, "b": None}
     assert st.status_patch(None, {"a": 1}) == {"a": 1}
+
+
+def test_refused_apply_is_not_reported_as_complete() -> None:
+    """The API server refused a child: it still runs the old spec, so Progressing must not say "all children are
+    up to date" (`kubectl wait --for=condition=Progressing=False` would take the refused change as rolled out)."""
+    errors = ["StatefulSet llama-8b-decode: HTTP 422 Invalid: spec.template: bad"]
+    status = st.compute_status(body(), healthy(), pds=pds(), apply_errors=errors, now=T0)
+    assert conditions(status) == {
+        "Available": ("True", "MinimumReplicasAvailable"),
+        "Progressing": ("False", "ApplyFailed"),
+        "Degraded": ("True", "ApplyFailed"),
+    }
+    # While other children are still rolling out, that is what Progressing reports.
+    rolling = snapshot(sts("prefill", 2, 1, updated=1, revisions=("r1", "r2")), sts("decode", 4, 4), router(2))
+    status = st.compute_status(body(), rolling, pds=pds(), apply_errors=errors, now=T0)
+    assert conditions(status)["Progressing"] == ("True", "RollingOut")
