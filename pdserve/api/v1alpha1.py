@@ -272,7 +272,7 @@ class PoolSpec(ApiModel):
         default=None,
         ge=0,
         le=1024,
-        description="Engine pods. Default 1. Ignored while autoscaling is enabled.",
+        description="Engine pods. Default 1. With autoscaling enabled: the starting size, clamped into its bounds.",
     )
     tensor_parallel_size: int | None = Field(
         default=None, ge=1, le=64, description="vLLM --tensor-parallel-size. Default 1."

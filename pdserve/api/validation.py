@@ -51,6 +51,7 @@ OWNED_ENGINE_FLAGS: Mapping[str, str] = {
     "--tensor-parallel-size": "use spec.<pool>.tensorParallelSize",
     "-tp": "use spec.<pool>.tensorParallelSize",
     "--data-parallel-size": "use spec.<pool>.dataParallelSize",
+    "-dp": "use spec.<pool>.dataParallelSize",
     "--kv-transfer-config": "use spec.engine.kvConnector",
     "--kv-cache-dtype": "use spec.engine.kvCacheDtype",
     "--block-size": "use spec.engine.blockSize",
