@@ -79,6 +79,14 @@ def _enter_cluster_namespace(directory: Path) -> None:
     raise SystemExit(netns.run_in_named(name, [sys.executable, "-m", "pdserve.cli", *sys.argv[1:]]))
 
 
+def _load_state(directory: Path) -> ClusterState:
+    """The saved state of the cluster in `directory`, or a clear error when there is none."""
+    state = ClusterState.load(directory)
+    if state is None:
+        raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
+    return state
+
+
 def _resolve(name: str, workdir: Path | None) -> Path:
     return (workdir or default_workdir(name)).resolve()
 
@@ -220,9 +228,7 @@ def status(name: str, workdir: Path | None, as_json: bool) -> None:
 def kubeconfig(name: str, workdir: Path | None) -> None:
     """Print the path of the cluster's admin kubeconfig."""
     directory = _resolve(name, workdir)
-    state = ClusterState.load(directory)
-    if state is None:
-        raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
+    state = _load_state(directory)
     click.echo(state.kubeconfig)
     if netns.named_exists(netns.named_namespace(directory)):
         click.echo(f"(reachable inside network namespace {netns.named_namespace(directory)})", err=True)
@@ -233,9 +239,7 @@ def kubeconfig(name: str, workdir: Path | None) -> None:
 def env(name: str, workdir: Path | None) -> None:
     """Print shell lines that put the built binaries on PATH and select the cluster: `eval "$(... env)"`."""
     directory = _resolve(name, workdir)
-    state = ClusterState.load(directory)
-    if state is None:
-        raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
+    state = _load_state(directory)
     click.echo(f'export PATH={shlex.quote(state.bin_dir)}:"$PATH"')
     click.echo(f"export KUBECONFIG={shlex.quote(state.kubeconfig)}")
     if netns.named_exists(netns.named_namespace(directory)):
@@ -250,9 +254,7 @@ def kubectl(name: str, workdir: Path | None, args: tuple[str, ...]) -> None:
     directory = _resolve(name, workdir)
     if netns.named_exists(netns.named_namespace(directory)):
         _enter_cluster_namespace(directory)
-    state = ClusterState.load(directory)
-    if state is None:
-        raise click.ClickException(f"No cluster in {directory}; start one with `pdserve dev cluster up`")
+    state = _load_state(directory)
     try:
         binary = build_mod.binary("kubectl")
     except build_mod.BuildError as exc:
