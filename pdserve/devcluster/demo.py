@@ -50,8 +50,9 @@ def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any
         return dict(response.headers), payload, time.perf_counter() - started
 
 
-def _kv_tokens(helper: ClusterHelper, namespace: str) -> dict[str, float]:
-    """Decode engines' prompt tokens by source, summed over the pool."""
+def prompt_tokens_by_source(helper: ClusterHelper, namespace: str) -> dict[str, float]:
+    """Decode engines' `vllm:prompt_tokens_by_source_total`, summed over the pool, by source (shared with the
+    end-to-end test)."""
     totals: dict[str, float] = {}
     for ip in helper.pod_ips(namespace, "pdserve.io/role=decode"):
         text = urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=10).read().decode()
@@ -94,7 +95,7 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
         echo(helper.kubectl("get", "pds,statefulsets,deployments,pods", "-n", DEMO_NAMESPACE, "-o", "wide").stdout)
         router_ip = wait_for(lambda: helper.pod_ips(DEMO_NAMESPACE, "pdserve.io/role=router"), timeout=60)[0]
         base = f"http://{router_ip}:8080"
-        before = _kv_tokens(helper, DEMO_NAMESPACE)
+        before = prompt_tokens_by_source(helper, DEMO_NAMESPACE)
         long_prompt = " ".join(f"token{i}" for i in range(600))
         headers, body, seconds = _post(
             f"{base}/v1/completions", {"model": model, "prompt": long_prompt, "max_tokens": 16}
@@ -103,7 +104,7 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
             f"Long prompt ({body['usage']['prompt_tokens']} tokens): route={headers.get('X-Pdserve-Route')} "
             f"in {seconds * 1000:.0f} ms -> {body['choices'][0]['text']!r}"
         )
-        after = _kv_tokens(helper, DEMO_NAMESPACE)
+        after = prompt_tokens_by_source(helper, DEMO_NAMESPACE)
         moved = after.get("external_kv_transfer", 0.0) - before.get("external_kv_transfer", 0.0)
         computed = after.get("local_compute", 0.0) - before.get("local_compute", 0.0)
         echo(

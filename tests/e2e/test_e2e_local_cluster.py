@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.devcluster.demo import prompt_tokens_by_source
 from pdserve.devcluster.testing import ClusterHelper, wait_for
 from pdserve_operator.harness import OperatorProcess
 
@@ -75,17 +75,6 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str,
         return response.status, dict(response.headers), json.loads(response.read())
 
 
-def engine_counter(cluster: ClusterHelper, namespace: str, role: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for ip in cluster.pod_ips(namespace, f"pdserve.io/role={role}"):
-        text = urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-    return total
-
-
 def test_status_reports_pools_router_and_kv_compat(cluster: ClusterHelper, namespace: str, demo: str) -> None:
     status = cluster.get_json("pds/demo", "-n", namespace)["status"]
     assert status["prefill"]["readyReplicas"] == 1
@@ -99,17 +88,13 @@ def test_status_reports_pools_router_and_kv_compat(cluster: ClusterHelper, names
 
 
 def test_long_prompt_goes_through_prefill_and_kv_is_pulled(cluster: ClusterHelper, namespace: str, demo: str) -> None:
-    pulled_before = engine_counter(
-        cluster, namespace, "decode", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-    )
+    pulled_before = prompt_tokens_by_source(cluster, namespace).get("external_kv_transfer", 0.0)
     prompt = " ".join(f"word{i}" for i in range(400))
     status, headers, body = post(f"{demo}/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 8})
     assert status == 200
     assert headers["X-Pdserve-Route"] == "pd"
     assert body["usage"]["completion_tokens"] == 8
-    pulled = engine_counter(
-        cluster, namespace, "decode", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-    )
+    pulled = prompt_tokens_by_source(cluster, namespace).get("external_kv_transfer", 0.0)
     assert pulled - pulled_before == body["usage"]["prompt_tokens"]
 
 
