@@ -1,10 +1,12 @@
-# The pdserve image: operator, router and engine simulator in one image (`pdserve operator|router|sim`).
+# The pdserve image: the operator, the PD router, the CLI and the engine simulator (`pdserve operator|router|sim`).
+# The development tooling (devtools/: local cluster, process node) is a separate distribution and is not in it.
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY pdserve ./pdserve
 COPY operator ./operator
 COPY runtime ./runtime
+COPY sim ./sim
 RUN pip install --no-cache-dir --prefix=/install .
 
 FROM python:3.11-slim

@@ -35,10 +35,11 @@ import yaml
 
 from pdserve.api.crdgen import custom_resource_definition
 from pdserve.api.v1alpha1 import PDService
-from pdserve.devcluster.cluster import LocalCluster
-from pdserve.devcluster.testing import ClusterHelper, wait_for
+from pdserve_dev.cluster.cluster import LocalCluster
+from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
+from pdserve_dev.testing.wait import wait_for
 from pdserve_operator.api import KubeApi, load_client
-from pdserve_operator.harness import OperatorProcess, ensure_cpu_node
 from pdserve_operator.kinds import MANAGED, PDSERVICE
 from pdserve_operator.render import render
 

@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -44,17 +43,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve_dev.testing.net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
 FILLER = "The quick brown fox jumps over the lazy dog near the river bank today. "
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -342,19 +337,19 @@ def run_preset(args: argparse.Namespace, preset: str, levels: list[int]) -> dict
     procs: list[Proc] = []
     try:
         timing = ["--fast"] if preset == "fast" else ["--preset", preset]
-        sim = [PY, "-m", "pdserve_runtime.sim", *timing, "--host", "127.0.0.1", "--log-level", "warning"]
-        prefill_port, decode_port = _free_port(), _free_port()
+        sim = [PY, "-m", "pdserve_sim", *timing, "--host", "127.0.0.1", "--log-level", "warning"]
+        prefill_port, decode_port = free_port(), free_port()
         prefill = Proc([*sim, "--role", "prefill", "--port", str(prefill_port), "--side-channel-port",
-                        str(_free_port())], other_cpus)  # fmt: skip
+                        str(free_port())], other_cpus)  # fmt: skip
         decode = Proc([*sim, "--role", "decode", "--port", str(decode_port), "--side-channel-port",
-                       str(_free_port())], other_cpus)  # fmt: skip
+                       str(free_port())], other_cpus)  # fmt: skip
         procs += [prefill, decode]
         prefill_url, decode_url = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
         _wait_http(prefill_url, "/health")
         _wait_http(decode_url, "/health")
 
         def pdserve(threshold: int) -> tuple[str, Proc]:
-            port = _free_port()
+            port = free_port()
             cmd = [PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--prefill",
                    prefill_url, "--decode", decode_url, "--disaggregation-threshold", str(threshold),
                    "--served-model-name", "sim-model", "--log-level", "warning"]  # fmt: skip
@@ -367,9 +362,9 @@ def run_preset(args: argparse.Namespace, preset: str, levels: list[int]) -> dict
             binary = shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
             if binary is None:
                 raise FileNotFoundError("vllm-router is not installed (pip install vllm-router)")
-            port = _free_port()
+            port = free_port()
             cmd = [binary, "--vllm-pd-disaggregation", "--prefill", prefill_url, "none", "--decode", decode_url,
-                   "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(_free_port()),
+                   "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
                    "--log-level", "warning", "--max-concurrent-requests", "4096", "--queue-size", "4096"]  # fmt: skip
             proc = Proc(cmd, router_cpus)
             url = f"http://127.0.0.1:{port}"

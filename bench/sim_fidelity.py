@@ -22,8 +22,9 @@ from typing import Any
 
 import aiohttp
 
-from pdserve_runtime.sim.presets import PRESETS, TimingParams
-from pdserve_runtime.sim.testing import metric_value, scrape, sim_process
+from pdserve_dev.testing.metrics import metric_value, scrape
+from pdserve_dev.testing.sim import sim_process
+from pdserve_sim.presets import PRESETS, TimingParams
 
 
 async def _stream(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> list[float]:

@@ -24,23 +24,18 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, cast
 
+from pdserve_dev.testing.net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 FLOOR_STREAMS = 500
 FLOOR_TOKENS_PER_S = 20_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pin(pid: int, cpu: int) -> None:
@@ -357,7 +352,7 @@ def _run_against(
 
 
 def _sim_cmd(port: int, *extra: str) -> list[str]:
-    return [PY, "-m", "pdserve_runtime.sim", "--fast", "--host", "127.0.0.1", "--port", str(port),
+    return [PY, "-m", "pdserve_sim", "--fast", "--host", "127.0.0.1", "--port", str(port),
             "--side-channel-port", "0", "--log-level", "warning", *extra]  # fmt: skip
 
 
@@ -386,10 +381,10 @@ def main() -> int:
     print(f"Load: {args.streams} concurrent streams, max_tokens={args.tokens}, {args.seconds}s measured")
     baseline: dict[str, Any] | None = None
     if not args.skip_baseline:
-        port = _free_port()
+        port = free_port()
         baseline = _run_against([[PY, __file__, "--baseline-server", str(port)]], f"http://127.0.0.1:{port}", args)
         print(f"baseline aiohttp SSE: {json.dumps(baseline)}")
-    port = _free_port()
+    port = free_port()
     sim = _run_against([_sim_cmd(port)], f"http://127.0.0.1:{port}", args)
     print(f"pdserve sim --fast:   {json.dumps(sim)}")
     tps = sim["tokens_per_s"]
@@ -410,7 +405,7 @@ def main() -> int:
             f"{sim['tokens_per_server_cpu_s'] / max(baseline['tokens_per_server_cpu_s'], 1e-9):.2f}"
         )
     if args.pd:
-        p_port, d_port = _free_port(), _free_port()
+        p_port, d_port = free_port(), free_port()
         cmds = [_sim_cmd(p_port, "--role", "prefill"), _sim_cmd(d_port, "--role", "decode")]
         pd = _run_against(cmds, f"http://127.0.0.1:{d_port}", args, prefill=f"http://127.0.0.1:{p_port}")
         print(f"PD pair (3-step flow): {json.dumps(pd)}")

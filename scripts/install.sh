@@ -12,7 +12,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --cache-dir "$PDSERVE_CACHE_DIR/pip" --upgrade pip
-.venv/bin/python -m pip install --quiet --cache-dir "$PDSERVE_CACHE_DIR/pip" -e '.[dev]'
+.venv/bin/python -m pip install --quiet --cache-dir "$PDSERVE_CACHE_DIR/pip" -e '.[dev]' -e ./devtools
 
 if [ "${PDSERVE_SKIP_CLUSTER_BUILD:-0}" != "1" ]; then
   # Builds kube-apiserver, controller-manager, scheduler, etcd, kwok, kubectl and helm (about half an hour cold on

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy pdserve operator/pdserve_operator runtime/pdserve_runtime
+.venv/bin/mypy pdserve operator/pdserve_operator runtime/pdserve_runtime sim/pdserve_sim devtools/pdserve_dev tests bench
 .venv/bin/lint-imports
 
 # tests/conftest.py moves the session into a private network namespace holding only loopback (when root), so

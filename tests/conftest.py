@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.devcluster import build, netns
-from pdserve.devcluster.build import CLUSTER_BINARIES
-from pdserve.devcluster.cluster import PROCESS_NODE_MODULE, LocalCluster
-from pdserve.devcluster.testing import ClusterHelper
+from pdserve_dev.cluster import build, netns
+from pdserve_dev.cluster.build import CLUSTER_BINARIES
+from pdserve_dev.cluster.cluster import PROCESS_NODE_MODULE, LocalCluster
+from pdserve_dev.testing.cluster import ClusterHelper
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Run the whole session in a private network namespace holding only loopback (pdserve/devcluster/netns.py):
+    """Run the whole session in a private network namespace holding only loopback (pdserve_dev.cluster.netns):
     nothing a test starts can reach beyond this machine, and the cluster's pod addresses exist only there.
     Without root the session stays where it is and the cluster falls back to loopback pod addresses."""
     # A reused cluster (PDSERVE_CLUSTER_KUBECONFIG) lives in the caller's namespace: stay there with it.

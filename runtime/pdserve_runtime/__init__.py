@@ -1,1 +1,2 @@
-"""The pdserve data plane: the PD router, the engine simulator and the autoscaler pieces."""
+"""The pdserve data plane: the PD router (`router/`); the autoscaler's runtime pieces land here if they run
+outside the operator."""

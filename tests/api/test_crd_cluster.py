@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.devcluster.testing import ClusterHelper
+from pdserve_dev.testing.cluster import ClusterHelper
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.cluster

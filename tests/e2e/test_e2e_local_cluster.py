@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.devcluster.demo import prompt_tokens_by_source
-from pdserve.devcluster.testing import ClusterHelper, wait_for
-from pdserve_operator.harness import OperatorProcess
+from pdserve_dev.demo import prompt_tokens_by_source
+from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.operator import OperatorProcess
+from pdserve_dev.testing.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

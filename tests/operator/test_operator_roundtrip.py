@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pdserve.api.v1alpha1 import PDService
-from pdserve.devcluster.testing import ClusterHelper
+from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_operator import drift
 from pdserve_operator.api import KubeApi, load_client
 from pdserve_operator.kinds import kind_of

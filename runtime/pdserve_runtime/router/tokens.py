@@ -6,13 +6,9 @@ rest of the request path). It only needs two things, and an approximation serves
 - a prompt length in tokens, to compare the uncached part against the disaggregation threshold;
 - block hashes that are equal for equal prompt prefixes, to track which engine holds which prefix.
 
-Approximation (the same rules as the engine simulator's tokenizer, so thresholds mean the same tokens there):
-the text is split into pieces with `\w+|[^\w\s]` (runs of word characters, single punctuation characters);
-a piece of n characters is ceil(n / 6) tokens (its 6-character slices), so "Hello, world!" is 4 tokens and
-"internationalization" is 4. Against a real BPE tokenizer this is within a few tens of percent for English,
-well inside the slack of a threshold. Token-id prompts (`prompt: [1, 2, 3]`) are used as they are. Chat requests
-are flattened with the simulator's template (`<|role|>` line, content, newline; then `<|assistant|>`), text
-parts only.
+Approximation: `pdserve.api.prompt` defines the tokens and the chat template (the engine simulator counts with
+the same definition, so thresholds mean the same tokens there). Token-id prompts (`prompt: [1, 2, 3]`) are used
+as they are; chat requests are flattened with the shared template, text parts only.
 
 Blocks: the tokens are cut into full blocks of `block_size` (a partial tail block is never cached by vLLM, so it
 is not hashed) and each block hash chains the previous one, so a block hash stands for the whole prefix up to
@@ -22,13 +18,10 @@ because hashes never leave the router process.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-# Runs of word characters in slices of at most 6, or one other non-space character. Greedy `\w{1,6}` cuts a run
-# of n word characters into exactly the ceil(n / 6) slices of the simulator's rule, in C instead of a loop.
-_TOKENS = re.compile(r"\w{1,6}|[^\w\s]")
+from pdserve.api.prompt import chat_prompt, text_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +31,6 @@ class PromptInfo:
     tokens: int
     block_hashes: tuple[int, ...]
     block_size: int
-
-
-def text_tokens(text: str) -> list[str]:
-    """Split text into approximate tokens (pieces, long pieces cut into 6-character slices)."""
-    return _TOKENS.findall(text)
 
 
 def _content_text(content: object) -> str:
@@ -61,13 +49,12 @@ def prompt_tokens(payload: dict[str, object], chat: bool) -> Sequence[Hashable]:
         messages = payload.get("messages")
         if not isinstance(messages, list):
             return []
-        parts = [
-            f"<|{message.get('role', '')}|>\n{_content_text(message.get('content'))}\n"
+        pairs = [
+            (str(message.get("role", "")), _content_text(message.get("content")))
             for message in messages
             if isinstance(message, dict)
         ]
-        parts.append("<|assistant|>\n")
-        return text_tokens("".join(parts))
+        return text_tokens(chat_prompt(pairs))
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
         return text_tokens(prompt)

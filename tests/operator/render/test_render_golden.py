@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pdserve.api.validation import parse_or_raise
-from pdserve.commands import dump_stream
+from pdserve.cli.manifests import dump_stream
 from pdserve_operator.render import render
 
 ROOT = Path(__file__).resolve().parents[3]

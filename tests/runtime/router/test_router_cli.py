@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -14,8 +13,9 @@ import click
 import pytest
 import yaml
 
+from pdserve_dev.testing.net import free_port
+from pdserve_dev.testing.sim import sim_in_process
 from pdserve_runtime.router.cli import load_config
-from pdserve_runtime.sim.testing import sim_in_process
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,12 +67,6 @@ def test_bad_invocations_say_why(tmp_path: Path, path_text: str | None, message:
         path = str(tmp_path / "c.yaml")
     with pytest.raises(click.ClickException, match=message):
         load_config(path)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_the_command_serves_on_the_bind_host_and_stops_on_sigterm() -> None:

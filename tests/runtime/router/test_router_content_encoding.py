@@ -21,7 +21,8 @@ import pytest
 from aiohttp import web
 
 from pdserve.api.router_config import RouterConfig
-from pdserve_runtime.sim.testing import metric_value, sim_in_process
+from pdserve_dev.testing.metrics import metric_value
+from pdserve_dev.testing.sim import sim_in_process
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,8 +16,8 @@ import orjson
 import pytest
 
 from pdserve.api.router_config import RouterConfig
+from pdserve_dev.testing.sim import sim_in_process
 from pdserve_runtime.router.messages import parse_body
-from pdserve_runtime.sim.testing import sim_in_process
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,12 +7,12 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
+from pdserve_dev.testing.sim import sim_in_process
 from pdserve_runtime.router.endpoints import Endpoint, EndpointState, EndpointTable
 from pdserve_runtime.router.engine_metrics import EngineMetricsScraper, parse_kv_usage
 from pdserve_runtime.router.policy.base import PickContext
 from pdserve_runtime.router.policy.scorer_kv_usage import KvCacheHeadroomScorer
 from pdserve_runtime.router.tokens import PromptInfo
-from pdserve_runtime.sim.testing import sim_in_process
 
 StateFactory = Callable[..., EndpointState]
 

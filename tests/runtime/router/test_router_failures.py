@@ -13,8 +13,9 @@ import pytest
 from multidict import CIMultiDict
 
 from pdserve.api.router_config import RouterConfig
+from pdserve_dev.testing.metrics import metric_value, scrape
+from pdserve_dev.testing.sim import sim_in_process, sim_process
 from pdserve_runtime.router.app import RouterApp
-from pdserve_runtime.sim.testing import metric_value, scrape, sim_in_process, sim_process
 
 pytestmark = pytest.mark.timeout(60)
 

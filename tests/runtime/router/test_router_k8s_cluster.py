@@ -27,7 +27,10 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.devcluster.testing import ClusterHelper, wait_for
+from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.metrics import metric_value
+from pdserve_dev.testing.net import free_port
+from pdserve_dev.testing.wait import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
@@ -107,14 +110,6 @@ def namespace(cluster: ClusterHelper) -> Iterator[str]:
         cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        return int(sock.getsockname()[1])
-
-
 def _get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=3) as response:
@@ -127,17 +122,10 @@ def _get(url: str) -> tuple[int, str]:
 
 def _usable(router: str, role: str) -> int:
     """Usable endpoints of a pool, from the router's own metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     status, text = _get(router + "/metrics")
     if status != 200:
         return -1
-    total = 0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "pdserve_router_endpoint_up" and sample.labels.get("role") == role:
-                total += int(sample.value)
-    return total
+    return int(metric_value(text, "pdserve_router_endpoint_up", role=role))
 
 
 def _ready_again(cluster: ClusterHelper, namespace: str, pod: str, old_uid: str) -> bool:
@@ -189,10 +177,10 @@ def test_router_discovers_engine_pods_and_serves_through_scaling_and_replacement
     cluster: ClusterHelper, namespace: str, tmp_path: Path
 ) -> None:
     # Pods are processes on this host: ports that are free here avoid clashing with anything else running.
-    http_port, nixl_port = _free_port(), _free_port()
+    http_port, nixl_port = free_port("0.0.0.0"), free_port("0.0.0.0")
     pools = [*engine_pool("prefill", 2, http_port, nixl_port), *engine_pool("decode", 1, http_port, nixl_port)]
     cluster.apply(pools, namespace=namespace)
-    port = _free_port()
+    port = free_port("0.0.0.0")
     config = {
         "servedModelName": "sim-model",
         "host": "127.0.0.1",

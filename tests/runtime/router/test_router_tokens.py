@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from pdserve_runtime.router.tokens import block_hashes, describe_prompt, prompt_tokens, text_tokens
+from pdserve.api.prompt import text_tokens
+from pdserve_runtime.router.tokens import block_hashes, describe_prompt, prompt_tokens
 
 
 @pytest.mark.parametrize(
@@ -40,7 +41,7 @@ def test_prompt_token_counts(payload: dict[str, Any], chat: bool, count: int) ->
 
 
 def test_counts_agree_with_the_engine_simulator() -> None:
-    sim_tokenizer = pytest.importorskip("pdserve_runtime.sim.tokenizer")
+    sim_tokenizer = pytest.importorskip("pdserve_sim.tokenizer")
     texts = ["The quick brown fox, jumps over 1234567890 lazy dogs!", "naïve café — déjà vu", "a" * 100]
     for text in texts:
         assert len(text_tokens(text)) == len(sim_tokenizer.tokenize(text))

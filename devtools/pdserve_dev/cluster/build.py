@@ -1,0 +1,333 @@
+"""Build the cluster's binaries from the Go module proxy into a versioned cache outside the repository.
+
+Why build at all: these machines have no container engine and no registry ships Kubernetes binaries, but the
+Go module proxy serves the source of every component. Each Go project (Kubernetes, etcd, kwok, helm) is built
+in its own throw-away main module generated from `gomod/<name>/go.mod.tmpl`, so their dependency graphs never
+have to agree with each other.
+
+Layout under the cache root (`$PDSERVE_CACHE_DIR`, default `~/.cache/pdserve`):
+
+    k8s/<cache key>/bin/<binary>         the results
+    k8s/<cache key>/manifest.json        what was built, with which Go, how long it took
+    k8s/<cache key>/src/<module>/go.mod  the generated main modules
+    go/mod, go/build                     GOMODCACHE and GOCACHE, shared by every cache key so CI can keep them
+
+The cache key (`versions.cache_key()`) changes only when a pin or a template changes; a binary already in
+`bin/` is never rebuilt. Binaries are written to a temporary name and renamed, so an interrupted build leaves
+no half-written executable behind, and a file lock serialises concurrent builders (a test run and a CLI call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import string
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pdserve_dev.cluster import versions
+
+MINIMUM_GO = (1, 26)
+"""k8s.io/kubernetes v1.37 and etcd v3.6.16 declare `go 1.26.0` in their go.mod."""
+
+CLUSTER_BINARIES: tuple[str, ...] = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+    "kubectl",
+)
+"""What `up` needs; helm is built too but a cluster can run without it."""
+
+# Lines of `go` output that mean the module proxy (or checksum database) refused a module, as opposed to a
+# compile error. Used only to phrase the error message.
+_REFUSED = re.compile(
+    r"(404 Not Found|410 Gone|unknown revision|invalid version|no matching versions|"
+    r"module lookup disabled|not found: |"
+    r"verifying module|SECURITY ERROR|dial tcp|i/o timeout|connection refused)"
+)
+
+
+class BuildError(RuntimeError):
+    """A binary could not be built; the message names the component and the reason."""
+
+
+def cache_root() -> Path:
+    """Root of everything cached outside the repository."""
+    configured = os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "pdserve"
+
+
+def version_dir(key: str | None = None) -> Path:
+    """The directory of one pinned set of versions."""
+    return cache_root() / "k8s" / (key or versions.cache_key())
+
+
+def bin_dir(key: str | None = None) -> Path:
+    """Where the binaries of the current pins live."""
+    return version_dir(key) / "bin"
+
+
+def missing_binaries(names: Sequence[str] = versions.ALL_BINARIES) -> list[str]:
+    """Binaries of the current pins that are not built yet."""
+    directory = bin_dir()
+    return [name for name in names if not os.access(directory / name, os.X_OK)]
+
+
+def binary(name: str) -> Path:
+    """Path of one built binary; raise with the fix if it is missing."""
+    path = bin_dir() / name
+    if not os.access(path, os.X_OK):
+        raise BuildError(f"{name} is not built yet (expected {path}); run `pdserve dev cluster build`")
+    return path
+
+
+@dataclass
+class BinaryResult:
+    """Outcome of one `go build`."""
+
+    name: str
+    package: str
+    seconds: float
+    size_bytes: int = 0
+    error: str | None = None
+    cached: bool = False
+
+
+@dataclass
+class BuildReport:
+    """Everything `pdserve dev cluster build` prints and stores in manifest.json."""
+
+    key: str
+    bin_dir: str
+    go_version: str
+    pins: dict[str, str]
+    results: list[BinaryResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> list[BinaryResult]:
+        return [r for r in self.results if r.error is not None]
+
+    def disk_usage(self) -> dict[str, int]:
+        """Bytes used by the binaries of this key and by the shared Go caches (for the README)."""
+        root = cache_root()
+        return {
+            "bin": _tree_size(Path(self.bin_dir)),
+            "gomodcache": _tree_size(root / "go" / "mod"),
+            "gocache": _tree_size(root / "go" / "build"),
+        }
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for filename in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, filename)).st_size
+    return total
+
+
+def go_env() -> dict[str, str]:
+    """Environment for every `go` call: caches under the cache root, static binaries, module mode."""
+    root = cache_root()
+    env = dict(os.environ)
+    env["GOMODCACHE"] = str(root / "go" / "mod")
+    env["GOCACHE"] = str(root / "go" / "build")
+    env["CGO_ENABLED"] = "0"
+    # -mod=mod lets `go build` complete go.sum from the proxy; -buildvcs=false because the generated module
+    # directory is not a repository and VCS stamping would only add noise.
+    flags = env.get("GOFLAGS", "").split()
+    for flag in ("-mod=mod", "-buildvcs=false"):
+        if flag not in flags:
+            flags.append(flag)
+    env["GOFLAGS"] = " ".join(flags)
+    return env
+
+
+def check_go() -> tuple[Path, str]:
+    """Find the Go toolchain and check its version; raise a BuildError that says what is missing."""
+    go = shutil.which("go")
+    if go is None:
+        need = f"go{MINIMUM_GO[0]}.{MINIMUM_GO[1]}"
+        raise BuildError(
+            f"The Go toolchain (`go`, version >= {need}) is not on PATH; it is needed to build kube-apiserver, "
+            "etcd, kwok, kubectl and helm from the Go module proxy"
+        )
+    try:
+        out = subprocess.run(
+            [go, "env", "GOVERSION"], capture_output=True, text=True, check=True, timeout=60
+        ).stdout.strip()
+    except (subprocess.SubprocessError, OSError) as exc:
+        raise BuildError(f"`{go} env GOVERSION` failed: {exc}") from exc
+    match = re.match(r"go(\d+)\.(\d+)", out)
+    if match is None or (int(match[1]), int(match[2])) < MINIMUM_GO:
+        raise BuildError(
+            f"Go {out or 'of unknown version'} at {go} is too old; need go{MINIMUM_GO[0]}.{MINIMUM_GO[1]}+"
+        )
+    return Path(go), out
+
+
+def _ldflags(module: str) -> str:
+    """`-s -w` strips symbols (binaries shrink by about a third); -X stamps the versions the programs report.
+
+    Without the stamps kube-apiserver reports v0.0.0-master at /version, which kubectl flags as version skew.
+    """
+    flags = ["-s", "-w"]
+    if module == "kubernetes":
+        version = versions.KUBERNETES_VERSION
+        major, minor = version.lstrip("v").split(".")[:2]
+        for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+            flags += [
+                f"-X {pkg}.gitVersion={version}",
+                f"-X {pkg}.gitMajor={major}",
+                f"-X {pkg}.gitMinor={minor}",
+                f"-X {pkg}.gitTreeState=clean",
+            ]
+    elif module == "kwok":
+        flags.append(f"-X sigs.k8s.io/kwok/pkg/consts.Version={versions.KWOK_VERSION}")
+    elif module == "helm":
+        flags.append(f"-X helm.sh/helm/v3/internal/version.version={versions.HELM_VERSION}")
+    return " ".join(flags)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock file for the duration of a build (another builder waits, then finds the work done)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _explain_failure(name: str, package: str, stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    refused = [line for line in lines if _REFUSED.search(line)]
+    if refused:
+        # `go: downloading <module> <version>` lines name what was being fetched when the proxy said no.
+        fetching = [line.split("downloading", 1)[1].strip() for line in lines if "go: downloading" in line]
+        module = f" (while fetching {fetching[-1]})" if fetching else ""
+        return (
+            f"the Go module proxy did not provide a module needed for {name} ({package}){module}: {refused[0].strip()}"
+        )
+    tail = "\n    ".join(lines[-15:])
+    return f"`go build {package}` failed:\n    {tail}"
+
+
+def build(
+    names: Sequence[str] | None = None,
+    *,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> BuildReport:
+    """Build the requested binaries (default: all) that are not cached yet; return what happened.
+
+    A failure of one binary does not stop the others: the report lists each outcome, and the caller decides
+    whether what is missing matters (`ensure_binaries` raises only for binaries it needs).
+    """
+    go, go_version = check_go()
+    wanted = set(names or versions.ALL_BINARIES)
+    unknown = wanted - set(versions.ALL_BINARIES)
+    if unknown:
+        raise BuildError(f"Unknown binaries {sorted(unknown)}; known: {list(versions.ALL_BINARIES)}")
+    key = versions.cache_key()
+    root = version_dir(key)
+    out_dir = root / "bin"
+    values = versions.template_values()
+    report = BuildReport(
+        key=key,
+        bin_dir=str(out_dir),
+        go_version=go_version,
+        pins={k: v for k, v in values.items() if k.endswith("_version")},
+    )
+    started = time.monotonic()
+    env = go_env()
+    with _locked(root / ".build.lock"):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for module in versions.GO_MODULES:
+            todo = [b for b in module.binaries if b in wanted]
+            if not todo:
+                continue
+            src = root / "src" / module.name
+            src.mkdir(parents=True, exist_ok=True)
+            (src / "go.mod").write_text(string.Template(versions.read_template(module.name)).substitute(values))
+            # The checked-in go.sum pins the content hash of every module of the current pins, so a build on a
+            # new machine verifies downloads against what was built here; -mod=mod adds lines after a pin bump.
+            known_sums = versions.read_go_sum(module.name)
+            if known_sums:
+                (src / "go.sum").write_text(known_sums)
+            for name in todo:
+                package = module.binaries[name]
+                target = out_dir / name
+                if target.exists() and not force:
+                    report.results.append(BinaryResult(name, package, 0.0, target.stat().st_size, cached=True))
+                    log(f"  {name:<24} cached   {target}")
+                    continue
+                log(f"  {name:<24} building {package} ...")
+                t0 = time.monotonic()
+                tmp = out_dir / f".{name}.partial"
+                proc = subprocess.run(
+                    [str(go), "build", "-trimpath", f"-ldflags={_ldflags(module.name)}", "-o", str(tmp), package],
+                    cwd=src,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                seconds = time.monotonic() - t0
+                if proc.returncode != 0:
+                    tmp.unlink(missing_ok=True)
+                    error = _explain_failure(name, package, proc.stderr)
+                    report.results.append(BinaryResult(name, package, seconds, error=error))
+                    log(f"  {name:<24} FAILED after {seconds:.0f}s: {error}")
+                    continue
+                tmp.replace(target)
+                size = target.stat().st_size
+                report.results.append(BinaryResult(name, package, seconds, size))
+                log(f"  {name:<24} built in {seconds:6.1f}s ({size / 2**20:.0f} MiB)")
+        report.seconds = time.monotonic() - started
+        if any(not r.cached for r in report.results):
+            _update_manifest(root / "manifest.json", report)
+    return report
+
+
+def _update_manifest(path: Path, report: BuildReport) -> None:
+    """Record this build in manifest.json, keeping earlier entries of binaries that were cached this time.
+
+    The manifest is the record of how long each binary took to build cold, which a later all-cached run
+    must not overwrite with zeros.
+    """
+    manifest = asdict(report)
+    with contextlib.suppress(OSError, ValueError):
+        previous = {r["name"]: r for r in json.loads(path.read_text()).get("results", [])}
+        manifest["results"] = [previous.get(r["name"], r) if r["cached"] else r for r in manifest["results"]]
+    manifest["disk_usage"] = report.disk_usage()
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def prune_go_build_cache() -> None:
+    """Delete GOCACHE (compiled packages). Binaries and the module cache stay; only a rebuild gets slower."""
+    shutil.rmtree(cache_root() / "go" / "build", ignore_errors=True)
+
+
+def ensure_binaries(names: Sequence[str] = CLUSTER_BINARIES, *, log: Callable[[str], None] = print) -> Path:
+    """Build whatever of `names` is missing; return the bin directory or raise naming what could not be built."""
+    missing = missing_binaries(names)
+    if missing:
+        log(f"Building missing binaries {missing} into {bin_dir()} (first time: 20-40 minutes on 2 cores)")
+        report = build(missing, log=log)
+        failed = [r for r in report.failed if r.name in names]
+        if failed:
+            raise BuildError("; ".join(f"{r.name}: {r.error}" for r in failed))
+    return bin_dir()

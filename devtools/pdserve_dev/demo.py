@@ -1,0 +1,143 @@
+"""`pdserve dev demo`: the whole product on one machine, in one command.
+
+It starts a local cluster (real control plane, simulated GPU nodes, the process node), runs the operator as a
+process, applies a PDService (default: the embedded `examples/local-sim.yaml`), waits for `Available`, then sends
+a long prompt (routed prefill -> decode, KV pulled over the engine simulator's side channel) and a short one
+(straight to decode) through the router, and prints what happened: the route the router chose, the answer, and
+the decode engines' `vllm:prompt_tokens_by_source_total` proving the KV was transferred, not recomputed.
+Everything is stopped at the end unless `--keep` is given.
+
+The cluster's pod addresses (198.18.0.0/15, see pod_network) must stay on this machine: when it can (root), the
+demo first moves itself into a private network namespace that holds only a loopback interface.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.api.crdgen import custom_resource_definition
+from pdserve_dev.cluster import netns
+from pdserve_dev.cluster.cluster import LocalCluster
+from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.metrics import by_label, scrape_sync
+from pdserve_dev.testing.wait import wait_for
+
+DEMO_NAMESPACE = "demo"
+
+
+def default_manifest() -> str:
+    """The embedded demo PDService: examples/local-sim.yaml, linked into the package so wheels carry it."""
+    return resources.files("pdserve_dev.cluster").joinpath("demo-pdservice.yaml").read_text()
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any], float]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=60) as response:
+        payload = json.loads(response.read())
+        return dict(response.headers), payload, time.perf_counter() - started
+
+
+def prompt_tokens_by_source(helper: ClusterHelper, namespace: str) -> dict[str, float]:
+    """Decode engines' `vllm:prompt_tokens_by_source_total`, summed over the pool, by source (shared with the
+    end-to-end test)."""
+    totals: dict[str, float] = {}
+    for ip in helper.pod_ips(namespace, "pdserve.io/role=decode"):
+        text = scrape_sync(f"http://{ip}:8000/metrics")
+        for source, value in by_label(text, "vllm:prompt_tokens_by_source_total", "source").items():
+            totals[source] = totals.get(source, 0.0) + value
+    return totals
+
+
+def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
+    """Run the demo; returns a process exit code."""
+    from pdserve_dev.testing.operator import OperatorProcess
+
+    doc = yaml.safe_load(manifest)
+    doc.setdefault("metadata", {})["namespace"] = DEMO_NAMESPACE
+    name = doc["metadata"]["name"]
+    model = doc["spec"]["model"]["name"]
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-demo-"))
+    crd = json.dumps(custom_resource_definition())
+    cluster = LocalCluster(workdir / "cluster", topology="minimal", process_node=True, log=echo)
+    operator: OperatorProcess | None = None
+    try:
+        cluster.start()
+        helper = ClusterHelper.from_cluster(cluster)
+        helper.kubectl("apply", "--server-side", "-f", "-", input=crd)
+        helper.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+        helper.kubectl("create", "namespace", DEMO_NAMESPACE)
+        operator = OperatorProcess(cluster.kubeconfig, workdir / "operator.log", namespaces=[DEMO_NAMESPACE])
+        operator.start()
+        operator.wait_ready()
+        echo(f"Operator running (pid {operator.pid}); applying PDService {DEMO_NAMESPACE}/{name}")
+        helper.apply(json.dumps(doc))
+        started = time.monotonic()
+        helper.kubectl(
+            "wait", "--for=condition=Available", f"pds/{name}", "-n", DEMO_NAMESPACE, "--timeout=180s", timeout=200
+        )
+        echo(f"PDService Available after {time.monotonic() - started:.1f}s")
+        echo(helper.kubectl("get", "pds,statefulsets,deployments,pods", "-n", DEMO_NAMESPACE, "-o", "wide").stdout)
+        router_ip = wait_for(lambda: helper.pod_ips(DEMO_NAMESPACE, "pdserve.io/role=router"), timeout=60)[0]
+        base = f"http://{router_ip}:8080"
+        before = prompt_tokens_by_source(helper, DEMO_NAMESPACE)
+        long_prompt = " ".join(f"token{i}" for i in range(600))
+        headers, body, seconds = _post(
+            f"{base}/v1/completions", {"model": model, "prompt": long_prompt, "max_tokens": 16}
+        )
+        echo(
+            f"Long prompt ({body['usage']['prompt_tokens']} tokens): route={headers.get('X-Pdserve-Route')} "
+            f"in {seconds * 1000:.0f} ms -> {body['choices'][0]['text']!r}"
+        )
+        after = prompt_tokens_by_source(helper, DEMO_NAMESPACE)
+        moved = after.get("external_kv_transfer", 0.0) - before.get("external_kv_transfer", 0.0)
+        computed = after.get("local_compute", 0.0) - before.get("local_compute", 0.0)
+        echo(
+            f"Decode engines: {moved:.0f} prompt tokens pulled from prefill over the (simulated) NIXL side channel, "
+            f"{computed:.0f} computed locally"
+        )
+        headers, body, seconds = _post(
+            f"{base}/v1/chat/completions",
+            {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
+        )
+        echo(
+            f"Short chat: route={headers.get('X-Pdserve-Route')} in {seconds * 1000:.0f} ms -> "
+            f"{body['choices'][0]['message']['content']!r}"
+        )
+        if keep:
+            echo(f"Kept running. KUBECONFIG={cluster.kubeconfig}; router at {base}. Ctrl-C stops everything.")
+            while True:
+                time.sleep(3600)
+        return 0 if moved > 0 else 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if operator is not None:
+            operator.stop()
+        cluster.stop()
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(manifest_path: str | None, keep: bool, echo: Callable[[str], None] = print) -> int:
+    """Entry point of `pdserve dev demo`: move into a private network namespace when possible, then run."""
+    if netns.should_isolate():
+        args = ["-f", str(Path(manifest_path).resolve())] if manifest_path else []
+        return netns.run_in_fresh(
+            [sys.executable, "-m", "pdserve.cli", "dev", "demo", *args, *(["--keep"] if keep else [])]
+        )
+    manifest = Path(manifest_path).read_text() if manifest_path else default_manifest()
+    return run_demo(manifest, keep, echo)

@@ -1,0 +1,156 @@
+"""Helpers that tests (and demos) use against a running cluster: kubectl, apply, wait, pod IPs, logs.
+
+Kept free of pytest so the operator's or the runtime's tests, a notebook, or a benchmark can use it with a
+cluster from `LocalCluster` or with any kubeconfig (`PDSERVE_CLUSTER_KUBECONFIG`).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve_dev.cluster import build
+from pdserve_dev.cluster.cluster import LocalCluster, new_api_client
+from pdserve_dev.testing.wait import wait_for
+
+_COMPONENT_NAMES = ("etcd", "kube-apiserver", "kube-controll", "kube-scheduler", "kwok")
+
+
+def leaked_listeners(ports: Iterable[int]) -> list[str]:
+    """Ports of `ports` that a cluster component still listens on, with ss' description of the socket.
+
+    Once the cluster is gone its ports are free for anyone: on a machine shared with other test runs another
+    program may bind one a moment later, which is not a leak, so ownership is checked with `ss -p`.
+    """
+    leaked = []
+    for port in ports:
+        with socket.socket() as sock:
+            sock.settimeout(1)
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                continue
+        owners = subprocess.run(
+            ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout.strip()
+        # No LISTEN line: the connect was a TCP self-connect or met a socket closing just then.
+        if owners and ("users:" not in owners or any(f'"{name}' in owners for name in _COMPONENT_NAMES)):
+            leaked.append(f"{port}: {owners}")
+    return leaked
+
+
+@dataclass
+class ClusterHelper:
+    """What the `cluster` fixture yields."""
+
+    kubeconfig: Path
+    process_node_workdir: Path | None = None
+    """The process node's workdir (None when reusing an external cluster or running without one)."""
+    local: LocalCluster | None = None
+    kubectl_path: Path | None = None
+
+    @classmethod
+    def from_cluster(cls, local: LocalCluster) -> ClusterHelper:
+        return cls(
+            kubeconfig=local.kubeconfig,
+            process_node_workdir=local.process_node_workdir if local.process_node else None,
+            local=local,
+        )
+
+    # -- kubectl ------------------------------------------------------------------------------------------
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against the cluster; with check=True a failure raises and shows kubectl's stderr."""
+        kubectl = self.kubectl_path or build.binary("kubectl")
+        proc = subprocess.run(
+            [str(kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip() or proc.stdout.strip()}"
+            )
+        return proc
+
+    def apply(
+        self, manifests: str | Mapping[str, Any] | Iterable[Mapping[str, Any]], namespace: str | None = None
+    ) -> str:
+        """Server-side apply YAML text, one object or several; return kubectl's output."""
+        if isinstance(manifests, str):
+            text = manifests
+        elif isinstance(manifests, Mapping):
+            text = yaml.safe_dump(dict(manifests))
+        else:
+            text = yaml.safe_dump_all([dict(m) for m in manifests])
+        args = ["apply", "--server-side", "--field-manager=pdserve-tests", "-f", "-"]
+        if namespace:
+            args.insert(0, f"--namespace={namespace}")
+        return self.kubectl(*args, input=text).stdout
+
+    def get_json(self, *args: str) -> Any:
+        """`kubectl get ... -o json`, parsed."""
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def create_namespace(self, prefix: str = "test") -> str:
+        """A fresh namespace (unique name) so tests sharing the session cluster do not see each other."""
+        name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        self.kubectl("create", "namespace", name)
+        wait_for(
+            lambda: (
+                self.kubectl("get", "serviceaccount", "default", f"--namespace={name}", check=False).returncode == 0
+            ),
+            timeout=30,
+            message=f"the default ServiceAccount of namespace {name}",
+        )
+        return name
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    wait_for = staticmethod(wait_for)
+
+    def pods(self, namespace: str, selector: str = "") -> list[dict[str, Any]]:
+        args = ["pods", f"--namespace={namespace}"]
+        if selector:
+            args.append(f"--selector={selector}")
+        items: list[dict[str, Any]] = self.get_json(*args).get("items", [])
+        return items
+
+    def pod_ips(self, namespace: str, selector: str = "", ready_only: bool = True) -> list[str]:
+        """IPs of the (ready) pods matching `selector`, sorted."""
+        ips = []
+        for pod in self.pods(namespace, selector):
+            status = pod.get("status", {})
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
+            if status.get("podIP") and (ready or not ready_only):
+                ips.append(status["podIP"])
+        return sorted(ips)
+
+    def logs(self, namespace: str, pod: str, container: str | None = None) -> str:
+        """A container's log: the process node's log file when it ran there, else `kubectl logs`."""
+        if self.process_node_workdir is not None:
+            logs = self.process_node_workdir / "logs"
+            pattern = f"{namespace}_{pod}_{container or '*'}.log"
+            files = sorted(logs.glob(pattern))
+            if files:
+                return "\n".join(f.read_text(errors="replace") for f in files)
+        args = ["logs", f"--namespace={namespace}", pod]
+        if container:
+            args.append(f"--container={container}")
+        proc = self.kubectl(*args, check=False)
+        return proc.stdout if proc.returncode == 0 else f"(no logs: {proc.stderr.strip()})"
+
+    def api_client(self) -> Any:
+        """A new `kubernetes.client.ApiClient` (use it in a `with` block)."""
+        return new_api_client(self.kubeconfig)

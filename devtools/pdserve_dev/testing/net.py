@@ -1,0 +1,25 @@
+"""Free TCP ports for servers a test or the local cluster starts (bound to loopback by default)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free TCP ports on `host` (held open together so they differ; a small race remains until
+    the caller binds them)."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One free TCP port on `host`."""
+    return free_ports(1, host)[0]
