@@ -38,7 +38,7 @@ DEMO_NAMESPACE = "demo"
 
 def default_manifest() -> str:
     """The embedded demo PDService: examples/local-sim.yaml, linked into the package so wheels carry it."""
-    return resources.files("pdserve_dev.cluster").joinpath("demo-pdservice.yaml").read_text()
+    return resources.files("pdserve_dev").joinpath("demo-pdservice.yaml").read_text()
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any], float]:

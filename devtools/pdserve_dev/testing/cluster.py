@@ -45,6 +45,11 @@ def leaked_listeners(ports: Iterable[int]) -> list[str]:
     return leaked
 
 
+class KubectlError(RuntimeError):
+    """kubectl exited non-zero. Not an AssertionError: inside `wait_for` a failed kubectl (an object that does not
+    exist yet) means "not yet", while a failed assertion is a verdict."""
+
+
 @dataclass
 class ClusterHelper:
     """What the `cluster` fixture yields."""
@@ -79,7 +84,7 @@ class ClusterHelper:
             check=False,
         )
         if check and proc.returncode != 0:
-            raise AssertionError(
+            raise KubectlError(
                 f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip() or proc.stdout.strip()}"
             )
         return proc
