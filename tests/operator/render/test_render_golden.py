@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.api.validation import parse_or_raise
+from pdserve.api.validation import validate
 from pdserve.cli.manifests import dump_stream
 from pdserve_operator.render import render
 
@@ -24,7 +24,7 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if p.name != "in
 def rendered(example: Path) -> str:
     objects = []
     for doc in yaml.safe_load_all(example.read_text()):
-        objects += render(parse_or_raise(doc))
+        objects += render(validate(doc))
     return dump_stream(objects)
 
 
