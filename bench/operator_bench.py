@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from pdserve.api.crdgen import custom_resource_definition
-from pdserve.api.v1alpha1 import PDService
+from pdserve.api.validation import validate
 from pdserve_dev.cluster.cluster import LocalCluster
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
@@ -110,7 +110,7 @@ def latency_runs(cluster: ClusterHelper, api: KubeApi, namespace: str, runs: int
     for index in range(runs):
         name = f"lat-{index}"
         document = small_pds(name, namespace)
-        objects = render(PDService.model_validate(document))
+        objects = render(validate(document))
         # The operator applies the workloads last (after the objects they reference, concurrently with each other):
         # once every workload exists, all children do (checked below, outside the timed window).
         workloads = [o for o in objects if o["kind"] in ("StatefulSet", "Deployment")]
@@ -124,7 +124,7 @@ def latency_runs(cluster: ClusterHelper, api: KubeApi, namespace: str, runs: int
 
         # Baseline: the same objects (renamed, no owner) applied directly by one client, one by one.
         base = small_pds(f"base-{index}", namespace)
-        objects = render(PDService.model_validate(base))
+        objects = render(validate(base))
         started = time.perf_counter()
         for obj in objects:
             api.apply(obj)
@@ -168,7 +168,7 @@ def baseline_fleet(api: KubeApi, namespace: str, size: int) -> float:
     operator does), timed until every workload is ready. What is left is the cluster's own speed."""
     objects = []
     for index in range(size):
-        objects += render(PDService.model_validate(small_pds(f"bfleet-{index}", namespace)))
+        objects += render(validate(small_pds(f"bfleet-{index}", namespace)))
     workloads = [o for o in objects if o["kind"] in ("StatefulSet", "Deployment")]
     others = [o for o in objects if o["kind"] not in ("StatefulSet", "Deployment")]
     started = time.perf_counter()

@@ -19,11 +19,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.api import defaults
+from pdserve.api.defaults import EffectiveSpec, effective
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator import drift
 from pdserve_operator.kinds import MANAGED, Kind, kind_of
-from pdserve_operator.render.engine import pool_spec
 from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL
 
 ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
@@ -74,33 +73,32 @@ class Plan:
         return [wave for wave in (first, second) if wave]
 
 
-def clamp_autoscaled_replicas(pds: PDService, sts: dict[str, Any], observed: dict[str, Any] | None) -> None:
+def clamp_autoscaled_replicas(spec: EffectiveSpec, sts: dict[str, Any], observed: dict[str, Any] | None) -> None:
     """In place: while autoscaling is on, keep the observed replicas of an existing StatefulSet, within bounds."""
     role = sts["metadata"].get("labels", {}).get(ROLE_LABEL)
     if role not in ENGINE_ROLES or observed is None:
         return
-    scaling = pool_spec(pds, role).autoscaling
-    if scaling is None or not scaling.enabled:
+    scaling = spec.pool(role).autoscaling
+    if not scaling.enabled:
         return
     current = observed.get("spec", {}).get("replicas")
     if not isinstance(current, int):
         return
-    low = defaults.AUTOSCALING_MIN if scaling.min_replicas is None else scaling.min_replicas
-    high = defaults.AUTOSCALING_MAX if scaling.max_replicas is None else scaling.max_replicas
-    sts["spec"]["replicas"] = max(low, min(high, current))
+    sts["spec"]["replicas"] = scaling.clamp(current)
 
 
 def desired_objects(
     pds: PDService, rendered: Iterable[dict[str, Any]], observed: Mapping[ObjectKey, dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """The rendered objects with the fields left to others adjusted, each stamped with its applied-hash."""
+    spec = effective(pds.spec)
     result = []
     for original in rendered:
         # Hash what the spec says, *then* adopt the autoscaler's replicas: its scaling must not look like a spec
         # change (that would re-apply on every scale); out-of-bounds values still show up as drift.
         obj = drift.stamp(original)
         if obj["kind"] == "StatefulSet":
-            clamp_autoscaled_replicas(pds, obj, observed.get(key_of(obj)))
+            clamp_autoscaled_replicas(spec, obj, observed.get(key_of(obj)))
         result.append(obj)
     return result
 

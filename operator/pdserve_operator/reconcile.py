@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pdserve.api.v1alpha1 import PDService
-from pdserve.api.validation import Problem, validate
+from pdserve.api.validation import Validated, validate
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
 from pdserve_operator.api import ApiError, KubeApi
@@ -100,15 +99,15 @@ def reconcile(namespace: str, name: str, store: Store, api: KubeApi, now: Callab
         return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
     if body["metadata"].get("deletionTimestamp"):
         return Outcome("gone")
-    document = _spec_document(body)
-    problems = validate(document)
-    if problems:
-        return _invalid(body=body, document=document, problems=problems, store=store, api=api, now=now)
+    # Parsed and checked once: the result carries the model and its effective spec to render and status.
+    checked = validate(_spec_document(body))
+    if not checked.ok:
+        return _invalid(body=body, checked=checked, store=store, api=api, now=now)
 
-    pds = PDService.model_validate(document)
+    pds, _ = checked.require()
     uid = body["metadata"]["uid"]
     snapshot = store.snapshot(namespace, name)
-    desired = planner.desired_objects(pds, render(pds), snapshot.children)
+    desired = planner.desired_objects(pds, render(checked), snapshot.children)
     the_plan = planner.make_plan(desired, snapshot.children, uid)
 
     outcome = Outcome("noop" if the_plan.empty else "applied")
@@ -165,17 +164,15 @@ def reconcile(namespace: str, name: str, store: Store, api: KubeApi, now: Callab
 def _invalid(
     *,
     body: dict[str, Any],
-    document: dict[str, Any],
-    problems: list[Problem],
+    checked: Validated,
     store: Store,
     api: KubeApi,
     now: Callable[[], str],
 ) -> Outcome:
     meta = body["metadata"]
-    try:
-        pds: PDService | None = PDService.model_validate(document)
-    except ValueError:
-        pds = None  # the CRD should prevent this; report the pydantic problems anyway
+    problems = checked.problems
+    # checked.pds is None only when the document did not parse (the CRD should prevent that); the pydantic
+    # problems are reported anyway.
     log.warning(
         "Rejected spec pdservice=%s/%s generation=%s problems=%s",
         meta.get("namespace"),
@@ -184,7 +181,7 @@ def _invalid(
         "; ".join(map(str, problems)),
     )
     snapshot = store.snapshot(meta.get("namespace", "default"), meta["name"])
-    new_status = status_mod.compute_status(body, snapshot, pds=pds, problems=problems, now=now())
+    new_status = status_mod.compute_status(body, snapshot, pds=checked.pds, problems=problems, now=now())
     outcome = Outcome("invalid")
     _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)
     return outcome

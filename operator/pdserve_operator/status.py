@@ -24,11 +24,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.api import defaults
+from pdserve.api.defaults import EffectiveRouting, EffectiveSpec, effective
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
-from pdserve_operator.render.engine import desired_replicas
 from pdserve_operator.render.names import ENGINE_ROLES, EngineRole
 from pdserve_operator.render.router import router_endpoint
 
@@ -264,14 +263,14 @@ def merge_conditions(
 # ------------------------------------------------------------------------------------------------------- status
 
 
-def _facts(pds: PDService | None, body: Mapping[str, Any], snapshot: Snapshot) -> Facts:
+def _facts(spec: EffectiveSpec | None, body: Mapping[str, Any], snapshot: Snapshot) -> Facts:
     namespace = body["metadata"].get("namespace", "default")
     name = body["metadata"]["name"]
     pools: dict[str, dict[str, int]] = {}
     progress: list[str] = []
     for role in ENGINE_ROLES:
         sts = snapshot.child("StatefulSet", namespace, f"{name}-{role}")
-        desired = _desired(pds, role, sts)
+        desired = _desired(spec, role, sts)
         pools[role] = pool_status(sts, desired)
         if sts is None:
             progress.append(f"StatefulSet {name}-{role} does not exist yet")
@@ -286,14 +285,14 @@ def _facts(pds: PDService | None, body: Mapping[str, Any], snapshot: Snapshot) -
         why = deployment_progress(deploy)
         if why:
             progress.append(f"router: {why}")
-    routing = pds.spec.router.routing if pds and pds.spec.router else None
-    fallback = routing.fallback_to_decode if routing and routing.fallback_to_decode is not None else None
     return Facts(
         pools=pools,
         router_ready=_int(deploy, "status", "readyReplicas"),
         router_endpoints=ready_endpoints(snapshot.endpoint_slices),
         progress=progress,
-        fallback_to_decode=defaults.FALLBACK_TO_DECODE if fallback is None else fallback,
+        fallback_to_decode=(
+            spec.router.routing.fallback_to_decode if spec is not None else EffectiveRouting.fallback_to_decode
+        ),
         router_failure=_deployment_failure(deploy),
         pending=unschedulable_pods(snapshot.pods),
         crashing=waiting_containers(snapshot.pods, frozenset({"CrashLoopBackOff"})),
@@ -303,15 +302,13 @@ def _facts(pds: PDService | None, body: Mapping[str, Any], snapshot: Snapshot) -
     )
 
 
-def _desired(pds: PDService | None, role: EngineRole, sts: Mapping[str, Any] | None) -> int:
-    if pds is not None:
-        pool = pds.spec.prefill if role == "prefill" else pds.spec.decode
-        value = desired_replicas(pool)
-        scaling = pool.autoscaling
-        if scaling is not None and scaling.enabled and sts is not None:
+def _desired(spec: EffectiveSpec | None, role: EngineRole, sts: Mapping[str, Any] | None) -> int:
+    if spec is not None:
+        pool = spec.pool(role)
+        if pool.autoscaling.enabled and sts is not None:
             # The autoscaler owns the replicas of an autoscaled pool: report what it asked for.
-            value = _int(sts, "spec", "replicas")
-        return value
+            return _int(sts, "spec", "replicas")
+        return pool.desired_replicas
     return _int(sts, "spec", "replicas")
 
 
@@ -328,7 +325,8 @@ def compute_status(
     """The complete `.status` for a PDService (`pds` is None when the spec could not be parsed at all)."""
     old: Mapping[str, Any] = body.get("status") or {}
     generation = body["metadata"].get("generation")
-    facts = _facts(pds, body, snapshot)
+    spec = effective(pds.spec) if pds is not None else None
+    facts = _facts(spec, body, snapshot)
     available = available_condition(facts)
     if problems:
         message = "; ".join(str(problem) for problem in problems)
@@ -349,9 +347,9 @@ def compute_status(
         "prefill": facts.pools["prefill"],
         "decode": facts.pools["decode"],
     }
-    if pds is not None and not problems:
-        status["routerEndpoint"] = router_endpoint(pds)
-        status["kvCompatHash"] = kv_compat_hash(pds.spec)
+    if pds is not None and spec is not None and not problems:
+        status["routerEndpoint"] = router_endpoint(pds, spec)
+        status["kvCompatHash"] = kv_compat_hash(spec)
     else:
         # Children still run the last valid spec: keep reporting what they serve.
         for key in ("routerEndpoint", "kvCompatHash"):

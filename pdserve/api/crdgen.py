@@ -9,7 +9,11 @@ optional fields. The conversion is a single recursive walk:
 3. `const` (Literal of one value) -> a one-element `enum`; numeric `exclusiveMinimum: x` -> `minimum: x` plus
    `exclusiveMinimum: true` (OpenAPI v3.0 form);
 4. drop `title` and `default` (defaults live in `pdserve.api.defaults`, not in stored objects);
-5. keep `description`, constraints, `enum`, `x-kubernetes-*` extensions; rename the CEL key.
+5. keep `description`, constraints, `enum`, `x-kubernetes-*` extensions.
+
+Before the walk, the two tables join the models' schemas (`_annotate`): each field with a default in
+`pdserve.api.defaults` gets "Default <value>." appended to its description, and each model with rules in
+`pdserve.api.rules` gets them as `x-kubernetes-validations`. The models themselves state neither.
 
 The result is wrapped in the CRD with the status subresource and printer columns. `pdserve crd` prints it and a
 test compares it with the checked-in `crds/pdservice.yaml`.
@@ -17,11 +21,14 @@ test compares it with the checked-in `crds/pdservice.yaml`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import yaml
+from pydantic import BaseModel
 
 from pdserve.api import v1alpha1
+from pdserve.api.defaults import default_sentences
+from pdserve.api.rules import BY_MODEL
 from pdserve.api.v1alpha1 import MAX_NAME_LENGTH, NAME_PATTERN, PDServiceSpec, PDServiceStatus
 
 _DROP = frozenset({"title", "default"})
@@ -75,10 +82,42 @@ def _json_type(value: Any) -> str:
     return "string"
 
 
-def openapi_schema(model: type[v1alpha1.ApiModel]) -> dict[str, Any]:
-    """The structural OpenAPI v3 schema of one model."""
+def reachable_models(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """Every model reachable from `root`'s fields, by the name pydantic gives its `$defs` entry."""
+    found: dict[str, type[BaseModel]] = {}
+
+    def visit(annotation: Any) -> None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if annotation.__name__ not in found:
+                found[annotation.__name__] = annotation
+                for info in annotation.model_fields.values():
+                    visit(info.annotation)
+            return
+        for argument in get_args(annotation):
+            visit(argument)
+
+    visit(root)
+    return found
+
+
+def _annotate(node: dict[str, Any], model: type[BaseModel]) -> None:
+    """In place: the defaults table's text in `model`'s field descriptions and the rules table's CEL rules."""
+    properties = node.get("properties", {})
+    for name, sentence in default_sentences(model).items():
+        prop = properties[model.model_fields[name].alias or name]
+        prop["description"] = f"{prop['description']} {sentence}"
+    rules = BY_MODEL.get(model, ())
+    if rules:
+        node["x-kubernetes-validations"] = [rule.x_kubernetes_validation() for rule in rules]
+
+
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of one model, with the defaults' text and the CEL rules joined in."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
-    schema: dict[str, Any] = _structural(raw, raw.get("$defs", {}))
+    defs = raw.get("$defs", {})
+    for name, cls in reachable_models(model).items():
+        _annotate(raw if cls is model else defs[name], cls)
+    schema: dict[str, Any] = _structural(raw, defs)
     return schema
 
 

@@ -1,45 +1,293 @@
-"""Defaults the operator applies to absent fields, in one place.
+"""The one table of defaults, as the effective view of a spec: what every absent field of a PDService means.
 
-They are deliberately not in the CRD schema (the API server would write them into stored objects and freeze
-them); the renderer and validation read them from here, and the README documents them.
+Defaults are deliberately not in the CRD schema (the API server would write them into stored objects and freeze
+them): the API server stores what the user wrote, and `effective(spec)` resolves it into a typed, frozen view in
+which every absent field has its value. The renderer, validation, the kv-compat hash, the planner and status read
+that view, never `x or DEFAULT`. The same lines document themselves: `crdgen` appends "Default <value>." to each
+field's description in the CRD (so `kubectl explain` shows it), the CEL rules in `rules.py` interpolate the ones
+they need, and `router_config.py` takes the defaults it shares with the spec from here.
+
+Adding a field with a default is one line in its view below (plus the field in `v1alpha1.py`); a field without one
+is a line with only its type. `defaulting.py` has the mechanism; derived defaults (computed from other fields) are
+worked out in `effective()` at the bottom.
 """
 
 from __future__ import annotations
 
-ENGINE_PORT = 8000
-SIDE_CHANNEL_PORT = 5600
-BLOCK_SIZE = 16
-KV_CACHE_DTYPE = "auto"
-KV_CONNECTOR = "nixl"
-KV_BUFFER_DEVICE = "cuda"
-KV_LEASE_SECONDS = 30
-KV_LOAD_FAILURE_POLICY = "fail"
-ATTENTION = "standard"
-SHM_SIZE = "16Gi"
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Literal
 
-GPU_RESOURCE = "nvidia.com/gpu"
-RDMA_RESOURCE = "rdma/ib"
-RDMA_COUNT = 1
-RDMA_POLICY = "required"
-RDMA_NODE_LABEL = "pdserve.io/rdma"
-COLOCATION = "preferred"
-SPREAD_KEY = "kubernetes.io/hostname"
-MAX_SKEW = 1
-POOL_MAX_UNAVAILABLE = 1
+from pydantic import BaseModel
 
-ROUTER_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"
-ROUTER_REPLICAS = 2
-ROUTER_PORT = 8080
-ROUTER_SERVICE_TYPE = "ClusterIP"
-DISAGGREGATION_THRESHOLD = 256
-PREFIX_AWARE = True
-FALLBACK_TO_DECODE = True
+from pdserve.api.defaulting import default, derived, documented_defaults, fill, resolve, view
+from pdserve.api.v1alpha1 import (
+    Attention,
+    AutoscalingSpec,
+    BlockSize,
+    Colocation,
+    ComputeResources,
+    EngineSpec,
+    EnvVar,
+    KvBufferDevice,
+    KvCacheDtype,
+    KvConnector,
+    KvLoadFailurePolicy,
+    ModelSpec,
+    PDServiceSpec,
+    Percentile,
+    PlacementSpec,
+    PoolSpec,
+    PullPolicy,
+    RdmaPolicy,
+    RdmaSpec,
+    RouterSpec,
+    RoutingSpec,
+    ServiceType,
+    SloSpec,
+    Toleration,
+    UcxSpec,
+)
 
-AUTOSCALING_MIN = 1
-AUTOSCALING_MAX = 8
-SLO_PERCENTILE = 90
+__all__ = [
+    "UCX_RDMA_TRANSPORTS",
+    "UCX_TCP_TRANSPORTS",
+    "EffectiveAutoscaling",
+    "EffectiveEngine",
+    "EffectiveModel",
+    "EffectivePlacement",
+    "EffectivePool",
+    "EffectiveRdma",
+    "EffectiveResources",
+    "EffectiveRouter",
+    "EffectiveRouting",
+    "EffectiveSlo",
+    "EffectiveSpec",
+    "EffectiveUcx",
+    "default_sentences",
+    "effective",
+]
 
-# Engine containers get a long grace period: vLLM drains running requests on SIGTERM, and a prefill engine
-# should keep serving KV pulls for blocks it already handed out (the lease) before it exits.
-ENGINE_TERMINATION_GRACE_SECONDS = 60
-ROUTER_TERMINATION_GRACE_SECONDS = 30
+# UCX names its transports explicitly: a silent fallback to TCP is the most common invisible PD failure (10-40x
+# TTFT), so RDMA placements ask for RDMA transports and fail loudly without them; `placement.rdma: off` asks for TCP.
+UCX_RDMA_TRANSPORTS = "rc,cuda_copy,cuda_ipc"
+UCX_TCP_TRANSPORTS = "tcp,cuda_copy"
+
+
+def _read_only(**values: str) -> Mapping[str, str]:
+    return MappingProxyType(values)
+
+
+# ------------------------------------------------------------------------------------------------------- model
+
+
+@view(ModelSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveModel:
+    name: str
+    uri: str
+    revision: str | None
+    hf_token_secret: str | None
+
+
+# ------------------------------------------------------------------------------------------------------ engine
+
+
+@view(UcxSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveUcx:
+    transports: str = derived(
+        f"`{UCX_RDMA_TRANSPORTS}` when placement.rdma is required or preferred, `{UCX_TCP_TRANSPORTS}` when off"
+    )
+    net_devices: str | None = default(None, doc="all devices (UCX chooses)")
+
+
+@view(EngineSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveEngine:
+    image: str
+    image_pull_policy: PullPolicy | None = default(
+        None, doc="unset: Kubernetes decides (IfNotPresent; Always for :latest)"
+    )
+    kv_connector: KvConnector = default("nixl")
+    kv_buffer_device: KvBufferDevice = default("cuda")
+    kv_cache_dtype: KvCacheDtype = default("auto")
+    block_size: BlockSize = default(16)
+    max_model_len: int | None
+    attention: Attention = default("standard")
+    port: int = default(8000)
+    side_channel_port: int = default(5600)
+    kv_lease_seconds: int = default(30)
+    kv_load_failure_policy: KvLoadFailurePolicy = default("fail")
+    ucx: EffectiveUcx
+    args: tuple[str, ...]
+    env: tuple[EnvVar, ...]
+    shm_size: str = default("16Gi")
+
+
+# ------------------------------------------------------------------------------------------------------- pools
+
+
+@view(RdmaSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveRdma:
+    resource_name: str = default("rdma/ib")
+    count: int = default(1)
+
+
+@view(AutoscalingSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveAutoscaling:
+    enabled: bool = default(False)
+    min_replicas: int = default(1)
+    max_replicas: int = default(8)
+    target_milliseconds: float | None = derived(
+        "spec.slo.ttftMilliseconds for prefill, spec.slo.itlMilliseconds for decode"
+    )
+
+    def clamp(self, replicas: int) -> int:
+        """`replicas` kept inside [minReplicas, maxReplicas]: the one place the autoscaling bounds are applied
+        (the renderer's starting size, the planner's re-apply of the autoscaler's value, status)."""
+        return max(self.min_replicas, min(self.max_replicas, replicas))
+
+
+@view(ComputeResources)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveResources:
+    requests: Mapping[str, str]
+    limits: Mapping[str, str]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The container `resources` block (empty maps left out, as Kubernetes would drop them)."""
+        return {key: dict(value) for key, value in (("requests", self.requests), ("limits", self.limits)) if value}
+
+
+@view(PoolSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectivePool:
+    replicas: int = derived("1, or autoscaling.minReplicas when autoscaling is enabled")
+    tensor_parallel_size: int = default(1)
+    data_parallel_size: int = default(1)
+    gpus_per_pod: int = derived("tensorParallelSize x dataParallelSize")
+    rdma: EffectiveRdma
+    resources: EffectiveResources
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Toleration, ...]
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    args: tuple[str, ...]
+    env: tuple[EnvVar, ...]
+    autoscaling: EffectiveAutoscaling
+    max_unavailable: int = default(1)
+
+    @property
+    def desired_replicas(self) -> int:
+        """Replicas the StatefulSet starts with: the spec's, clamped into the bounds while autoscaling is on."""
+        return self.autoscaling.clamp(self.replicas) if self.autoscaling.enabled else self.replicas
+
+
+# --------------------------------------------------------------------------------------------------- placement
+
+# The usual taint of GPU node pools (GKE, AKS and the GPU operator's examples all use it).
+_GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+
+
+@view(PlacementSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectivePlacement:
+    gpu_resource_name: str = default("nvidia.com/gpu")
+    gpu_node_selector: Mapping[str, str]
+    tolerations: tuple[Toleration, ...] = default(
+        (_GPU_TOLERATION,), doc="one toleration of the nvidia.com/gpu taint (operator Exists, effect NoSchedule)"
+    )
+    rdma: RdmaPolicy = default("required")
+    rdma_node_label: str = default("pdserve.io/rdma")
+    topology_key: str | None
+    colocation: Colocation = default("preferred", doc="preferred (it takes effect only with a topologyKey)")
+    spread_key: str = default("kubernetes.io/hostname")
+    max_skew: int = default(1)
+
+
+# ------------------------------------------------------------------------------------------------------ router
+
+
+@view(RoutingSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveRouting:
+    disaggregation_threshold: int = default(256)
+    prefix_aware: bool = default(True)
+    fallback_to_decode: bool = default(True)
+
+
+@view(RouterSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveRouter:
+    replicas: int = default(2)
+    image: str = default("ghcr.io/pdserve/pdserve:0.1.0")
+    port: int = default(8080)
+    service_type: ServiceType = default("ClusterIP")
+    routing: EffectiveRouting
+    resources: EffectiveResources = default(
+        EffectiveResources(requests=_read_only(cpu="1", memory="512Mi"), limits=_read_only(memory="2Gi")),
+        doc="requests cpu 1 and memory 512Mi, limits memory 2Gi",
+    )
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Toleration, ...]
+
+
+# --------------------------------------------------------------------------------------------------------- slo
+
+
+@view(SloSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveSlo:
+    ttft_milliseconds: float | None
+    itl_milliseconds: float | None
+    percentile: Percentile = default(90)
+
+
+# -------------------------------------------------------------------------------------------------------- spec
+
+
+@view(PDServiceSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveSpec:
+    model: EffectiveModel
+    engine: EffectiveEngine
+    prefill: EffectivePool
+    decode: EffectivePool
+    placement: EffectivePlacement
+    router: EffectiveRouter
+    slo: EffectiveSlo
+
+    def pool(self, role: Literal["prefill", "decode"]) -> EffectivePool:
+        return self.prefill if role == "prefill" else self.decode
+
+
+def default_sentences(model: type[BaseModel]) -> dict[str, str]:
+    """Field name -> "Default <value>." for each field of `model` the table gives a default (crdgen appends it to
+    the field's description; importing it from here guarantees the table is loaded)."""
+    return {name: f"Default {text}." for name, text in documented_defaults(model).items()}
+
+
+def effective(spec: PDServiceSpec) -> EffectiveSpec:
+    """The effective view of `spec`: constants from the table, then the derived defaults, which need other fields."""
+    view_ = resolve(EffectiveSpec, spec)
+    transports = UCX_RDMA_TRANSPORTS if view_.placement.rdma != "off" else UCX_TCP_TRANSPORTS
+    engine = replace(view_.engine, ucx=fill(view_.engine.ucx, transports=transports))
+    return replace(
+        view_,
+        engine=engine,
+        prefill=_pool(view_.prefill, view_.slo.ttft_milliseconds),
+        decode=_pool(view_.decode, view_.slo.itl_milliseconds),
+    )
+
+
+def _pool(pool: EffectivePool, slo_target: float | None) -> EffectivePool:
+    scaling = fill(pool.autoscaling, target_milliseconds=slo_target)
+    return fill(
+        replace(pool, autoscaling=scaling),
+        replicas=scaling.min_replicas if scaling.enabled else 1,
+        gpus_per_pod=pool.tensor_parallel_size * pool.data_parallel_size,
+    )

@@ -5,7 +5,8 @@ engine build (image), the same connector, and lay out the cache identically (dty
 renderer stamps the hash on every engine pod as the `pdserve.io/kv-compat` label and the router only pairs a
 prefill pod with a decode pod carrying the same value; during a rollout old and new pods therefore never pair.
 
-Absent fields are hashed by their effective default, so writing a default explicitly does not roll the pools.
+Absent fields are hashed by their effective value (`defaults.effective`), so writing a default explicitly does not
+roll the pools.
 """
 
 from __future__ import annotations
@@ -13,28 +14,27 @@ from __future__ import annotations
 import hashlib
 import json
 
-from pdserve.api import defaults
-from pdserve.api.v1alpha1 import PDServiceSpec
+from pdserve.api.defaults import EffectiveSpec
 
 KV_COMPAT_LABEL = "pdserve.io/kv-compat"
 _HASH_LENGTH = 12
 
 
-def kv_compat_inputs(spec: PDServiceSpec) -> dict[str, object]:
-    """Everything P and D must agree on, with defaults resolved (exposed for tests and debugging)."""
+def kv_compat_inputs(spec: EffectiveSpec) -> dict[str, object]:
+    """Everything P and D must agree on, from the effective spec (exposed for tests and debugging)."""
     engine = spec.engine
     return {
         "model": spec.model.uri,
         "revision": spec.model.revision or "",
         "image": engine.image,
-        "connector": engine.kv_connector or defaults.KV_CONNECTOR,
-        "kvCacheDtype": engine.kv_cache_dtype or defaults.KV_CACHE_DTYPE,
-        "blockSize": engine.block_size or defaults.BLOCK_SIZE,
+        "connector": engine.kv_connector,
+        "kvCacheDtype": engine.kv_cache_dtype,
+        "blockSize": engine.block_size,
         "maxModelLen": engine.max_model_len or 0,
     }
 
 
-def kv_compat_hash(spec: PDServiceSpec) -> str:
+def kv_compat_hash(spec: EffectiveSpec) -> str:
     """A short, stable, label-safe hash of `kv_compat_inputs`."""
     canonical = json.dumps(kv_compat_inputs(spec), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:_HASH_LENGTH]

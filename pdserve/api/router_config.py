@@ -2,6 +2,9 @@
 
 It is part of the shared API because both sides must agree on it: the operator renders it from a PDService and
 the router (runtime) parses it. Field names are camelCase in YAML, like every other Kubernetes-facing document.
+
+A setting that is also a PDService field takes its default from the spec's defaults table (`defaults.py`, read
+as the view classes' attributes), so a router started from a hand-written file behaves like a rendered one.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from pdserve.api.defaults import EffectiveEngine, EffectiveRouter, EffectiveRouting
+from pdserve.api.kvcompat import KV_COMPAT_LABEL
 
 
 class _Model(BaseModel):
@@ -30,14 +36,19 @@ class RoutingPolicyConfig(_Model):
     """How the router decides, per request, between the PD path and decode-only."""
 
     disaggregation_threshold_tokens: int = Field(
-        default=256,
+        default=EffectiveRouting.disaggregation_threshold,
         ge=0,
         description="Prompts whose estimated uncached tokens are at or above this go through prefill.",
     )
-    prefix_aware: bool = Field(default=True, description="Score engines by the prompt prefix they likely hold.")
-    block_size_tokens: int = Field(default=16, ge=1, description="Token block size used for prefix hashing.")
+    prefix_aware: bool = Field(
+        default=EffectiveRouting.prefix_aware, description="Score engines by the prompt prefix they likely hold."
+    )
+    block_size_tokens: int = Field(
+        default=EffectiveEngine.block_size, ge=1, description="Token block size used for prefix hashing."
+    )
     fallback_to_decode: bool = Field(
-        default=True, description="When no prefill engine can serve, let a decode engine prefill locally."
+        default=EffectiveRouting.fallback_to_decode,
+        description="When no prefill engine can serve, let a decode engine prefill locally.",
     )
     max_prefill_attempts: int = Field(default=2, ge=1, description="Prefill tries per request, across engines.")
     max_decode_attempts: int = Field(default=2, ge=1, description="Decode tries per request, across engines.")
@@ -93,14 +104,14 @@ class RouterConfig(_Model):
 
     served_model_name: str = Field(description="The model name clients send; also what /v1/models lists.")
     host: str = Field(default="0.0.0.0", description="Listen address.")
-    port: int = Field(default=8080, ge=1, le=65535, description="Listen port.")
+    port: int = Field(default=EffectiveRouter.port, ge=1, le=65535, description="Listen port.")
     discovery: Literal["kubernetes", "static"] = Field(default="kubernetes", description="How engines are found.")
     prefill: EndpointSelector | None = Field(default=None, description="Prefill pool (kubernetes discovery).")
     decode: EndpointSelector | None = Field(default=None, description="Decode pool (kubernetes discovery).")
     static_prefill: list[str] = Field(default_factory=list, description="Prefill engine URLs (static discovery).")
     static_decode: list[str] = Field(default_factory=list, description="Decode engine URLs (static discovery).")
     kv_compat_label: str = Field(
-        default="pdserve.io/kv-compat",
+        default=KV_COMPAT_LABEL,
         description="Pod label whose value must match between a prefill and a decode engine to pair them.",
     )
     topology_labels: list[str] = Field(

@@ -1,10 +1,14 @@
 """PDService v1alpha1: the pydantic models that are the single source of truth for the API.
 
 The CRD in `crds/pdservice.yaml` is generated from these models (`pdserve crd`), never edited by hand. Conventions:
-camelCase aliases, `extra="forbid"`, a description on every field, constraints in the schema, cross-field rules as
-CEL `x-kubernetes-validations` attached with `json_schema_extra` (see `crdgen.py`), and no defaults in the
-generated schema: defaults live here, so the API server stores what the user wrote and the operator decides what
-an absent field means (a later pdserve version can change a default without rewriting stored objects).
+camelCase aliases, `extra="forbid"`, a description on every field, constraints (`ge`, `pattern`, `Literal`) in
+the schema, and no defaults in the generated schema, so the API server stores what the user wrote and the operator
+decides what an absent field means (a later pdserve version can change a default without rewriting stored objects).
+
+Two things these models deliberately do not say, because each has its own single table that `crdgen.py` joins
+into the CRD: what an absent field means (`defaults.py`, which also appends the "Default ..." sentence to the
+field's description) and the cross-field rules (`rules.py`, which become CEL `x-kubernetes-validations` and the
+matching Python checks). A description here states what a field is, never its default.
 
 Field design follows the anchors of the field: llm-d's modelservice values (model URI schemes, per-role pools),
 Dynamo's DynamoGraphDeployment (per-component replicas/resources), KServe's LLMInferenceService (prefill/decode
@@ -52,6 +56,19 @@ ResourceName = Annotated[
 ]
 ImageRef = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^\S+$")]
 
+# Enumerations, named because the effective view (`defaults.py`) types its fields with them too.
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+KvConnector = Literal["nixl"]
+KvBufferDevice = Literal["cuda", "cpu"]
+KvCacheDtype = Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+BlockSize = Literal[1, 8, 16, 32, 64, 128]
+Attention = Literal["standard", "mla"]
+KvLoadFailurePolicy = Literal["fail", "recompute"]
+RdmaPolicy = Literal["required", "preferred", "off"]
+Colocation = Literal["required", "preferred", "none"]
+ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
+Percentile = Literal[50, 90, 95, 99]
+
 
 class ApiModel(BaseModel):
     """Base for every API model: camelCase on the wire, unknown fields rejected."""
@@ -64,11 +81,6 @@ class ApiModel(BaseModel):
         # Keep the user's field order when dumping; makes `pdserve render` diffs readable.
         protected_namespaces=(),
     )
-
-
-def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
-    """json_schema_extra carrying CEL rules; crdgen turns the key into `x-kubernetes-validations`."""
-    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
 
 
 # --------------------------------------------------------------------------------------------------- Kubernetes bits
@@ -85,16 +97,6 @@ class EnvVar(ApiModel):
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
-    # Kubernetes rejects a non-empty value beside valueFrom (validation.py has the Python twin).
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            (
-                "!has(self.valueFrom) || !has(self.value) || self.value == ''",
-                "set value or valueFrom, not both",
-            ),
-        )
-    )
-
 
 class Toleration(ApiModel):
     """A pod toleration, shaped like core/v1 Toleration."""
@@ -107,24 +109,6 @@ class Toleration(ApiModel):
     )
     toleration_seconds: int | None = Field(
         default=None, description="How long a NoExecute taint is tolerated before eviction."
-    )
-
-    # The rules Kubernetes applies to a pod's tolerations (validation.py has the Python twins).
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            (
-                "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
-                "an empty key needs operator Exists (it then matches every taint)",
-            ),
-            (
-                "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
-                "value must be empty when operator is Exists",
-            ),
-            (
-                "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-                "tolerationSeconds applies to effect NoExecute only",
-            ),
-        )
     )
 
 
@@ -163,12 +147,6 @@ class ModelSpec(ApiModel):
         description="Name of a Secret with key HF_TOKEN, for gated hf:// models.",
     )
 
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            ("!has(self.revision) || self.uri.startsWith('hf://')", "revision applies to hf:// models only"),
-        )
-    )
-
 
 # ---------------------------------------------------------------------------------------------------------- engine
 
@@ -178,59 +156,53 @@ class UcxSpec(ApiModel):
 
     transports: str | None = Field(
         default=None,
-        description="UCX_TLS value. Default `rc,cuda_copy,cuda_ipc` with RDMA, `tcp,cuda_copy` without it.",
+        description="UCX_TLS value.",
     )
-    net_devices: str | None = Field(default=None, description="UCX_NET_DEVICES value, e.g. mlx5_0:1. Default all.")
+    net_devices: str | None = Field(default=None, description="UCX_NET_DEVICES value, e.g. mlx5_0:1.")
 
 
 class EngineSpec(ApiModel):
     """The inference engine, shared by both pools because P and D must agree on it to exchange KV cache."""
 
     image: ImageRef = Field(description="vLLM image, e.g. vllm/vllm-openai:v0.32.0.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
-        default=None, description="Image pull policy; Kubernetes' default when absent."
+    image_pull_policy: PullPolicy | None = Field(
+        default=None, description="Image pull policy of the engine containers."
     )
-    kv_connector: Literal["nixl"] | None = Field(
+    kv_connector: KvConnector | None = Field(
         default=None,
         description="KV transfer connector between prefill and decode. Only `nixl` (vLLM NixlConnector) today.",
     )
-    kv_buffer_device: Literal["cuda", "cpu"] | None = Field(
-        default=None, description="Where NIXL registers KV buffers. Default cuda."
-    )
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = Field(
-        default=None, description="KV cache dtype (vLLM --kv-cache-dtype). Default auto."
-    )
-    block_size: Literal[1, 8, 16, 32, 64, 128] | None = Field(
-        default=None, description="KV cache block size in tokens (vLLM --block-size). Default 16."
-    )
+    kv_buffer_device: KvBufferDevice | None = Field(default=None, description="Where NIXL registers KV buffers.")
+    kv_cache_dtype: KvCacheDtype | None = Field(default=None, description="KV cache dtype (vLLM --kv-cache-dtype).")
+    block_size: BlockSize | None = Field(default=None, description="KV cache block size in tokens (vLLM --block-size).")
     max_model_len: int | None = Field(
         default=None, ge=16, le=10_485_760, description="Maximum context length (vLLM --max-model-len)."
     )
-    attention: Literal["standard", "mla"] | None = Field(
+    attention: Attention | None = Field(
         default=None,
         description=(
-            "Attention family. `standard` (default) cannot pair a prefill TP larger than the decode TP; "
+            "Attention family. `standard` cannot pair a prefill TP larger than the decode TP; "
             "`mla` (DeepSeek-style latent attention) replicates KV and allows it."
         ),
     )
-    port: int | None = Field(default=None, ge=1, le=65535, description="Engine HTTP port. Default 8000.")
+    port: int | None = Field(default=None, ge=1, le=65535, description="Engine HTTP port.")
     side_channel_port: int | None = Field(
         default=None,
         ge=1,
         le=65535,
-        description="NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT). Default 5600.",
+        description="NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT).",
     )
     kv_lease_seconds: int | None = Field(
-        default=None, ge=1, le=3600, description="How long prefill holds un-pulled KV blocks. Default 30."
+        default=None, ge=1, le=3600, description="How long prefill holds un-pulled KV blocks, in seconds."
     )
-    kv_load_failure_policy: Literal["fail", "recompute"] | None = Field(
+    kv_load_failure_policy: KvLoadFailurePolicy | None = Field(
         default=None,
-        description="What decode does when a KV pull fails: fail (HTTP 500) or recompute. Default fail.",
+        description="What decode does when a KV pull fails: fail (HTTP 500) or recompute.",
     )
     ucx: UcxSpec | None = Field(default=None, description="UCX transport overrides.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for both pools.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both pools.")
-    shm_size: Quantity | None = Field(default=None, description="Size of the /dev/shm emptyDir. Default 16Gi.")
+    shm_size: Quantity | None = Field(default=None, description="Size of the /dev/shm emptyDir.")
 
 
 # ------------------------------------------------------------------------------------------------------------ pools
@@ -239,29 +211,20 @@ class EngineSpec(ApiModel):
 class RdmaSpec(ApiModel):
     """The RDMA device resource a pod requests (e.g. from the RDMA shared device plugin)."""
 
-    resource_name: ResourceName | None = Field(default=None, description="Extended resource name. Default rdma/ib.")
-    count: int | None = Field(default=None, ge=1, le=64, description="Devices per pod. Default 1.")
+    resource_name: ResourceName | None = Field(default=None, description="Extended resource name.")
+    count: int | None = Field(default=None, ge=1, le=64, description="Devices per pod.")
 
 
 class AutoscalingSpec(ApiModel):
     """SLO-driven autoscaling of one pool (prefill scales on TTFT, decode on inter-token latency)."""
 
-    enabled: bool | None = Field(default=None, description="Turn autoscaling on. Default false.")
-    min_replicas: int | None = Field(default=None, ge=0, description="Lower bound. Default 1.")
-    max_replicas: int | None = Field(default=None, ge=1, description="Upper bound. Default 8.")
+    enabled: bool | None = Field(default=None, description="Turn autoscaling on.")
+    min_replicas: int | None = Field(default=None, ge=0, description="Lower bound.")
+    max_replicas: int | None = Field(default=None, ge=1, description="Upper bound.")
     target_milliseconds: float | None = Field(
         default=None,
         gt=0,
-        description="SLO target for this pool (TTFT for prefill, ITL for decode); defaults to spec.slo.",
-    )
-
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            (
-                "(has(self.minReplicas) ? self.minReplicas : 1) <= (has(self.maxReplicas) ? self.maxReplicas : 8)",
-                "minReplicas must be <= maxReplicas",
-            ),
-        )
+        description="SLO target for this pool (TTFT for prefill, ITL for decode).",
     )
 
 
@@ -272,17 +235,13 @@ class PoolSpec(ApiModel):
         default=None,
         ge=0,
         le=1024,
-        description="Engine pods. Default 1. With autoscaling enabled: the starting size, clamped into its bounds.",
+        description="Engine pods. With autoscaling enabled: the starting size, clamped into its bounds.",
     )
-    tensor_parallel_size: int | None = Field(
-        default=None, ge=1, le=64, description="vLLM --tensor-parallel-size. Default 1."
-    )
+    tensor_parallel_size: int | None = Field(default=None, ge=1, le=64, description="vLLM --tensor-parallel-size.")
     data_parallel_size: int | None = Field(
-        default=None, ge=1, le=64, description="vLLM --data-parallel-size inside one pod. Default 1."
+        default=None, ge=1, le=64, description="vLLM --data-parallel-size inside one pod."
     )
-    gpus_per_pod: int | None = Field(
-        default=None, ge=0, le=64, description="GPUs per pod. Default tensorParallelSize x dataParallelSize."
-    )
+    gpus_per_pod: int | None = Field(default=None, ge=0, le=64, description="GPUs per pod.")
     rdma: RdmaSpec | None = Field(default=None, description="RDMA device request; used unless placement.rdma=off.")
     resources: ComputeResources | None = Field(default=None, description="CPU and memory of the engine container.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Extra node selector for this pool.")
@@ -295,22 +254,8 @@ class PoolSpec(ApiModel):
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for this pool.")
     autoscaling: AutoscalingSpec | None = Field(default=None, description="SLO-driven autoscaling.")
     max_unavailable: int | None = Field(
-        default=None, ge=0, description="PodDisruptionBudget maxUnavailable for the pool. Default 1."
+        default=None, ge=0, description="PodDisruptionBudget maxUnavailable for the pool."
     )
-
-    def effective_replicas(self) -> int:
-        return 1 if self.replicas is None else self.replicas
-
-    def effective_tp(self) -> int:
-        return self.tensor_parallel_size or 1
-
-    def effective_dp(self) -> int:
-        return self.data_parallel_size or 1
-
-    def effective_gpus(self) -> int:
-        if self.gpus_per_pod is not None:
-            return self.gpus_per_pod
-        return self.effective_tp() * self.effective_dp()
 
 
 # ------------------------------------------------------------------------------------------------------- placement
@@ -319,25 +264,25 @@ class PoolSpec(ApiModel):
 class PlacementSpec(ApiModel):
     """Where engine pods go: GPU nodes, RDMA, co-location of prefill and decode, and spreading."""
 
-    gpu_resource_name: ResourceName | None = Field(default=None, description="GPU resource. Default nvidia.com/gpu.")
+    gpu_resource_name: ResourceName | None = Field(default=None, description="GPU resource.")
     gpu_node_selector: dict[str, str] = Field(
         default_factory=dict,
         description="Node selector for GPU nodes of both pools, e.g. the GPU product label.",
     )
     tolerations: list[Toleration] | None = Field(
         default=None,
-        description="Tolerations for both pools. Default tolerates nvidia.com/gpu (the usual GPU-pool taint).",
+        description="Tolerations for both pools.",
     )
-    rdma: Literal["required", "preferred", "off"] | None = Field(
+    rdma: RdmaPolicy | None = Field(
         default=None,
         description=(
             "RDMA policy. required: request the RDMA resource (pods only fit RDMA nodes). preferred: no request, "
-            "prefer nodes labelled with rdmaNodeLabel. off: TCP only (expect 10-40x worse TTFT). Default required."
+            "prefer nodes labelled with rdmaNodeLabel. off: TCP only (expect 10-40x worse TTFT)."
         ),
     )
     rdma_node_label: LabelKey | None = Field(
         default=None,
-        description="Node label marking RDMA-capable nodes, for rdma=preferred. Default pdserve.io/rdma.",
+        description="Node label marking RDMA-capable nodes, for rdma=preferred.",
     )
     topology_key: LabelKey | None = Field(
         default=None,
@@ -346,24 +291,15 @@ class PlacementSpec(ApiModel):
             "topology.kubernetes.io/zone."
         ),
     )
-    colocation: Literal["required", "preferred", "none"] | None = Field(
+    colocation: Colocation | None = Field(
         default=None,
-        description="Whether prefill and decode must/should share a topologyKey domain. Default preferred.",
+        description="Whether prefill and decode must/should share a topologyKey domain.",
     )
     spread_key: LabelKey | None = Field(
         default=None,
-        description="Node label to spread each pool's pods over for availability. Default kubernetes.io/hostname.",
+        description="Node label to spread each pool's pods over for availability.",
     )
-    max_skew: int | None = Field(default=None, ge=1, description="Spread max skew. Default 1.")
-
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            (
-                "!has(self.colocation) || self.colocation == 'none' || has(self.topologyKey)",
-                "topologyKey is required when colocation is required or preferred",
-            ),
-        )
-    )
+    max_skew: int | None = Field(default=None, ge=1, description="Spread max skew.")
 
 
 # --------------------------------------------------------------------------------------------------------- router
@@ -377,27 +313,25 @@ class RoutingSpec(ApiModel):
         ge=0,
         description=(
             "Prompts with at least this many uncached prompt tokens go through prefill then decode; shorter or "
-            "cached ones go straight to decode. 0 disaggregates everything. Default 256."
+            "cached ones go straight to decode. 0 disaggregates everything."
         ),
     )
     prefix_aware: bool | None = Field(
-        default=None, description="Prefer engines likely to hold the prompt's prefix in cache. Default true."
+        default=None, description="Prefer engines likely to hold the prompt's prefix in cache."
     )
     fallback_to_decode: bool | None = Field(
         default=None,
-        description="When no prefill engine can serve, prefill on decode instead of 503. Default true.",
+        description="When no prefill engine can serve, prefill on decode instead of 503.",
     )
 
 
 class RouterSpec(ApiModel):
     """The PD router: the OpenAI-compatible endpoint in front of the pools."""
 
-    replicas: int | None = Field(default=None, ge=0, le=64, description="Router pods. Default 2.")
-    image: ImageRef | None = Field(default=None, description="Router image. Default the pdserve image.")
-    port: int | None = Field(default=None, ge=1, le=65535, description="Service and container port. Default 8080.")
-    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] | None = Field(
-        default=None, description="Router Service type. Default ClusterIP."
-    )
+    replicas: int | None = Field(default=None, ge=0, le=64, description="Router pods.")
+    image: ImageRef | None = Field(default=None, description="Router image.")
+    port: int | None = Field(default=None, ge=1, le=65535, description="Service and container port.")
+    service_type: ServiceType | None = Field(default=None, description="Router Service type.")
     routing: RoutingSpec | None = Field(default=None, description="Routing policy settings.")
     resources: ComputeResources | None = Field(default=None, description="Router container resources.")
     node_selector: dict[str, str] = Field(
@@ -414,9 +348,7 @@ class SloSpec(ApiModel):
 
     ttft_milliseconds: float | None = Field(default=None, gt=0, description="Time-to-first-token target.")
     itl_milliseconds: float | None = Field(default=None, gt=0, description="Inter-token latency target.")
-    percentile: Literal[50, 90, 95, 99] | None = Field(
-        default=None, description="Percentile the targets apply to. Default 90."
-    )
+    percentile: Percentile | None = Field(default=None, description="Percentile the targets apply to.")
 
 
 # ----------------------------------------------------------------------------------------------------------- spec
@@ -432,17 +364,6 @@ class PDServiceSpec(ApiModel):
     placement: PlacementSpec | None = Field(default=None, description="Node selection and topology.")
     router: RouterSpec | None = Field(default=None, description="The PD router.")
     slo: SloSpec | None = Field(default=None, description="Latency objectives for autoscaling.")
-
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            (
-                "(has(self.engine.attention) && self.engine.attention == 'mla') || "
-                "((has(self.prefill) && has(self.prefill.tensorParallelSize)) ? self.prefill.tensorParallelSize : 1)"
-                " <= ((has(self.decode) && has(self.decode.tensorParallelSize)) ? self.decode.tensorParallelSize : 1)",
-                "prefill.tensorParallelSize must be <= decode.tensorParallelSize for standard attention",
-            ),
-        )
-    )
 
 
 # --------------------------------------------------------------------------------------------------------- status

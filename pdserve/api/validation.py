@@ -1,12 +1,15 @@
 """Semantic validation of a PDService: the one function `pdserve validate`, the renderer and the operator share.
 
-The CRD schema (with CEL rules) rejects what it can at admission. This module repeats those cross-field rules (so
-`pdserve validate` works offline, before anything reaches a cluster) and adds the ones a schema cannot express.
-Every problem names the field it is about, in the wire (camelCase) spelling, and says how to fix it.
+The CRD schema rejects what it can at admission. `validate` repeats the cross-field rules the CRD enforces with
+CEL (`rules.py` is the one table both are generated from, so `pdserve validate` works offline, before anything
+reaches a cluster) and adds the ones CEL cannot express. Every problem names the field it is about, in the wire
+(camelCase) spelling, and says how to fix it.
 
 Algorithm: parse the document with the pydantic models; if that fails, report each pydantic error as a problem at
-its field path and stop (semantic rules need a typed spec). Otherwise run every rule in `_RULES` in order and
-collect all problems: a user fixing a spec wants the whole list at once, not one error per attempt.
+its field path and stop (semantic rules need a typed spec). Otherwise resolve the effective spec once, run the
+table's rules on every object they apply to, then the Python-only rules in `_RULES`, and collect all problems: a
+user fixing a spec wants the whole list at once, not one error per attempt. The result carries the parsed object
+and its effective spec, so a caller (the CLI, the renderer, a reconcile) parses and checks a document once.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pdserve.api import defaults
-from pdserve.api.v1alpha1 import EnvVar, PDService, PDServiceSpec, PoolSpec, Toleration
+from pdserve.api.defaults import EffectivePool, EffectiveSpec, effective
+from pdserve.api.rules import BY_MODEL
+from pdserve.api.v1alpha1 import ApiModel, EnvVar, PDService, PDServiceSpec, PoolSpec
 
 
 @dataclass(frozen=True, order=True)
@@ -33,7 +37,7 @@ class Problem:
 
 
 class InvalidSpecError(ValueError):
-    """Raised by `parse_or_raise` and the renderer for a spec with problems; carries all of them."""
+    """Raised by `Validated.require` (and so the renderer) for a spec with problems; carries all of them."""
 
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
@@ -68,26 +72,41 @@ OWNED_ENV: Mapping[str, str] = {
 }
 
 
-def validate(document: Mapping[str, Any]) -> list[Problem]:
-    """All problems of a PDService document (a parsed YAML/JSON mapping); empty when it is valid."""
-    try:
-        pds = PDService.model_validate(document)
-    except ValidationError as exc:
-        return sorted(_from_pydantic(exc))
-    return validate_spec(pds.spec)
+@dataclass(frozen=True)
+class Validated:
+    """What `validate` found: the parsed object, its effective spec and every problem, so no caller parses twice.
+
+    `pds` and `spec` are None only when the document did not parse (then `problems` holds the parse errors); a
+    parsed object with semantic problems keeps both, so status can still report what the children run.
+    """
+
+    pds: PDService | None
+    spec: EffectiveSpec | None
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def require(self) -> tuple[PDService, EffectiveSpec]:
+        """The object and its effective spec, or `InvalidSpecError` with every problem."""
+        if self.problems or self.pds is None or self.spec is None:
+            raise InvalidSpecError(list(self.problems))
+        return self.pds, self.spec
 
 
-def validate_spec(spec: PDServiceSpec) -> list[Problem]:
-    """All semantic problems of a typed spec, in rule order."""
-    return [problem for rule in _RULES for problem in rule(spec)]
-
-
-def parse_or_raise(document: Mapping[str, Any]) -> PDService:
-    """Parse a document into a PDService, raising `InvalidSpecError` with every problem if it is not valid."""
-    problems = validate(document)
-    if problems:
-        raise InvalidSpecError(problems)
-    return PDService.model_validate(document)
+def validate(source: Mapping[str, Any] | PDService) -> Validated:
+    """Parse (unless given a parsed PDService) and check a PDService once: every problem, in the order found."""
+    if isinstance(source, PDService):
+        pds = source
+    else:
+        try:
+            pds = PDService.model_validate(source)
+        except ValidationError as exc:
+            return Validated(None, None, tuple(sorted(_from_pydantic(exc))))
+    spec = effective(pds.spec)
+    problems = [*_cross_field(pds.spec, "spec"), *(problem for rule in _RULES for problem in rule(pds.spec, spec))]
+    return Validated(pds, spec, tuple(problems))
 
 
 # ------------------------------------------------------------------------------------------------ pydantic errors
@@ -106,39 +125,49 @@ def _from_pydantic(exc: ValidationError) -> Iterator[Problem]:
         yield Problem(path, message)
 
 
-# ---------------------------------------------------------------------------------------------------------- rules
+# ------------------------------------------------------------------------------------------- cross-field (table)
 
 
-def _pools(spec: PDServiceSpec) -> Iterator[tuple[str, PoolSpec]]:
-    yield "spec.prefill", spec.prefill
-    yield "spec.decode", spec.decode
+def _cross_field(obj: ApiModel, path: str) -> Iterator[Problem]:
+    """The rules of `rules.RULES` on `obj` and every object below it, depth first, at their wire paths."""
+    for rule in BY_MODEL.get(type(obj), ()):
+        if not rule.holds(obj):
+            yield Problem(f"{path}.{rule.field}", rule.message)
+    for name, info in type(obj).model_fields.items():
+        value = getattr(obj, name)
+        at = f"{path}.{info.alias or name}"
+        if isinstance(value, ApiModel):
+            yield from _cross_field(value, at)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, ApiModel):
+                    yield from _cross_field(item, f"{at}[{index}]")
 
 
-def _gpus_cover_parallelism(spec: PDServiceSpec) -> Iterator[Problem]:
-    for path, pool in _pools(spec):
-        needed = pool.effective_tp() * pool.effective_dp()
-        if pool.gpus_per_pod is not None and 0 < pool.gpus_per_pod < needed:
+# --------------------------------------------------------------------------------------------------- Python-only
+
+
+def _pools(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[tuple[str, PoolSpec, EffectivePool]]:
+    yield "spec.prefill", spec.prefill, view.prefill
+    yield "spec.decode", spec.decode, view.decode
+
+
+def _gpus_cover_parallelism(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    for path, pool, resolved in _pools(spec, view):
+        tp, dp = resolved.tensor_parallel_size, resolved.data_parallel_size
+        if pool.gpus_per_pod is not None and 0 < pool.gpus_per_pod < tp * dp:
             yield Problem(
                 f"{path}.gpusPerPod",
-                f"{pool.gpus_per_pod} GPUs cannot hold tensorParallelSize {pool.effective_tp()} x "
-                f"dataParallelSize {pool.effective_dp()} = {needed}; set gpusPerPod to at least {needed} or remove "
-                "it to derive it from the parallelism",
+                f"{pool.gpus_per_pod} GPUs cannot hold tensorParallelSize {tp} x dataParallelSize {dp} = {tp * dp}; "
+                f"set gpusPerPod to at least {tp * dp} or remove it to derive it from the parallelism",
             )
 
 
-def _tp_pairing(spec: PDServiceSpec) -> Iterator[Problem]:
-    # vLLM's NixlConnector maps each decode rank onto a slice of a prefill rank's KV heads: with standard attention
-    # prefill TP may not exceed decode TP, and decode TP must be a whole multiple of it.
-    if (spec.engine.attention or defaults.ATTENTION) == "mla":
-        return
-    p_tp, d_tp = spec.prefill.effective_tp(), spec.decode.effective_tp()
-    if p_tp > d_tp:
-        yield Problem(
-            "spec.prefill.tensorParallelSize",
-            f"prefill TP {p_tp} is larger than decode TP {d_tp}, which vLLM's NixlConnector cannot pair for "
-            f"standard attention; use prefill TP <= {d_tp} or set spec.engine.attention=mla for MLA models",
-        )
-    elif d_tp % p_tp != 0:
+def _decode_tp_multiple(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    # The other half of TP pairing (rules.py has prefill TP <= decode TP): decode ranks split a prefill rank's KV
+    # heads evenly only when prefill TP divides decode TP. Python-only so stored objects are not newly refused.
+    p_tp, d_tp = view.prefill.tensor_parallel_size, view.decode.tensor_parallel_size
+    if view.engine.attention != "mla" and p_tp <= d_tp and d_tp % p_tp != 0:
         yield Problem(
             "spec.decode.tensorParallelSize",
             f"decode TP {d_tp} is not a multiple of prefill TP {p_tp}; KV heads cannot be split evenly across "
@@ -146,38 +175,8 @@ def _tp_pairing(spec: PDServiceSpec) -> Iterator[Problem]:
         )
 
 
-def _autoscaling_bounds(spec: PDServiceSpec) -> Iterator[Problem]:
-    for path, pool in _pools(spec):
-        scaling = pool.autoscaling
-        if scaling is None:
-            continue
-        low = defaults.AUTOSCALING_MIN if scaling.min_replicas is None else scaling.min_replicas
-        high = defaults.AUTOSCALING_MAX if scaling.max_replicas is None else scaling.max_replicas
-        if low > high:
-            yield Problem(
-                f"{path}.autoscaling.minReplicas",
-                f"minReplicas {low} is greater than maxReplicas {high}; raise maxReplicas or lower minReplicas",
-            )
-
-
-def _colocation_needs_topology_key(spec: PDServiceSpec) -> Iterator[Problem]:
-    placement = spec.placement
-    if placement is None:
-        return
-    # Only an explicit colocation needs a key (mirrors the CRD's CEL rule); the default, preferred, without a key
-    # simply means no co-location constraint.
-    if placement.colocation in {"required", "preferred"} and placement.topology_key is None:
-        yield Problem(
-            "spec.placement.topologyKey",
-            f"colocation={placement.colocation} needs a topologyKey naming the shared domain, e.g. "
-            "topology.kubernetes.io/zone or a rack label; set it or use colocation=none",
-        )
-
-
-def _model_source(spec: PDServiceSpec) -> Iterator[Problem]:
+def _hub_token_needs_hf(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
     model = spec.model
-    if model.revision is not None and not model.uri.startswith("hf://"):
-        yield Problem("spec.model.revision", "revision applies to hf:// models only; remove it or use an hf:// uri")
     if model.hf_token_secret is not None and not model.uri.startswith("hf://"):
         yield Problem(
             "spec.model.hfTokenSecret",
@@ -187,9 +186,9 @@ def _model_source(spec: PDServiceSpec) -> Iterator[Problem]:
         yield Problem("spec.model.uri", "pvc:// needs a claim name, e.g. pvc://models/llama-3-8b")
 
 
-def _owned_flags(spec: PDServiceSpec) -> Iterator[Problem]:
+def _owned_flags(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
     sources: list[tuple[str, list[str]]] = [("spec.engine.args", spec.engine.args)]
-    sources += [(f"{path}.args", pool.args) for path, pool in _pools(spec)]
+    sources += [(f"{path}.args", pool.args) for path, pool, _ in _pools(spec, view)]
     for path, args in sources:
         for index, arg in enumerate(args):
             flag = arg.split("=", 1)[0]
@@ -197,49 +196,14 @@ def _owned_flags(spec: PDServiceSpec) -> Iterator[Problem]:
                 yield Problem(f"{path}[{index}]", f"{flag} is set by pdserve; {OWNED_ENGINE_FLAGS[flag]}")
 
 
-def _owned_env(spec: PDServiceSpec) -> Iterator[Problem]:
+def _owned_env(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
     sources: list[tuple[str, list[EnvVar]]] = [("spec.engine.env", spec.engine.env)]
-    sources += [(f"{path}.env", pool.env) for path, pool in _pools(spec)]
+    sources += [(f"{path}.env", pool.env) for path, pool, _ in _pools(spec, view)]
     for path, env in sources:
         yield from _duplicate_env(path, env)
         for index, var in enumerate(env):
             if var.name in OWNED_ENV:
                 yield Problem(f"{path}[{index}].name", f"{var.name} is set by pdserve; {OWNED_ENV[var.name]}")
-
-
-def _env_sources(spec: PDServiceSpec) -> Iterator[Problem]:
-    # Mirrors EnvVar's CEL rule (and Kubernetes' own check): a non-empty value and valueFrom exclude each other.
-    sources: list[tuple[str, list[EnvVar]]] = [("spec.engine.env", spec.engine.env)]
-    sources += [(f"{path}.env", pool.env) for path, pool in _pools(spec)]
-    for path, env in sources:
-        for index, var in enumerate(env):
-            if var.value_from is not None and var.value:
-                yield Problem(f"{path}[{index}].valueFrom", "set value or valueFrom, not both; remove one of them")
-
-
-def _tolerations(spec: PDServiceSpec) -> Iterator[Problem]:
-    # Mirrors Toleration's CEL rules, which are Kubernetes' pod validation: rendered pod templates must pass it.
-    sources: list[tuple[str, list[Toleration]]] = []
-    if spec.placement is not None and spec.placement.tolerations is not None:
-        sources.append(("spec.placement.tolerations", spec.placement.tolerations))
-    sources += [(f"{path}.tolerations", pool.tolerations) for path, pool in _pools(spec)]
-    if spec.router is not None:
-        sources.append(("spec.router.tolerations", spec.router.tolerations))
-    for path, tolerations in sources:
-        for index, toleration in enumerate(tolerations):
-            at = f"{path}[{index}]"
-            if not toleration.key and toleration.operator != "Exists":
-                yield Problem(
-                    f"{at}.operator",
-                    "an empty key needs operator Exists (it then matches every taint); set a key or operator Exists",
-                )
-            if toleration.operator == "Exists" and toleration.value:
-                yield Problem(f"{at}.value", "value must be empty when operator is Exists; remove it or use Equal")
-            if toleration.toleration_seconds is not None and toleration.effect != "NoExecute":
-                yield Problem(
-                    f"{at}.tolerationSeconds",
-                    "tolerationSeconds applies to effect NoExecute only; set effect NoExecute or remove it",
-                )
 
 
 def _duplicate_env(path: str, env: Iterable[EnvVar]) -> Iterator[Problem]:
@@ -250,9 +214,8 @@ def _duplicate_env(path: str, env: Iterable[EnvVar]) -> Iterator[Problem]:
         seen.add(var.name)
 
 
-def _ports_distinct(spec: PDServiceSpec) -> Iterator[Problem]:
-    port = spec.engine.port or defaults.ENGINE_PORT
-    side = spec.engine.side_channel_port or defaults.SIDE_CHANNEL_PORT
+def _ports_distinct(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    port, side = view.engine.port, view.engine.side_channel_port
     if port == side:
         yield Problem(
             "spec.engine.sideChannelPort",
@@ -260,10 +223,11 @@ def _ports_distinct(spec: PDServiceSpec) -> Iterator[Problem]:
         )
 
 
-def _rdma_consistent(spec: PDServiceSpec) -> Iterator[Problem]:
-    policy = (spec.placement.rdma if spec.placement else None) or defaults.RDMA_POLICY
-    for path, pool in _pools(spec):
-        if policy == "required" and pool.effective_gpus() == 0:
+def _rdma_consistent(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    if view.placement.rdma != "required":
+        return
+    for path, _, resolved in _pools(spec, view):
+        if resolved.gpus_per_pod == 0:
             yield Problem(
                 f"{path}.gpusPerPod",
                 "gpusPerPod is 0 but placement.rdma is required; GPU-less engines cannot use GPUDirect RDMA; "
@@ -271,16 +235,12 @@ def _rdma_consistent(spec: PDServiceSpec) -> Iterator[Problem]:
             )
 
 
-_RULES: tuple[Callable[[PDServiceSpec], Iterable[Problem]], ...] = (
-    _model_source,
+_RULES: tuple[Callable[[PDServiceSpec, EffectiveSpec], Iterable[Problem]], ...] = (
+    _hub_token_needs_hf,
     _gpus_cover_parallelism,
-    _tp_pairing,
-    _autoscaling_bounds,
-    _colocation_needs_topology_key,
+    _decode_tp_multiple,
     _owned_flags,
     _owned_env,
-    _env_sources,
-    _tolerations,
     _ports_distinct,
     _rdma_consistent,
 )

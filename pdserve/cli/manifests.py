@@ -8,6 +8,7 @@ carry no ownerReference unless the input has a metadata.uid (a stored object).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import yaml
 
 from pdserve.api.crdgen import crd_yaml
 from pdserve.api.v1alpha1 import KIND
-from pdserve.api.validation import Problem, parse_or_raise
+from pdserve.api.validation import Problem
 from pdserve.api.validation import validate as validate_document
 
 
@@ -78,16 +79,15 @@ def crd() -> None:
 @click.option("-f", "--filename", "path", required=True, help="PDService manifest (YAML), or - for stdin.")
 def render(path: str) -> None:
     """Print every object the operator would create for the PDService(s) in FILE."""
-    from pdserve.api.validation import InvalidSpecError
     from pdserve_operator.render import render as render_objects
 
     objects: list[dict[str, Any]] = []
     for label, doc in _pdservices(path):
-        try:
-            objects += render_objects(parse_or_raise(doc))
-        except InvalidSpecError as exc:
-            _report(label, exc.problems)
-            raise SystemExit(1) from exc
+        checked = validate_document(doc)
+        if not checked.ok:
+            _report(label, checked.problems)
+            raise SystemExit(1)
+        objects += render_objects(checked)
     click.echo(dump_stream(objects), nl=False)
 
 
@@ -97,7 +97,7 @@ def validate_command(path: str) -> None:
     """Check the PDService(s) in FILE; print every problem and exit 1 if there is any."""
     failed = False
     for label, doc in _pdservices(path):
-        problems = validate_document(doc)
+        problems = validate_document(doc).problems
         if problems:
             failed = True
             _report(label, problems)
@@ -107,7 +107,7 @@ def validate_command(path: str) -> None:
         raise SystemExit(1)
 
 
-def _report(label: str, problems: list[Problem]) -> None:
+def _report(label: str, problems: Sequence[Problem]) -> None:
     click.echo(f"{label}: {len(problems)} problem(s)", err=True)
     for problem in problems:
         click.echo(f"  - {problem}", err=True)

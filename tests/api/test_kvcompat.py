@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDServiceSpec
 
@@ -19,7 +20,7 @@ def spec(**engine: Any) -> PDServiceSpec:
     )
 
 
-BASE = kv_compat_hash(spec())
+BASE = kv_compat_hash(effective(spec()))
 
 
 @pytest.mark.parametrize(
@@ -32,16 +33,16 @@ BASE = kv_compat_hash(spec())
     ],
 )
 def test_engine_inputs_change_hash(change: dict[str, Any]) -> None:
-    assert kv_compat_hash(spec(**change)) != BASE
+    assert kv_compat_hash(effective(spec(**change))) != BASE
 
 
 def test_model_and_revision_change_hash() -> None:
     other = spec()
     other.model.revision = "def"
-    assert kv_compat_hash(other) != BASE
+    assert kv_compat_hash(effective(other)) != BASE
     other = spec()
     other.model.uri = "hf://org/other"
-    assert kv_compat_hash(other) != BASE
+    assert kv_compat_hash(effective(other)) != BASE
 
 
 @pytest.mark.parametrize(
@@ -55,14 +56,14 @@ def test_model_and_revision_change_hash() -> None:
     ],
 )
 def test_defaults_and_unrelated_fields_keep_hash(same: dict[str, Any]) -> None:
-    assert kv_compat_hash(spec(**same)) == BASE
+    assert kv_compat_hash(effective(spec(**same))) == BASE
 
 
 def test_pools_do_not_change_hash() -> None:
     other = spec()
     other.decode.replicas = 7
     other.prefill.tensor_parallel_size = 1
-    assert kv_compat_hash(other) == BASE
+    assert kv_compat_hash(effective(other)) == BASE
 
 
 def test_hash_is_a_valid_label_value() -> None:

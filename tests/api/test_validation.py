@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.api.validation import InvalidSpecError, Problem, parse_or_raise, validate
+from pdserve.api.v1alpha1 import PDService
+from pdserve.api.validation import InvalidSpecError, Problem, validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -40,7 +41,7 @@ def with_spec(**patch: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("path", sorted(p.name for p in EXAMPLES.glob("*.yaml") if p.name != "invalid.yaml"))
 def test_examples_are_valid(path: str) -> None:
     for doc in yaml.safe_load_all((EXAMPLES / path).read_text()):
-        assert validate(doc) == []
+        assert validate(doc).problems == ()
 
 
 CASES: list[tuple[str, dict[str, Any], str, str]] = [
@@ -54,7 +55,7 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
         "prefill TP above decode TP",
         with_spec(prefill__tensorParallelSize=4, decode__tensorParallelSize=2),
         "spec.prefill.tensorParallelSize",
-        "larger than decode TP 2",
+        "must be <= decode.tensorParallelSize",
     ),
     (
         "decode TP not a multiple",
@@ -66,19 +67,19 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
         "autoscaling bounds",
         with_spec(decode__autoscaling={"minReplicas": 3, "maxReplicas": 2}),
         "spec.decode.autoscaling.minReplicas",
-        "greater than maxReplicas 2",
+        "minReplicas must be <= maxReplicas",
     ),
     (
         "autoscaling min above default max",
         with_spec(prefill__autoscaling={"minReplicas": 9}),
         "spec.prefill.autoscaling.minReplicas",
-        "greater than maxReplicas 8",
+        "maxReplicas 8",
     ),
     (
         "colocation without key",
         with_spec(placement={"colocation": "required"}),
         "spec.placement.topologyKey",
-        "needs a topologyKey",
+        "topologyKey is required",
     ),
     (
         "revision on pvc",
@@ -165,7 +166,7 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
 
 @pytest.mark.parametrize(("case", "doc", "field", "fragment"), CASES, ids=[c[0] for c in CASES])
 def test_rule_names_field_and_fix(case: str, doc: dict[str, Any], field: str, fragment: str) -> None:
-    problems = validate(doc)
+    problems = validate(doc).problems
     matching = [p for p in problems if p.field == field]
     assert matching, f"{case}: no problem at {field}; got {problems}"
     assert any(fragment in p.message for p in matching), matching
@@ -173,7 +174,7 @@ def test_rule_names_field_and_fix(case: str, doc: dict[str, Any], field: str, fr
 
 def test_all_problems_reported_at_once() -> None:
     doc = yaml.safe_load((EXAMPLES / "invalid.yaml").read_text())
-    fields = {p.field for p in validate(doc)}
+    fields = {p.field for p in validate(doc).problems}
     assert {
         "spec.model.revision",
         "spec.prefill.gpusPerPod",
@@ -186,19 +187,37 @@ def test_all_problems_reported_at_once() -> None:
 
 def test_mla_allows_larger_prefill_tp() -> None:
     doc = with_spec(prefill__tensorParallelSize=4, decode__tensorParallelSize=2)
-    assert validate(doc)
+    assert validate(doc).problems
     doc["spec"]["engine"]["attention"] = "mla"
-    assert validate(doc) == []
+    assert validate(doc).problems == ()
 
 
-def test_parse_or_raise() -> None:
-    assert parse_or_raise(base()).metadata.name == "svc"
+def test_validate_returns_the_parsed_model_and_its_effective_spec() -> None:
+    checked = validate(base())
+    assert checked.ok
+    pds, spec = checked.require()
+    assert pds.metadata.name == "svc"
+    assert spec.engine.port == 8000 and spec.model.uri == "hf://org/model"
     broken = copy.deepcopy(base())
     broken["spec"]["prefill"] = {"tensorParallelSize": 2}
+    checked = validate(broken)
+    assert checked.pds is not None and checked.spec is not None, "a parsed spec with problems keeps its model"
     with pytest.raises(InvalidSpecError) as info:
-        parse_or_raise(broken)
+        checked.require()
     assert info.value.problems == [Problem("spec.prefill.tensorParallelSize", info.value.problems[0].message)]
     assert "spec.prefill.tensorParallelSize" in str(info.value)
+
+
+def test_unparseable_document_has_no_model() -> None:
+    checked = validate({**base(), "spec": {"model": {"name": "m"}}})
+    assert checked.pds is None and checked.spec is None
+    assert {p.field for p in checked.problems} == {"spec.model.uri", "spec.engine"}
+
+
+def test_a_parsed_model_is_checked_without_parsing_again() -> None:
+    pds = PDService.model_validate(base())
+    checked = validate(pds)
+    assert checked.pds is pds and checked.ok
 
 
 # Quantities Kubernetes parses (suffixes n u m k M G T P E, Ki..Ei, or a decimal exponent) and spellings it rejects
@@ -209,12 +228,14 @@ BAD_QUANTITIES = ["1K", "1ki", "1mi", "1ni", "1ui", "1gi", "1KB", "-1", "1e", ""
 
 @pytest.mark.parametrize("quantity", GOOD_QUANTITIES)
 def test_kubernetes_quantities_are_accepted(quantity: str) -> None:
-    assert validate(with_spec(decode__resources={"limits": {"memory": quantity}}, engine__shmSize=quantity)) == []
+    assert validate(with_spec(decode__resources={"limits": {"memory": quantity}}, engine__shmSize=quantity)).ok
 
 
 @pytest.mark.parametrize("quantity", BAD_QUANTITIES)
 def test_non_kubernetes_quantities_are_rejected(quantity: str) -> None:
-    problems = validate(with_spec(decode__resources={"limits": {"memory": quantity}}, engine__shmSize=quantity))
+    problems = validate(
+        with_spec(decode__resources={"limits": {"memory": quantity}}, engine__shmSize=quantity)
+    ).problems
     assert {p.field for p in problems} == {"spec.decode.resources.limits.memory", "spec.engine.shmSize"}
 
 
@@ -224,4 +245,4 @@ def test_kubernetes_valid_env_and_tolerations_pass() -> None:
         placement={"tolerations": [{"operator": "Exists"}, {"key": "k", "operator": "Exists", "value": ""}]},
         router={"tolerations": [{"key": "k", "value": "v", "effect": "NoExecute", "tolerationSeconds": 0}]},
     )
-    assert validate(doc) == []
+    assert validate(doc).problems == ()

@@ -19,8 +19,10 @@ import pytest
 import yaml
 
 from pdserve.api.crdgen import custom_resource_definition
+from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
+from pdserve.api.validation import validate
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
 from pdserve_dev.testing.wait import wait_for
@@ -70,7 +72,7 @@ def children(cluster: ClusterHelper, namespace: str, name: str) -> list[dict[str
 
 def rendered(cluster: ClusterHelper, namespace: str, name: str) -> list[dict[str, Any]]:
     body = pds_get(cluster, namespace, name)
-    return render(PDService.model_validate({k: v for k, v in body.items() if k != "status"}))
+    return render(validate({k: v for k, v in body.items() if k != "status"}))
 
 
 def matches_render(cluster: ClusterHelper, namespace: str, name: str) -> bool:
@@ -183,7 +185,7 @@ def test_example_becomes_available_with_rendered_children(
     assert status["decode"] == {"replicas": 4, "readyReplicas": 4, "desiredReplicas": 4}
     assert status["routerEndpoint"] == f"http://llama-router.{namespace}.svc:8080"
     spec = PDService.model_validate({k: v for k, v in body.items() if k != "status"}).spec
-    assert status["kvCompatHash"] == kv_compat_hash(spec)
+    assert status["kvCompatHash"] == kv_compat_hash(effective(spec))
     assert condition(body, "Degraded")["status"] == "False"
     assert not body["metadata"].get("finalizers")
     assert not [k for k in body["metadata"].get("annotations", {}) if k.startswith("kopf")]
@@ -225,7 +227,7 @@ def test_update_replicas_image_and_router_settings(
     document["spec"]["engine"]["image"] = "vllm/vllm-openai:v0.33.0"
     document["spec"]["router"]["routing"]["disaggregationThreshold"] = 1024
     new_spec = PDService.model_validate(document).spec
-    new_hash = kv_compat_hash(new_spec)
+    new_hash = kv_compat_hash(effective(new_spec))
     expected_hash = {"vllm/vllm-openai:v0.32.0": old_hash, "vllm/vllm-openai:v0.33.0": new_hash}
 
     # Watch every engine pod throughout the rollout: its kv-compat label must match the image it runs.

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.api.v1alpha1 import PDService
+from pdserve.api.validation import validate
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_operator import drift
 from pdserve_operator.api import KubeApi, load_client
@@ -90,7 +90,7 @@ def test_rendered_objects_read_back_without_drift(cluster: ClusterHelper) -> Non
     try:
         drifted = []
         for document in variants(namespace):
-            for obj in render(PDService.model_validate(document)):
+            for obj in render(validate(document)):
                 stamped = drift.stamp(obj)
                 label = f"{document['metadata']['name']}: {obj['kind']} {obj['metadata']['name']}"
                 response = api.apply(stamped)

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
@@ -206,7 +207,7 @@ def test_pool_status_router_endpoint_and_hash() -> None:
     assert status["prefill"] == {"replicas": 2, "readyReplicas": 2, "desiredReplicas": 2}
     assert status["decode"] == {"replicas": 4, "readyReplicas": 4, "desiredReplicas": 4}
     assert status["routerEndpoint"] == "http://llama-8b-router.default.svc:8080"
-    assert status["kvCompatHash"] == kv_compat_hash(pds().spec)
+    assert status["kvCompatHash"] == kv_compat_hash(effective(pds().spec))
 
 
 def test_transition_time_moves_only_when_status_flips() -> None:

@@ -1,4 +1,4 @@
-"""The pure renderer: `render(pdservice) -> list of Kubernetes objects`. No API calls, no clock, no randomness.
+"""The pure renderer: `render(validate(pdservice)) -> list of Kubernetes objects`. No API calls, clock or randomness.
 
 The operator applies exactly this list (server-side apply) and prunes owned objects that are not in it; the CLI
 prints it (`pdserve render`). Objects come in dependency order (config and RBAC before the workloads that use
@@ -9,30 +9,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.api.v1alpha1 import PDService
-from pdserve.api.validation import InvalidSpecError, validate_spec
+from pdserve.api.validation import InvalidSpecError, Validated
 from pdserve_operator.render import engine, router
 from pdserve_operator.render.names import ENGINE_ROLES
 
 __all__ = ["InvalidSpecError", "render"]
 
 
-def render(pds: PDService) -> list[dict[str, Any]]:
-    """Every object the operator manages for `pds`. Raises InvalidSpecError if the spec has semantic problems."""
-    problems = validate_spec(pds.spec)
-    if problems:
-        raise InvalidSpecError(problems)
+def render(checked: Validated) -> list[dict[str, Any]]:
+    """Every object the operator manages for a validated PDService (`pdserve.api.validation.validate`).
+
+    Takes the validation result, not a bare PDService, so the spec is parsed and checked once per caller and the
+    renderer reads the effective spec validation already resolved. Raises InvalidSpecError if it has problems.
+    """
+    pds, spec = checked.require()
     objects: list[dict[str, Any]] = [
         router.service_account(pds),
         router.role(pds),
         router.role_binding(pds),
-        router.config_map(pds),
+        router.config_map(pds, spec),
     ]
     for role in ENGINE_ROLES:
         objects += [
-            engine.headless_service(pds, role),
-            engine.statefulset(pds, role),
-            engine.disruption_budget(pds, role),
+            engine.headless_service(pds, spec, role),
+            engine.statefulset(pds, spec, role),
+            engine.disruption_budget(pds, spec, role),
         ]
-    objects += [router.service(pds), router.deployment(pds), router.disruption_budget(pds)]
+    objects += [router.service(pds, spec), router.deployment(pds, spec), router.disruption_budget(pds)]
     return objects

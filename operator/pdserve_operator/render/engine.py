@@ -10,8 +10,11 @@ The engine command line is what vLLM 0.32 accepts (`vllm serve MODEL ...`, KNOWL
   decode engines for the stale peer it replaces (vLLM issue 49238). Kubernetes expands `$(VAR)` in args.
 - `VLLM_NIXL_SIDE_CHANNEL_HOST` is the pod IP, the port fixed per PDService, so `remote_host:remote_port` in
   `kv_transfer_params` is reachable from any decode pod.
-- UCX defaults prefer RDMA and name transports explicitly: a silent fallback to TCP is the most common invisible
-  PD failure (10-40x TTFT). `placement.rdma=off` selects TCP on purpose. Users override with spec.engine.ucx/env.
+- UCX transports are always named explicitly (their defaults, RDMA unless `placement.rdma=off`, are in
+  `pdserve.api.defaults`): a silent fallback to TCP is the most common invisible PD failure (10-40x TTFT). Users
+  override with spec.engine.ucx/env.
+
+Every value comes from the effective spec (`pdserve.api.defaults.effective`), never from `x or DEFAULT` here.
 """
 
 from __future__ import annotations
@@ -19,35 +22,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.api import defaults
+from pdserve.api.defaults import EffectivePool, EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
-from pdserve.api.v1alpha1 import EnvVar, PDService, PoolSpec
+from pdserve.api.v1alpha1 import EnvVar, PDService
 from pdserve_operator.render import placement
 from pdserve_operator.render.names import EngineRole, child_name, labels, selector_labels
 from pdserve_operator.render.objects import metadata
 
 ENGINE_CONTAINER = "vllm"
 MODEL_MOUNT_ROOT = "/models"
+# vLLM drains running requests on SIGTERM, and a prefill engine should keep serving KV pulls for blocks it already
+# handed out (the lease) before it exits: a long grace period, not a user setting.
+TERMINATION_GRACE_SECONDS = 60
 
 
-def pool_spec(pds: PDService, role: EngineRole) -> PoolSpec:
-    return pds.spec.prefill if role == "prefill" else pds.spec.decode
-
-
-def desired_replicas(pool: PoolSpec) -> int:
-    """Replicas the StatefulSet gets: the spec's, clamped into the autoscaling bounds when autoscaling is on."""
-    scaling = pool.autoscaling
-    if scaling is None or not scaling.enabled:
-        return pool.effective_replicas()
-    low = defaults.AUTOSCALING_MIN if scaling.min_replicas is None else scaling.min_replicas
-    high = defaults.AUTOSCALING_MAX if scaling.max_replicas is None else scaling.max_replicas
-    start = low if pool.replicas is None else pool.replicas
-    return max(low, min(high, start))
-
-
-def _model_source(pds: PDService) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+def _model_source(spec: EffectiveSpec) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """The model argument for vLLM plus the volumes and mounts that make it reachable."""
-    uri = pds.spec.model.uri
+    uri = spec.model.uri
     if uri.startswith("hf://"):
         return uri.removeprefix("hf://"), [], []
     if uri.startswith("pvc://"):
@@ -64,51 +55,43 @@ def _model_source(pds: PDService) -> tuple[str, list[dict[str, Any]], list[dict[
     return uri, [volume], [{"name": "model", "mountPath": uri, "readOnly": True}]
 
 
-def kv_transfer_config(pds: PDService, role: EngineRole) -> dict[str, Any]:
-    engine = pds.spec.engine
+def kv_transfer_config(spec: EffectiveSpec, role: EngineRole) -> dict[str, Any]:
+    engine = spec.engine
     return {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-        "kv_buffer_device": engine.kv_buffer_device or defaults.KV_BUFFER_DEVICE,
+        "kv_buffer_device": engine.kv_buffer_device,
         "engine_id": "$(POD_NAME)-$(POD_UID)",
-        "kv_load_failure_policy": engine.kv_load_failure_policy or defaults.KV_LOAD_FAILURE_POLICY,
-        "kv_connector_extra_config": {
-            "kv_lease_duration": engine.kv_lease_seconds or defaults.KV_LEASE_SECONDS,
-        },
+        "kv_load_failure_policy": engine.kv_load_failure_policy,
+        "kv_connector_extra_config": {"kv_lease_duration": engine.kv_lease_seconds},
     }
 
 
-def engine_args(pds: PDService, role: EngineRole) -> list[str]:
+def engine_args(spec: EffectiveSpec, role: EngineRole) -> list[str]:
     """`vllm serve` arguments (after `serve`), flags owned by pdserve first, user args last."""
-    spec, pool = pds.spec, pool_spec(pds, role)
-    engine = spec.engine
-    model_arg, _, _ = _model_source(pds)
+    engine, pool = spec.engine, spec.pool(role)
+    model_arg, _, _ = _model_source(spec)
     args = [
         model_arg,
         "--served-model-name",
         spec.model.name,
         "--port",
-        str(engine.port or defaults.ENGINE_PORT),
+        str(engine.port),
         "--tensor-parallel-size",
-        str(pool.effective_tp()),
+        str(pool.tensor_parallel_size),
     ]
-    if pool.effective_dp() > 1:
-        args += ["--data-parallel-size", str(pool.effective_dp())]
+    if pool.data_parallel_size > 1:
+        args += ["--data-parallel-size", str(pool.data_parallel_size)]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
-    args += [
-        "--block-size",
-        str(engine.block_size or defaults.BLOCK_SIZE),
-        "--kv-cache-dtype",
-        engine.kv_cache_dtype or defaults.KV_CACHE_DTYPE,
-    ]
+    args += ["--block-size", str(engine.block_size), "--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
     if pool.max_num_seqs is not None:
         args += ["--max-num-seqs", str(pool.max_num_seqs)]
     if pool.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
-    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(pds, role), separators=(",", ":"))]
+    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role), separators=(",", ":"))]
     return args + list(engine.args) + list(pool.args)
 
 
@@ -120,12 +103,8 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def engine_env(pds: PDService, role: EngineRole) -> list[dict[str, Any]]:
-    spec, pool = pds.spec, pool_spec(pds, role)
-    engine = spec.engine
-    rdma = placement.rdma_policy(pds) != "off"
-    ucx = engine.ucx
-    transports = (ucx.transports if ucx else None) or ("rc,cuda_copy,cuda_ipc" if rdma else "tcp,cuda_copy")
+def engine_env(spec: EffectiveSpec, role: EngineRole) -> list[dict[str, Any]]:
+    engine, pool = spec.engine, spec.pool(role)
     env: list[dict[str, Any]] = [
         # Downward API first: later entries may reference them with $(VAR).
         _field_env("POD_NAME", "metadata.name"),
@@ -133,15 +112,12 @@ def engine_env(pds: PDService, role: EngineRole) -> list[dict[str, Any]]:
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_IP", "status.podIP"),
         {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
-        {
-            "name": "VLLM_NIXL_SIDE_CHANNEL_PORT",
-            "value": str(engine.side_channel_port or defaults.SIDE_CHANNEL_PORT),
-        },
-        {"name": "UCX_TLS", "value": transports},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(engine.side_channel_port)},
+        {"name": "UCX_TLS", "value": engine.ucx.transports},
         {"name": "PDSERVE_KV_COMPAT", "value": kv_compat_hash(spec)},
     ]
-    if ucx and ucx.net_devices:
-        env.append({"name": "UCX_NET_DEVICES", "value": ucx.net_devices})
+    if engine.ucx.net_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": engine.ucx.net_devices})
     if spec.model.hf_token_secret:
         env.append(
             {
@@ -156,19 +132,14 @@ def engine_env(pds: PDService, role: EngineRole) -> list[dict[str, Any]]:
     return env + list(user.values())
 
 
-def _resources(pds: PDService, role: EngineRole) -> dict[str, Any]:
-    pool = pool_spec(pds, role)
-    requests: dict[str, str] = dict(pool.resources.requests) if pool.resources else {}
-    limits: dict[str, str] = dict(pool.resources.limits) if pool.resources else {}
+def _resources(spec: EffectiveSpec, pool: EffectivePool) -> dict[str, Any]:
+    requests: dict[str, str] = dict(pool.resources.requests)
+    limits: dict[str, str] = dict(pool.resources.limits)
     extended: dict[str, str] = {}
-    gpus = pool.effective_gpus()
-    if gpus > 0:
-        gpu_name = (pds.spec.placement.gpu_resource_name if pds.spec.placement else None) or defaults.GPU_RESOURCE
-        extended[gpu_name] = str(gpus)
-    if placement.rdma_policy(pds) == "required":
-        rdma = pool.rdma
-        name = (rdma.resource_name if rdma else None) or defaults.RDMA_RESOURCE
-        extended[name] = str((rdma.count if rdma else None) or defaults.RDMA_COUNT)
+    if pool.gpus_per_pod > 0:
+        extended[spec.placement.gpu_resource_name] = str(pool.gpus_per_pod)
+    if spec.placement.rdma == "required":
+        extended[pool.rdma.resource_name] = str(pool.rdma.count)
     # Extended resources cannot be overcommitted: requests must equal limits.
     out: dict[str, Any] = {}
     if requests or extended:
@@ -195,27 +166,22 @@ def _probes(port_name: str) -> dict[str, Any]:
     }
 
 
-def statefulset(pds: PDService, role: EngineRole) -> dict[str, Any]:
-    spec, pool = pds.spec, pool_spec(pds, role)
-    engine = spec.engine
+def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[str, Any]:
+    engine, pool = spec.engine, spec.pool(role)
     name = child_name(pds, role)
-    _, model_volumes, model_mounts = _model_source(pds)
+    _, model_volumes, model_mounts = _model_source(spec)
     pod_labels = {**labels(pds, role), KV_COMPAT_LABEL: kv_compat_hash(spec)}
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": engine.image,
         "command": ["vllm", "serve"],
-        "args": engine_args(pds, role),
-        "env": engine_env(pds, role),
+        "args": engine_args(spec, role),
+        "env": engine_env(spec, role),
         "ports": [
-            {"name": "http", "containerPort": engine.port or defaults.ENGINE_PORT, "protocol": "TCP"},
-            {
-                "name": "nixl",
-                "containerPort": engine.side_channel_port or defaults.SIDE_CHANNEL_PORT,
-                "protocol": "TCP",
-            },
+            {"name": "http", "containerPort": engine.port, "protocol": "TCP"},
+            {"name": "nixl", "containerPort": engine.side_channel_port, "protocol": "TCP"},
         ],
-        "resources": _resources(pds, role),
+        "resources": _resources(spec, pool),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
         **_probes("http"),
         # RDMA memory registration pins pages: NIXL/UCX need IPC_LOCK.
@@ -226,22 +192,19 @@ def statefulset(pds: PDService, role: EngineRole) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": defaults.ENGINE_TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "containers": [container],
         "volumes": [
-            {
-                "name": "dshm",
-                "emptyDir": {"medium": "Memory", "sizeLimit": engine.shm_size or defaults.SHM_SIZE},
-            },
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": engine.shm_size}},
             *model_volumes,
         ],
-        "tolerations": placement.tolerations(pds, pool),
-        "topologySpreadConstraints": placement.topology_spread(pds, role),
+        "tolerations": placement.tolerations(spec, pool),
+        "topologySpreadConstraints": placement.topology_spread(pds, spec, role),
     }
-    selector = placement.node_selector(pds, pool)
+    selector = placement.node_selector(spec, pool)
     if selector:
         pod_spec["nodeSelector"] = selector
-    affinity = placement.affinity(pds, role)
+    affinity = placement.affinity(pds, spec, role)
     if affinity:
         pod_spec["affinity"] = affinity
     return {
@@ -250,7 +213,7 @@ def statefulset(pds: PDService, role: EngineRole) -> dict[str, Any]:
         "metadata": metadata(pds, name, role),
         "spec": {
             "serviceName": name,
-            "replicas": desired_replicas(pool),
+            "replicas": pool.desired_replicas,
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
             "selector": {"matchLabels": selector_labels(pds, role)},
@@ -259,8 +222,7 @@ def statefulset(pds: PDService, role: EngineRole) -> dict[str, Any]:
     }
 
 
-def headless_service(pds: PDService, role: EngineRole) -> dict[str, Any]:
-    engine = pds.spec.engine
+def headless_service(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -269,31 +231,20 @@ def headless_service(pds: PDService, role: EngineRole) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": selector_labels(pds, role),
             "ports": [
-                {
-                    "name": "http",
-                    "port": engine.port or defaults.ENGINE_PORT,
-                    "targetPort": "http",
-                    "protocol": "TCP",
-                },
-                {
-                    "name": "nixl",
-                    "port": engine.side_channel_port or defaults.SIDE_CHANNEL_PORT,
-                    "targetPort": "nixl",
-                    "protocol": "TCP",
-                },
+                {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"},
+                {"name": "nixl", "port": spec.engine.side_channel_port, "targetPort": "nixl", "protocol": "TCP"},
             ],
         },
     }
 
 
-def disruption_budget(pds: PDService, role: EngineRole) -> dict[str, Any]:
-    pool = pool_spec(pds, role)
+def disruption_budget(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(pds, child_name(pds, role), role),
         "spec": {
-            "maxUnavailable": defaults.POOL_MAX_UNAVAILABLE if pool.max_unavailable is None else pool.max_unavailable,
+            "maxUnavailable": spec.pool(role).max_unavailable,
             "selector": {"matchLabels": selector_labels(pds, role)},
         },
     }

@@ -13,68 +13,58 @@ from typing import Any
 
 import yaml
 
-from pdserve.api import defaults
+from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.router_config import EndpointSelector, RouterConfig, RoutingPolicyConfig
-from pdserve.api.v1alpha1 import PDService, RouterSpec, RoutingSpec
+from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.render.names import child_name, labels, selector_labels
 from pdserve_operator.render.objects import metadata
 
 CONFIG_KEY = "router.yaml"
 CONFIG_DIR = "/etc/pdserve"
 CONFIG_HASH_ANNOTATION = "pdserve.io/config-hash"
+# Not user settings: the router drains in-flight streams within this, and its pods spread one per node.
+TERMINATION_GRACE_SECONDS = 30
+_SPREAD_KEY = "kubernetes.io/hostname"
 
 
-def _router(pds: PDService) -> RouterSpec:
-    return pds.spec.router or RouterSpec()
-
-
-def router_port(pds: PDService) -> int:
-    return _router(pds).port or defaults.ROUTER_PORT
-
-
-def router_endpoint(pds: PDService) -> str:
+def router_endpoint(pds: PDService, spec: EffectiveSpec) -> str:
     """The in-cluster URL clients use; reported in status.routerEndpoint."""
     service = child_name(pds, "router")
-    return f"http://{service}.{pds.metadata.namespace}.svc:{router_port(pds)}"
+    return f"http://{service}.{pds.metadata.namespace}.svc:{spec.router.port}"
 
 
-def router_config(pds: PDService) -> RouterConfig:
-    routing = _router(pds).routing or RoutingSpec()
+def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
+    routing = spec.router.routing
     namespace = pds.metadata.namespace
-    topology = [pds.spec.placement.topology_key] if pds.spec.placement and pds.spec.placement.topology_key else []
+    # Without a topology key of its own the router keeps RouterConfig's default labels.
+    topology = {"topology_labels": [spec.placement.topology_key]} if spec.placement.topology_key else {}
     return RouterConfig(
-        served_model_name=pds.spec.model.name,
-        port=router_port(pds),
+        served_model_name=spec.model.name,
+        port=spec.router.port,
         discovery="kubernetes",
         prefill=EndpointSelector(namespace=namespace, service_name=child_name(pds, "prefill")),
         decode=EndpointSelector(namespace=namespace, service_name=child_name(pds, "decode")),
-        topology_labels=topology or ["topology.kubernetes.io/zone"],
+        **topology,
         policy=RoutingPolicyConfig(
-            disaggregation_threshold_tokens=(
-                defaults.DISAGGREGATION_THRESHOLD
-                if routing.disaggregation_threshold is None
-                else routing.disaggregation_threshold
-            ),
-            prefix_aware=defaults.PREFIX_AWARE if routing.prefix_aware is None else routing.prefix_aware,
-            block_size_tokens=pds.spec.engine.block_size or defaults.BLOCK_SIZE,
-            fallback_to_decode=(
-                defaults.FALLBACK_TO_DECODE if routing.fallback_to_decode is None else routing.fallback_to_decode
-            ),
+            disaggregation_threshold_tokens=routing.disaggregation_threshold,
+            prefix_aware=routing.prefix_aware,
+            block_size_tokens=spec.engine.block_size,
+            fallback_to_decode=routing.fallback_to_decode,
         ),
     )
 
 
-def config_text(pds: PDService) -> str:
-    document = router_config(pds).model_dump(by_alias=True, mode="json")
+def config_text(pds: PDService, spec: EffectiveSpec) -> str:
+    document = router_config(pds, spec).model_dump(by_alias=True, mode="json")
     return yaml.safe_dump(document, sort_keys=True)
 
 
-def config_map(pds: PDService) -> dict[str, Any]:
+def config_map(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(pds, child_name(pds, "router"), "router"),
-        "data": {CONFIG_KEY: config_text(pds)},
+        "data": {CONFIG_KEY: config_text(pds, spec)},
     }
 
 
@@ -111,23 +101,18 @@ def role_binding(pds: PDService) -> dict[str, Any]:
     }
 
 
-def deployment(pds: PDService) -> dict[str, Any]:
-    spec = _router(pds)
+def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
+    router = spec.router
     name = child_name(pds, "router")
-    resources = (
-        spec.resources.model_dump(by_alias=True, exclude_defaults=True)
-        if spec.resources
-        else {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
-    )
     probe_port = "http"
     container: dict[str, Any] = {
         "name": "router",
-        "image": spec.image or defaults.ROUTER_IMAGE,
+        "image": router.image,
         "command": ["pdserve", "router"],
         "args": ["--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
-        "ports": [{"name": "http", "containerPort": router_port(pds), "protocol": "TCP"}],
-        "resources": resources,
+        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "resources": router.resources.as_dict(),
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": probe_port},
             "periodSeconds": 2,
@@ -148,32 +133,32 @@ def deployment(pds: PDService) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    config_hash = hashlib.sha256(config_text(pds).encode()).hexdigest()[:16]
+    config_hash = hashlib.sha256(config_text(pds, spec).encode()).hexdigest()[:16]
     pod_spec: dict[str, Any] = {
         "serviceAccountName": name,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": defaults.ROUTER_TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "containers": [container],
         "volumes": [{"name": "config", "configMap": {"name": name}}],
         "topologySpreadConstraints": [
             {
                 "maxSkew": 1,
-                "topologyKey": "kubernetes.io/hostname",
+                "topologyKey": _SPREAD_KEY,
                 "whenUnsatisfiable": "ScheduleAnyway",
                 "labelSelector": {"matchLabels": selector_labels(pds, "router")},
             }
         ],
     }
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if router.node_selector:
+        pod_spec["nodeSelector"] = dict(router.node_selector)
+    if router.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in router.tolerations]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(pds, name, "router"),
         "spec": {
-            "replicas": defaults.ROUTER_REPLICAS if spec.replicas is None else spec.replicas,
+            "replicas": router.replicas,
             "selector": {"matchLabels": selector_labels(pds, "router")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
@@ -187,16 +172,15 @@ def deployment(pds: PDService) -> dict[str, Any]:
     }
 
 
-def service(pds: PDService) -> dict[str, Any]:
-    spec = _router(pds)
+def service(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(pds, child_name(pds, "router"), "router"),
         "spec": {
-            "type": spec.service_type or defaults.ROUTER_SERVICE_TYPE,
+            "type": spec.router.service_type,
             "selector": selector_labels(pds, "router"),
-            "ports": [{"name": "http", "port": router_port(pds), "targetPort": "http", "protocol": "TCP"}],
+            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
 

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.router_config import RouterConfig
 from pdserve.api.v1alpha1 import PDService
-from pdserve.api.validation import InvalidSpecError
+from pdserve.api.validation import InvalidSpecError, validate
 from pdserve_operator.render import render
 
 
@@ -40,7 +41,7 @@ def arg_value(args: list[str], flag: str) -> str:
 
 
 def test_object_inventory_and_order() -> None:
-    kinds = [(o["kind"], o["metadata"]["name"]) for o in render(pds())]
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in render(validate(pds()))]
     assert kinds == [
         ("ServiceAccount", "svc-router"),
         ("Role", "svc-router"),
@@ -59,7 +60,7 @@ def test_object_inventory_and_order() -> None:
 
 
 def test_every_object_is_owned() -> None:
-    for obj in render(pds()):
+    for obj in render(validate(pds())):
         meta = obj["metadata"]
         assert meta["namespace"] == "ns"
         assert meta["labels"]["app.kubernetes.io/instance"] == "svc"
@@ -78,7 +79,7 @@ def test_every_object_is_owned() -> None:
 
 @pytest.mark.parametrize(("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer")])
 def test_engine_command_line(role: str, kv_role: str) -> None:
-    objects = render(pds(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4}))
+    objects = render(validate(pds(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4})))
     container = engine_container(objects, role)
     assert container["command"] == ["vllm", "serve"]
     args = container["args"]
@@ -108,13 +109,13 @@ def test_engine_command_line(role: str, kv_role: str) -> None:
 
 
 def test_kv_compat_label_same_on_both_pools_and_changes_with_image() -> None:
-    first = render(pds())
+    first = render(validate(pds()))
     labels = [
         by_kind(first, "StatefulSet", f"svc-{r}")["spec"]["template"]["metadata"]["labels"]
         for r in ("prefill", "decode")
     ]
-    assert labels[0][KV_COMPAT_LABEL] == labels[1][KV_COMPAT_LABEL] == kv_compat_hash(pds().spec)
-    second = render(pds(engine={"image": "vllm/vllm-openai:v0.33.0"}))
+    assert labels[0][KV_COMPAT_LABEL] == labels[1][KV_COMPAT_LABEL] == kv_compat_hash(effective(pds().spec))
+    second = render(validate(pds(engine={"image": "vllm/vllm-openai:v0.33.0"})))
     new = by_kind(second, "StatefulSet", "svc-decode")["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL]
     assert new != labels[0][KV_COMPAT_LABEL]
     # The label never enters the (immutable) selector.
@@ -123,28 +124,28 @@ def test_kv_compat_label_same_on_both_pools_and_changes_with_image() -> None:
 
 
 def test_model_sources() -> None:
-    pvc = render(pds(model={"name": "m", "uri": "pvc://store/llama/v1"}))
+    pvc = render(validate(pds(model={"name": "m", "uri": "pvc://store/llama/v1"})))
     container = engine_container(pvc, "decode")
     assert container["args"][0] == "/models/store/llama/v1"
     volumes = by_kind(pvc, "StatefulSet", "svc-decode")["spec"]["template"]["spec"]["volumes"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "store", "readOnly": True}} in volumes
-    host = render(pds(model={"name": "m", "uri": "/mnt/w"}))
+    host = render(validate(pds(model={"name": "m", "uri": "/mnt/w"})))
     assert engine_container(host, "prefill")["args"][0] == "/mnt/w"
-    hf = render(pds(model={"name": "m", "uri": "hf://org/model", "revision": "abc", "hfTokenSecret": "tok"}))
+    hf = render(validate(pds(model={"name": "m", "uri": "hf://org/model", "revision": "abc", "hfTokenSecret": "tok"})))
     container = engine_container(hf, "prefill")
     assert arg_value(container["args"], "--revision") == "abc"
     assert any(e["name"] == "HF_TOKEN" for e in container["env"])
 
 
 def test_rdma_policies() -> None:
-    required = engine_container(render(pds()), "decode")
+    required = engine_container(render(validate(pds())), "decode")
     assert "rdma/ib" in required["resources"]["limits"]
     assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"} in required["env"]
-    off = render(pds(placement={"rdma": "off"}))
+    off = render(validate(pds(placement={"rdma": "off"})))
     container = engine_container(off, "decode")
     assert "rdma/ib" not in container["resources"]["limits"]
     assert {"name": "UCX_TLS", "value": "tcp,cuda_copy"} in container["env"]
-    preferred = render(pds(placement={"rdma": "preferred", "rdmaNodeLabel": "example.com/ib"}))
+    preferred = render(validate(pds(placement={"rdma": "preferred", "rdmaNodeLabel": "example.com/ib"})))
     affinity = by_kind(preferred, "StatefulSet", "svc-prefill")["spec"]["template"]["spec"]["affinity"]
     term = affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert term["preference"]["matchExpressions"] == [{"key": "example.com/ib", "operator": "Exists"}]
@@ -152,28 +153,28 @@ def test_rdma_policies() -> None:
 
 def test_user_env_overrides_ucx_default() -> None:
     container = engine_container(
-        render(pds(engine={"image": "i", "env": [{"name": "UCX_TLS", "value": "all"}]})), "decode"
+        render(validate(pds(engine={"image": "i", "env": [{"name": "UCX_TLS", "value": "all"}]}))), "decode"
     )
     assert [e for e in container["env"] if e["name"] == "UCX_TLS"] == [{"name": "UCX_TLS", "value": "all"}]
 
 
 def test_colocation() -> None:
-    required = render(pds(placement={"topologyKey": "pdserve.io/rack", "colocation": "required"}))
+    required = render(validate(pds(placement={"topologyKey": "pdserve.io/rack", "colocation": "required"})))
     for role in ("prefill", "decode"):
         affinity = by_kind(required, "StatefulSet", f"svc-{role}")["spec"]["template"]["spec"]["affinity"]
         [term] = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert term["topologyKey"] == "pdserve.io/rack"
         assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "svc"}
-    preferred = render(pds(placement={"topologyKey": "pdserve.io/rack"}))
+    preferred = render(validate(pds(placement={"topologyKey": "pdserve.io/rack"})))
     affinity = by_kind(preferred, "StatefulSet", "svc-decode")["spec"]["template"]["spec"]["affinity"]
     [term] = affinity["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"]["pdserve.io/role"] == "prefill"
-    none = render(pds(placement={"topologyKey": "pdserve.io/rack", "colocation": "none"}))
+    none = render(validate(pds(placement={"topologyKey": "pdserve.io/rack", "colocation": "none"})))
     assert "affinity" not in by_kind(none, "StatefulSet", "svc-decode")["spec"]["template"]["spec"]
 
 
 def test_router_objects() -> None:
-    objects = render(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 100}}))
+    objects = render(validate(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 100}})))
     config = RouterConfig.model_validate(
         yaml.safe_load(by_kind(objects, "ConfigMap", "svc-router")["data"]["router.yaml"])
     )
@@ -194,7 +195,7 @@ def test_router_objects() -> None:
     }
     assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in role["rules"])
     # A routing change rolls the router through the config hash annotation.
-    other = render(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 200}}))
+    other = render(validate(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 200}})))
     annotation = "pdserve.io/config-hash"
     assert (
         by_kind(other, "Deployment", "svc-router")["spec"]["template"]["metadata"]["annotations"][annotation]
@@ -203,16 +204,18 @@ def test_router_objects() -> None:
 
 
 def test_autoscaling_clamps_replicas() -> None:
-    objects = render(pds(decode={"replicas": 20, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}))
+    objects = render(
+        validate(pds(decode={"replicas": 20, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}))
+    )
     assert by_kind(objects, "StatefulSet", "svc-decode")["spec"]["replicas"] == 5
-    objects = render(pds(decode={"autoscaling": {"enabled": True, "minReplicas": 3}}))
+    objects = render(validate(pds(decode={"autoscaling": {"enabled": True, "minReplicas": 3}})))
     assert by_kind(objects, "StatefulSet", "svc-decode")["spec"]["replicas"] == 3
 
 
 def test_invalid_spec_is_not_rendered() -> None:
     with pytest.raises(InvalidSpecError, match=r"spec\.prefill\.tensorParallelSize"):
-        render(pds(prefill={"tensorParallelSize": 2}))
+        render(validate(pds(prefill={"tensorParallelSize": 2})))
 
 
 def test_render_is_deterministic() -> None:
-    assert render(pds()) == render(pds())
+    assert render(validate(pds())) == render(validate(pds()))

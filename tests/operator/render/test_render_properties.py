@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pdserve.api.kvcompat import KV_COMPAT_LABEL
 from pdserve.api.v1alpha1 import PDService
-from pdserve.api.validation import InvalidSpecError
+from pdserve.api.validation import InvalidSpecError, validate
 from pdserve_operator.render import render
 
 small = st.integers(min_value=0, max_value=8)
@@ -95,11 +95,11 @@ spec = st.fixed_dictionaries(
 def test_render_never_crashes_and_owns_everything(spec: dict[str, Any], name: str) -> None:
     pds = PDService.model_validate({"metadata": {"name": name, "namespace": "ns", "uid": "uid"}, "spec": spec})
     try:
-        objects = render(pds)
+        objects = render(validate(pds))
     except InvalidSpecError as exc:
         assert exc.problems, "InvalidSpecError without problems"
         return
-    assert objects == render(pds)
+    assert objects == render(validate(pds))
     names = set()
     for obj in objects:
         meta = obj["metadata"]

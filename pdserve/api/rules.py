@@ -1,0 +1,182 @@
+"""The cross-field rules that both the API server (CEL) and `pdserve validate` (Python) enforce: one table.
+
+Each rule is one row: the model it applies to, a CEL expression (defaults it needs are interpolated from
+`defaults.py`, never written again here), the Python predicate that means the same, one message naming the fix,
+and the field the problem is reported at. `crdgen` turns the rows into `x-kubernetes-validations` on the model's
+schema node (with `fieldPath`, so the API server names the same field as `pdserve validate`); `validation.py`
+walks a parsed spec and runs the predicate of each row on every object of the row's model, wherever it occurs
+(an env var in the engine, a pool or the router; a toleration in placement, a pool or the router).
+
+A rule belongs here when a schema alone cannot say it but CEL can, and Kubernetes must enforce it at admission
+(a spec the CRD admits is copied into pod templates, so what a Pod rejects the CRD must reject). Rules CEL cannot
+express, or that the CRD should not start enforcing on stored objects, are Python-only and live in `validation.py`.
+
+tests/api/test_rule_agreement.py runs one table of specs through `pdserve validate` and the API server and
+asserts they agree, message included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pdserve.api.defaulting import default_of, field_value, resolve
+from pdserve.api.defaults import EffectiveAutoscaling, EffectiveEngine, EffectivePool
+from pdserve.api.v1alpha1 import (
+    ApiModel,
+    AutoscalingSpec,
+    EnvVar,
+    ModelSpec,
+    PDServiceSpec,
+    PlacementSpec,
+    Toleration,
+)
+
+M = TypeVar("M", bound=ApiModel)
+
+
+@dataclass(frozen=True)
+class CrossFieldRule(Generic[M]):
+    """One rule, in both languages."""
+
+    name: str
+    """Short id (tests refer to rules by it)."""
+    model: type[M]
+    """The object the rule is evaluated on (CEL `self`)."""
+    cel: str
+    holds: Callable[[M], bool]
+    """The Python twin of `cel`: True when the object satisfies the rule."""
+    message: str
+    field: str
+    """Where the problem is, relative to the object, in wire spelling (CEL `fieldPath` without the dot)."""
+
+    def x_kubernetes_validation(self) -> dict[str, str]:
+        return {"rule": self.cel, "message": self.message, "fieldPath": f".{self.field}"}
+
+
+def _cel_literal(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace("'", "\\'")
+        return f"'{escaped}'"
+    raise TypeError(f"no CEL literal for {value!r}")
+
+
+def cel_or_default(path: str, value: object) -> str:
+    """A CEL expression for `self.<path>`, or `value` when any step of the path is absent."""
+    steps = path.split(".")
+    guards = " && ".join(f"has(self.{'.'.join(steps[: i + 1])})" for i in range(len(steps)))
+    if len(steps) > 1:
+        guards = f"({guards})"
+    return f"({guards} ? self.{path} : {_cel_literal(value)})"
+
+
+_MIN, _MAX = default_of(EffectiveAutoscaling, "min_replicas"), default_of(EffectiveAutoscaling, "max_replicas")
+_TP = default_of(EffectivePool, "tensor_parallel_size")
+_ATTENTION = default_of(EffectiveEngine, "attention")
+
+
+def _bounds_hold(scaling: AutoscalingSpec) -> bool:
+    bounds = resolve(EffectiveAutoscaling, scaling)
+    return bounds.min_replicas <= bounds.max_replicas
+
+
+def _tp_pairs(spec: PDServiceSpec) -> bool:
+    if field_value(EffectiveEngine, spec.engine, "attention") == "mla":
+        return True
+    prefill, decode = (field_value(EffectivePool, pool, "tensor_parallel_size") for pool in (spec.prefill, spec.decode))
+    return bool(prefill <= decode)
+
+
+RULES: tuple[CrossFieldRule[Any], ...] = (
+    CrossFieldRule(
+        name="env-value-or-value-from",
+        model=EnvVar,
+        # Kubernetes rejects a non-empty value beside valueFrom in a pod.
+        cel="!has(self.valueFrom) || !has(self.value) || self.value == ''",
+        holds=lambda var: var.value_from is None or not var.value,
+        message="set value or valueFrom, not both; remove one of them",
+        field="valueFrom",
+    ),
+    CrossFieldRule(
+        name="toleration-empty-key-needs-exists",
+        model=Toleration,
+        cel="(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+        holds=lambda toleration: bool(toleration.key) or toleration.operator == "Exists",
+        message="an empty key needs operator Exists (it then matches every taint); set a key or operator Exists",
+        field="operator",
+    ),
+    CrossFieldRule(
+        name="toleration-exists-has-no-value",
+        model=Toleration,
+        cel="!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+        holds=lambda toleration: toleration.operator != "Exists" or not toleration.value,
+        message="value must be empty when operator is Exists; remove it or use operator Equal",
+        field="value",
+    ),
+    CrossFieldRule(
+        name="toleration-seconds-needs-no-execute",
+        model=Toleration,
+        cel="!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        holds=lambda toleration: toleration.toleration_seconds is None or toleration.effect == "NoExecute",
+        message="tolerationSeconds applies to effect NoExecute only; set effect NoExecute or remove it",
+        field="tolerationSeconds",
+    ),
+    CrossFieldRule(
+        name="revision-needs-hf",
+        model=ModelSpec,
+        cel="!has(self.revision) || self.uri.startsWith('hf://')",
+        holds=lambda model: model.revision is None or model.uri.startswith("hf://"),
+        message="revision applies to hf:// models only; remove it or use an hf:// uri",
+        field="revision",
+    ),
+    CrossFieldRule(
+        name="autoscaling-min-le-max",
+        model=AutoscalingSpec,
+        cel=f"{cel_or_default('minReplicas', _MIN)} <= {cel_or_default('maxReplicas', _MAX)}",
+        holds=_bounds_hold,
+        message=(
+            f"minReplicas must be <= maxReplicas (absent, minReplicas is {_MIN} and maxReplicas {_MAX}); "
+            "raise maxReplicas or lower minReplicas"
+        ),
+        field="minReplicas",
+    ),
+    CrossFieldRule(
+        name="colocation-needs-topology-key",
+        model=PlacementSpec,
+        # Only a colocation the user wrote needs a key: the default (preferred) without one means no constraint.
+        cel="!has(self.colocation) || self.colocation == 'none' || has(self.topologyKey)",
+        holds=lambda placement: placement.colocation in (None, "none") or placement.topology_key is not None,
+        message=(
+            "topologyKey is required when colocation is required or preferred; set it to the label of the shared "
+            "domain (e.g. topology.kubernetes.io/zone or a rack label) or use colocation none"
+        ),
+        field="topologyKey",
+    ),
+    CrossFieldRule(
+        name="prefill-tp-le-decode-tp",
+        model=PDServiceSpec,
+        # vLLM's NixlConnector maps each decode rank onto a slice of a prefill rank's KV heads: with standard
+        # attention prefill TP may not exceed decode TP. MLA replicates the latent KV on every rank.
+        cel=(
+            f"{cel_or_default('engine.attention', _ATTENTION)} == 'mla' || "
+            f"{cel_or_default('prefill.tensorParallelSize', _TP)} <= "
+            f"{cel_or_default('decode.tensorParallelSize', _TP)}"
+        ),
+        holds=_tp_pairs,
+        message=(
+            "prefill.tensorParallelSize must be <= decode.tensorParallelSize for standard attention (vLLM's "
+            f"NixlConnector cannot pair them; an absent tensorParallelSize is {_TP}); lower prefill TP or set "
+            "engine.attention to mla for MLA models"
+        ),
+        field="prefill.tensorParallelSize",
+    ),
+)
+
+BY_MODEL: Mapping[type[Any], tuple[CrossFieldRule[Any], ...]] = {
+    model: tuple(rule for rule in RULES if rule.model is model) for model in {rule.model for rule in RULES}
+}
