@@ -45,5 +45,7 @@ Self-check: ``pdserve:sim_step_lag_seconds`` and ``pdserve:sim_late_steps_total`
 the simulator process itself cannot keep up with its modelled step times (then its latencies are inflated).
 
 Run-time fault injection: ``POST /sim/faults`` with a JSON object of faults (see ``faults``), ``DELETE`` to
-clear, ``GET`` to read. ``GET /sim/state`` shows the scheduler's queues and KV usage.
+clear, ``GET`` to read (with ``requests_seen`` and ``health_checks_seen``, the generation and ``/health``
+requests answered so far, so tests can wait for a count). ``GET /sim/state`` shows the scheduler's queues and KV
+usage.
 """

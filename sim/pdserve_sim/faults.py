@@ -44,6 +44,8 @@ class Faults:
         self.unready = initial.unready
         self.crash_after_requests = initial.crash_after_requests
         self.requests_seen = 0
+        #: /health calls answered: lets a test wait for N health probes (a counted event) instead of sleeping.
+        self.health_checks_seen = 0
         #: Set whenever no stall is configured; stalled streams wait on it.
         self.unstalled = asyncio.Event()
         if self.stall_after_tokens is None:
@@ -92,4 +94,5 @@ class Faults:
         """The current fault state."""
         out = {key: getattr(self, key) for key in _FIELDS}
         out["requests_seen"] = self.requests_seen
+        out["health_checks_seen"] = self.health_checks_seen
         return out

@@ -152,6 +152,7 @@ class SimServer:
     # Small endpoints
 
     async def health(self, request: web.Request) -> web.Response:
+        self.faults.health_checks_seen += 1
         if self.faults.unready or self.draining:
             return web.Response(status=503)
         return web.Response(status=200)

@@ -11,6 +11,8 @@ import urllib.request
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve_dev.testing.wait import wait_for, wait_for_async
+
 
 def samples(exposition: str) -> dict[str, float]:
     """Every sample as `name{label="v",...}` -> value (labels sorted), or `name` when it has no labels."""
@@ -57,3 +59,28 @@ async def scrape(url: str) -> str:
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
         resp.raise_for_status()
         return await resp.text()
+
+
+async def wait_for_metric(url: str, name: str, at_least: float, within: float = 10.0, **labels: str) -> str:
+    """Scrape the server at base URL `url` until `metric_value(..., name, **labels)` reaches `at_least`; return
+    that exposition, so the caller asserts on the very snapshot that showed the counted event.
+
+    This is how a test waits for something a server records once it is done (a request counted in `finally`,
+    an ejection, a retry): wait for the count, then assert exact values (`== at_least` catches overshoot).
+    """
+
+    async def reached() -> str | None:
+        text = await scrape(url)
+        return text if metric_value(text, name, **labels) >= at_least else None
+
+    return await wait_for_async(reached, within=within, message=lambda: f"{name}{labels or ''} >= {at_least} at {url}")
+
+
+def wait_for_metric_sync(url: str, name: str, at_least: float, timeout: float = 30.0, **labels: str) -> str:
+    """`wait_for_metric` for synchronous callers (`url` is the base URL; `/metrics` is appended)."""
+
+    def reached() -> str | None:
+        text = scrape_sync(url + "/metrics", timeout=5)
+        return text if metric_value(text, name, **labels) >= at_least else None
+
+    return wait_for(reached, timeout=timeout, message=lambda: f"{name}{labels or ''} >= {at_least} at {url}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import urllib.error
+import urllib.request
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -23,3 +25,20 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """One free TCP port on `host`."""
     return free_ports(1, host)[0]
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on `host:port` now."""
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex((host, port)) == 0
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """Whether a GET of `url` answers 200 now (connection errors and other statuses are False): a predicate
+    for `wait_for`, e.g. `wait_for(lambda: http_ok(base + "/health"))`."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False

@@ -9,6 +9,9 @@
 
 Both take native CLI-style options as keyword arguments, e.g.
 ``async with sim_process(role="prefill", fast=True) as p: ... p.url ...``.
+
+Clients of a running simulator's admin API: :func:`set_faults`, :func:`faults` (which includes the
+``requests_seen`` and ``health_checks_seen`` counts tests wait on) and :func:`state` (``/sim/state``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve_dev.testing.wait import wait_for_async
 from pdserve_sim.config import SimConfig
 from pdserve_sim.presets import FAST
 
@@ -82,19 +86,45 @@ def _cli_args(options: dict[str, Any]) -> list[str]:
 
 async def wait_healthy(url: str, within: float = 20.0) -> None:
     """Poll ``url/health`` until it answers 200."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
     async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            if loop.time() > deadline:
-                raise TimeoutError(f"simulator at {url} not healthy after {within} s")
-            await asyncio.sleep(0.05)
+
+        async def healthy() -> bool:
+            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                return resp.status == 200
+
+        await wait_for_async(healthy, within=within, message=f"the simulator at {url} to answer /health")
+
+
+async def set_faults(url: str, **changes: Any) -> None:
+    """``POST /sim/faults``: change the faults of the simulator at base URL ``url`` (e.g. ``fail_next=1``)."""
+    async with aiohttp.ClientSession() as session, session.post(url + "/sim/faults", json=changes) as response:
+        assert response.status == 200, await response.text()
+
+
+async def faults(url: str) -> dict[str, Any]:
+    """``GET /sim/faults``: the fault state plus the ``requests_seen`` / ``health_checks_seen`` counts."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/sim/faults") as response:
+        response.raise_for_status()
+        result: dict[str, Any] = await response.json()
+        return result
+
+
+async def requests_seen(url: str) -> int:
+    """Generation requests the simulator at ``url`` has answered (failed ones included)."""
+    return int((await faults(url))["requests_seen"])
+
+
+async def health_checks_seen(url: str) -> int:
+    """``/health`` calls the simulator at ``url`` has answered (e.g. a router's circuit-breaker probes)."""
+    return int((await faults(url))["health_checks_seen"])
+
+
+async def state(url: str) -> dict[str, Any]:
+    """``GET /sim/state``: the scheduler's queues and KV usage (``running``, ``waiting``, ...)."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/sim/state") as response:
+        response.raise_for_status()
+        result: dict[str, Any] = await response.json()
+        return result
 
 
 @contextlib.asynccontextmanager
