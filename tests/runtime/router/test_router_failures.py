@@ -1,11 +1,15 @@
 """Failure handling against simulators with injected faults: retries, fallbacks, mid-stream errors,
-client disconnects, the circuit breaker and having no decode engine at all."""
+client disconnects, the circuit breaker and having no decode engine at all.
+
+The router counts a request in `pdserve_router_requests_total` when its handler ends, which for a stream may be
+just after the client read the last byte: tests wait for that count (`finished`) and then assert on the
+exposition that showed it, never on a scrape taken after a sleep.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -13,8 +17,10 @@ import pytest
 from multidict import CIMultiDict
 
 from pdserve.api.router_config import RouterConfig
-from pdserve_dev.testing.metrics import metric_value, scrape
-from pdserve_dev.testing.sim import sim_in_process, sim_process
+from pdserve_dev.testing.metrics import metric_value, scrape, wait_for_metric
+from pdserve_dev.testing.sim import health_checks_seen, requests_seen, set_faults, sim_in_process, sim_process
+from pdserve_dev.testing.sim import state as sim_state
+from pdserve_dev.testing.wait import wait_for_async
 from pdserve_runtime.router.app import RouterApp
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,21 +28,6 @@ pytestmark = pytest.mark.timeout(60)
 LONG = "The history of the river valley settlements began with small farms. " * 30
 SHORT = "Say hi."
 DEAD = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused
-
-
-async def set_faults(url: str, **faults: Any) -> None:
-    async with aiohttp.ClientSession() as session, session.post(url + "/sim/faults", json=faults) as response:
-        assert response.status == 200, await response.text()
-
-
-async def requests_seen(url: str) -> int:
-    async with aiohttp.ClientSession() as session, session.get(url + "/sim/faults") as response:
-        return int((await response.json())["requests_seen"])
-
-
-async def sim_running(url: str) -> int:
-    async with aiohttp.ClientSession() as session, session.get(url + "/sim/state") as response:
-        return int((await response.json())["running"])
 
 
 def prefer(router: RouterApp, role: str, url: str) -> None:
@@ -55,20 +46,9 @@ async def post(url: str, body: dict[str, Any], within: float = 20) -> tuple[int,
         return response.status, response.headers.copy(), await response.read()
 
 
-async def eventually(probe: Callable[[], Awaitable[object]], want: object, within: float = 3.0) -> bool:
-    """Poll `probe` until it returns `want` or `within` seconds pass; True when it did."""
-    deadline = time.monotonic() + within
-    while True:
-        if await probe() == want:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-
-
-async def router_metrics(url: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
-        return await response.text()
+async def finished(url: str, count: int = 1) -> str:
+    """The router's exposition once it has counted `count` finished requests (any route and outcome)."""
+    return await wait_for_metric(url, "pdserve_router_requests_total", count)
 
 
 @pytest.mark.parametrize("kind", ["status", "connect", "timeout"])
@@ -89,7 +69,7 @@ async def test_a_failed_prefill_is_retried_on_another_engine(
         async with router_server(config) as (url, router):
             prefer(router, "prefill", bad_url)
             status, headers, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
-            exposition = await router_metrics(url)
+            exposition = await finished(url)
         assert status == 200
         assert headers["X-Pdserve-Route"] == "pd"
         assert await requests_seen(good.url) == 1
@@ -106,7 +86,7 @@ async def test_when_every_prefill_fails_decode_prefills_locally_or_the_router_re
         config = make_config([p.url, DEAD], [d.url], fallback_to_decode=fallback)
         async with router_server(config) as (url, _):
             status, headers, body = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
-            exposition = await router_metrics(url)
+            exposition = await finished(url)
         if fallback:
             assert status == 200
             assert headers["X-Pdserve-Route"] == "fallback"
@@ -150,7 +130,7 @@ async def test_decode_failing_everywhere_with_the_kv_gets_a_fresh_prefill(
         await set_faults(d.url, fail_next=1, fail_status=500)
         async with router_server(make_config([p.url], [d.url])) as (url, _):
             status, _, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
-            exposition = await router_metrics(url)
+            exposition = await finished(url)
         assert status == 200
         assert await requests_seen(p.url) == 2
         assert metric_value(exposition, "pdserve_router_retries_total", stage="reprefill") == 1
@@ -170,7 +150,7 @@ async def test_kv_that_cannot_be_pulled_is_prefilled_again_elsewhere(
         async with router_server(make_config([p1.url, p2.url], [d.url])) as (url, router):
             prefer(router, "prefill", p1.url)
             status, headers, body = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
-            exposition = await router_metrics(url)
+            exposition = await finished(url)
         assert status == 200, body
         assert headers["X-Pdserve-Route"] == "pd"
         assert (await requests_seen(p1.url), await requests_seen(p2.url)) == (1, 1)
@@ -203,7 +183,7 @@ async def test_a_decode_failure_mid_stream_ends_the_stream_with_an_error_event(
                 if how == "kill":
                     d.kill()
                 received += await response.read()
-            exposition = await router_metrics(url)
+            exposition = await finished(url)
     events = [line for line in received.split(b"\n\n") if line]
     assert len(events) == 5  # three tokens, the error, [DONE]; nothing repeated
     assert events[3].startswith(b'data: {"error":{"message":"decode engine failed mid-stream')
@@ -222,11 +202,11 @@ async def test_a_client_disconnect_cancels_the_engine_request(
                 body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 50, "stream": True}
                 async with session.post(url + "/v1/completions", json=body) as response:
                     await response.content.readany()
-                    assert await sim_running(d.url) == 1
-            # The client is gone; the stalled engine request must be aborted promptly.
-            assert await eventually(lambda: sim_running(d.url), want=0)
-            await asyncio.sleep(0.1)
-            exposition = await router_metrics(url)
+                    assert (await sim_state(d.url))["running"] == 1
+            # The client is gone; the stalled engine request must be aborted: the engine counts it as such.
+            await wait_for_metric(d.url, "vllm:request_success_total", 1, finished_reason="abort")
+            assert (await sim_state(d.url))["running"] == 0
+            exposition = await finished(url)
         assert metric_value(exposition, "pdserve_router_requests_total", outcome="cancelled") == 1
         assert metric_value(exposition, "pdserve_router_endpoint_in_flight_requests") == 0
 
@@ -241,12 +221,12 @@ async def test_a_client_disconnect_before_the_first_byte_releases_the_engine(
         async with router_server(config) as (url, router):
             with pytest.raises(TimeoutError):
                 await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}, within=0.3)
-            state = router.table.states(stage)[0]
-            assert await eventually(lambda: asyncio.sleep(0, state.in_flight), want=0)
-            assert state.in_flight_tokens == 0
-            await asyncio.sleep(0.1)
-            exposition = await router_metrics(url)
+            # The router counts the abandoned request once its handler has wound up: then nothing is held.
+            exposition = await finished(url)
+            engine = router.table.states(stage)[0]
+            assert (engine.in_flight, engine.in_flight_tokens) == (0, 0)
         assert metric_value(exposition, "pdserve_router_requests_total", outcome="cancelled") == 1
+        assert metric_value(exposition, "pdserve_router_endpoint_in_flight_requests") == 0
         if stage == "prefill":
             assert await requests_seen(d.url) == 0
 
@@ -264,16 +244,34 @@ async def test_failing_engines_are_ejected_and_probed_back_in(
                 assert status == 200  # failures on d1 are retried on d2
             d1_state = next(state for state in router.table.states("decode") if state.url == d1.url)
             assert not d1_state.usable
-            exposition = await router_metrics(url)
+            exposition = await finished(url, 3)
             assert metric_value(exposition, "pdserve_router_endpoint_ejections_total") == 1
             seen = await requests_seen(d1.url)
             for _ in range(4):
                 await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 1})
             assert await requests_seen(d1.url) == seen  # ejected: no traffic
-            await asyncio.sleep(0.5)
-            assert not d1_state.usable  # probes see /health 503
+
+            # Two more health probes answered 503 (counted by d1 itself): the breaker must still hold d1 out.
+            probes = await health_checks_seen(d1.url)
+
+            async def probed_twice() -> bool:
+                return await health_checks_seen(d1.url) >= probes + 2
+
+            await wait_for_async(
+                probed_twice,
+                within=10,
+                # A breaker that closed stops probing: then the count stalls and this says why.
+                message=lambda: f"two more circuit-breaker probes of d1 (d1 usable now: {d1_state.usable})",
+            )
+            assert not d1_state.usable
+
+            # Healthy again: the next good probe brings it back.
             await set_faults(d1.url, fail_next=0, unready=False)
-            assert await eventually(lambda: asyncio.sleep(0, d1_state.usable), want=True)
+
+            async def back_in() -> bool:
+                return bool(d1_state.usable)
+
+            await wait_for_async(back_in, within=10, message="d1 restored by a good probe")
 
 
 async def test_no_usable_decode_engine_is_a_503_with_retry_after(
