@@ -1,22 +1,27 @@
 """Kubernetes discovery against a small fake API server on loopback: list, watch, joins, outages.
 
 The fake implements just the list and watch calls the `kubernetes` client makes for EndpointSlices and Pods
-(JSON lists with a resourceVersion, newline-delimited watch events), so the real client code, the watch
-threads and the hand-over to the event loop are all exercised without a cluster.
+(JSON lists with a resourceVersion, newline-delimited watch events that resume from the resourceVersion a
+watch asks for), so the real client code, the watch threads and the hand-over to the event loop are all
+exercised without a cluster.
+
+Nothing here sleeps and then asserts that something did not happen: the test waits for a counted event (the
+endpoint table's version moving on, the fake counting the calls it refused) and then asserts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+import re
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 from aiohttp import web
 
 from pdserve.api.router_config import EndpointSelector, RouterConfig
+from pdserve_dev.testing.wait import wait_for_async
 from pdserve_runtime.router.discovery.kubernetes import KubernetesDiscovery
 from pdserve_runtime.router.endpoints import EndpointTable
 
@@ -25,15 +30,24 @@ pytestmark = pytest.mark.timeout(60)
 NS = "llm"
 KV = "pdserve.io/kv-compat"
 
+Event = tuple[int, str, str, dict[str, Any]]  # resourceVersion, collection, event type, object
+
 
 class FakeApi:
-    """Objects by collection, a global resourceVersion, and open watch streams."""
+    """Objects by collection, a global resourceVersion, the event history, and open watch streams.
+
+    `down` makes it answer every call with 503 and drop its watches (an API server outage); `refused`
+    counts the calls it refused per (collection, label selector), i.e. per discovery watch loop.
+    """
 
     def __init__(self) -> None:
         self.version = 1
         self.objects: dict[str, dict[str, dict[str, Any]]] = {"endpointslices": {}, "pods": {}}
+        self.history: list[Event] = []
         self.watchers: list[tuple[str, str | None, asyncio.Queue[dict[str, Any] | None]]] = []
         self.lists = 0
+        self.down = False
+        self.refused: dict[tuple[str, str | None], int] = {}
 
     def put(self, collection: str, obj: dict[str, Any], event: str = "MODIFIED") -> None:
         self.version += 1
@@ -49,6 +63,7 @@ class FakeApi:
         self._notify(collection, "DELETED", obj)
 
     def _notify(self, collection: str, kind: str, obj: dict[str, Any]) -> None:
+        self.history.append((self.version, collection, kind, obj))
         for watched, selector, queue in self.watchers:
             if watched == collection and _matches(obj, selector):
                 queue.put_nowait({"type": kind, "object": obj})
@@ -57,16 +72,31 @@ class FakeApi:
         for _, _, queue in self.watchers:
             queue.put_nowait(None)
 
+    def outage(self) -> None:
+        """From now on every call fails with 503, and open watches end."""
+        self.down = True
+        self.close_watches()
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         collection = request.match_info["collection"]
         selector = request.query.get("labelSelector")
+        if self.down:
+            key = (collection, selector)
+            self.refused[key] = self.refused.get(key, 0) + 1
+            return web.json_response({"kind": "Status", "status": "Failure", "code": 503}, status=503)
         if request.query.get("watch") in ("true", "1", "True"):
+            # Replay what happened after the version the watch starts from, then follow live events; both are
+            # set up before the first await, so no event can fall between them.
+            since = int(request.query.get("resourceVersion") or self.version)
             queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+            for version, watched, kind, obj in self.history:
+                if version > since and watched == collection and _matches(obj, selector):
+                    queue.put_nowait({"type": kind, "object": obj})
             entry = (collection, selector, queue)
             self.watchers.append(entry)
             response = web.StreamResponse(headers={"Content-Type": "application/json"})
-            await response.prepare(request)
             try:
+                await response.prepare(request)
                 while (event := await queue.get()) is not None:
                     await response.write(json.dumps(event).encode() + b"\n")
             finally:
@@ -77,11 +107,30 @@ class FakeApi:
         return web.json_response({"metadata": {"resourceVersion": str(self.version)}, "items": items})
 
 
+_REQUIREMENT = re.compile(r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w./-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
+
+
 def _matches(obj: dict[str, Any], selector: str | None) -> bool:
+    """Kubernetes label-selector matching for what a router might send: `k=v`, `k==v`, `k!=v`, `k`, `!k`,
+    `k in (a,b)`, `k notin (a,b)`, comma-separated."""
     if not selector:
         return True
-    key, _, value = selector.partition("=")
-    return bool(obj["metadata"].get("labels", {}).get(key) == value)
+    labels = obj["metadata"].get("labels", {})
+    for requirement in re.split(r",(?![^(]*\))", selector):
+        match = _REQUIREMENT.match(requirement)
+        assert match is not None, f"the fake API cannot parse label selector {selector!r}"
+        negate, key, op, value, set_op, values = match.groups()
+        if op in ("=", "=="):
+            ok = labels.get(key) == value
+        elif op == "!=":
+            ok = labels.get(key) != value
+        elif set_op is not None:
+            ok = (labels.get(key) in {v.strip() for v in values.split(",")}) == (set_op == "in")
+        else:
+            ok = (key in labels) != bool(negate)
+        if not ok:
+            return False
+    return True
 
 
 def pod(name: str, kv: str) -> dict[str, Any]:
@@ -102,42 +151,21 @@ def endpoint_slice(name: str, service: str, *endpoints: tuple[str, str, bool]) -
     }
 
 
-async def until(check: Callable[[], bool], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        if check():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
-async def serve_fake(api: FakeApi, port: int) -> web.AppRunner:
+@pytest.fixture
+async def fake_api() -> AsyncIterator[tuple[FakeApi, int]]:
+    api = FakeApi()
     app = web.Application()
     app.router.add_get("/api/v1/namespaces/{ns}/{collection}", api.handle)
     app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{ns}/{collection}", api.handle)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
-
-
-@pytest.fixture
-async def fake_api(unused_tcp_port: int) -> AsyncIterator[tuple[FakeApi, int, Callable[[], Coroutine[Any, Any, None]]]]:
-    api = FakeApi()
-    runners = [await serve_fake(api, unused_tcp_port)]
-
-    async def outage_then_recover() -> None:
-        api.close_watches()
-        await runners[0].cleanup()
-        await asyncio.sleep(1.0)  # the watch threads fail, back off, retry against a closed port
-        runners[0] = await serve_fake(api, unused_tcp_port)
-
     try:
-        yield api, unused_tcp_port, outage_then_recover
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        _host, port = runner.addresses[0][:2]
+        yield api, int(port)
     finally:
         api.close_watches()
-        await runners[0].cleanup()
+        await runner.cleanup()
 
 
 def urls(table: EndpointTable, role: str, usable: bool = False) -> list[str]:
@@ -145,12 +173,31 @@ def urls(table: EndpointTable, role: str, usable: bool = False) -> list[str]:
     return sorted(state.url for state in states)
 
 
-async def test_discovery_follows_slices_and_pods_and_survives_an_api_outage(
-    fake_api: tuple[FakeApi, int, Callable[[], Coroutine[Any, Any, None]]],
-) -> None:
+async def until(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    """Wait (on the event loop, where discovery applies changes) until `check()` holds."""
+
+    async def holds() -> bool:
+        return check()
+
+    await wait_for_async(holds, within=within, message=what)
+
+
+async def rebuilt(table: EndpointTable, since: int) -> None:
+    """Wait until discovery has rebuilt the table after version `since`: the change just made has been applied."""
+    await until(lambda: table.version > since, f"the endpoint table to move on from version {since}")
+
+
+def every_watch_refused_twice(api: FakeApi) -> bool:
+    """Each discovery watch loop (the two slice selectors and the pods) has been refused, backed off and retried."""
+    slices = {selector for (kind, selector), n in api.refused.items() if kind == "endpointslices" and n >= 2}
+    pods = [n for (kind, _), n in api.refused.items() if kind == "pods"]
+    return len(slices) == 2 and bool(pods) and min(pods) >= 2
+
+
+async def test_discovery_follows_slices_and_pods_and_survives_an_api_outage(fake_api: tuple[FakeApi, int]) -> None:
     from kubernetes import client
 
-    api, port, outage = fake_api
+    api, port = fake_api
     api.put("pods", pod("p-0", "v1"))
     api.put("pods", pod("d-0", "v1"))
     api.put("endpointslices", endpoint_slice("pre-x", "svc-prefill", ("10.1.0.1", "p-0", True)))
@@ -169,18 +216,23 @@ async def test_discovery_follows_slices_and_pods_and_survives_an_api_outage(
     discovery = KubernetesDiscovery(config, table, api_client_factory=api_client)
     await discovery.start()
     try:
-        await until(lambda: urls(table, "prefill") == ["http://10.1.0.1:8000"] and len(table.states("decode")) == 1)
+        await until(
+            lambda: urls(table, "prefill") == ["http://10.1.0.1:8000"] and len(table.states("decode")) == 1,
+            "the first lists in the table",
+        )
         assert table.states("prefill")[0].endpoint.kv_compat == "v1"
 
-        # Scale up: an endpoint whose pod is not known yet waits for the pod watch.
+        # Scale up: an endpoint whose pod is not known yet waits for the pod watch. Once discovery has applied
+        # the slice change (the table's version moved on), the new address must still be missing.
+        version = table.version
         api.put(
             "endpointslices",
             endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", True), ("10.2.0.2", "d-1", True)),
         )
-        await asyncio.sleep(0.3)
+        await rebuilt(table, version)
         assert urls(table, "decode") == ["http://10.2.0.1:8000"]
         api.put("pods", pod("d-1", "v2"))
-        await until(lambda: len(table.states("decode")) == 2)
+        await until(lambda: len(table.states("decode")) == 2, "d-1 in the table once its pod is known")
         by_url = {state.url: state.endpoint.kv_compat for state in table.states("decode")}
         assert by_url == {"http://10.2.0.1:8000": "v1", "http://10.2.0.2:8000": "v2"}
 
@@ -189,19 +241,20 @@ async def test_discovery_follows_slices_and_pods_and_survives_an_api_outage(
             "endpointslices",
             endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", False), ("10.2.0.2", "d-1", True)),
         )
-        await until(lambda: urls(table, "decode", usable=True) == ["http://10.2.0.2:8000"])
+        await until(lambda: urls(table, "decode", usable=True) == ["http://10.2.0.2:8000"], "d-0 not ready")
         api.delete("endpointslices", "pre-x")
-        await until(lambda: table.states("prefill") == ())
+        await until(lambda: table.states("prefill") == (), "the prefill slice deleted")
 
-        # The API server goes away: the table is kept; when it returns, the router relists and catches up.
+        # The API server fails every call: once every watch loop has been refused and has retried, the table
+        # must be as it was. When the server is back, the router relists and catches up.
         lists_before = api.lists
-        kept = urls(table, "decode")
-        outage_task = asyncio.create_task(outage())
-        await asyncio.sleep(0.5)
-        assert urls(table, "decode") == kept
-        await outage_task
+        kept = {role: urls(table, role) for role in ("prefill", "decode")}
+        api.outage()
+        await until(lambda: every_watch_refused_twice(api), "every watch loop refused twice", within=20)
+        assert {role: urls(table, role) for role in ("prefill", "decode")} == kept
+        api.down = False
         api.put("endpointslices", endpoint_slice("pre-y", "svc-prefill", ("10.1.0.7", "p-0", True)))
-        await until(lambda: urls(table, "prefill") == ["http://10.1.0.7:8000"], within=15)
+        await until(lambda: urls(table, "prefill") == ["http://10.1.0.7:8000"], "pre-y after the outage", within=15)
         assert api.lists > lists_before
     finally:
         await discovery.stop()
