@@ -55,9 +55,8 @@ async def running_router(config: RouterConfig, **config_updates: Any) -> AsyncIt
     runner = web.AppRunner(router.web_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
         yield f"http://127.0.0.1:{port}", router
     finally:
         await runner.cleanup()

@@ -15,6 +15,7 @@ import yaml
 
 from pdserve_dev.testing.net import free_port
 from pdserve_dev.testing.sim import sim_in_process
+from pdserve_dev.testing.wait import wait_for_async
 from pdserve_runtime.router.cli import load_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,14 +81,12 @@ async def test_the_command_serves_on_the_bind_host_and_stops_on_sigterm() -> Non
         try:
             url = f"http://{host}:{port}"
             async with aiohttp.ClientSession() as session:
-                for _ in range(200):
-                    try:
-                        async with session.get(url + "/ready") as response:
-                            if response.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.05)
+
+                async def ready() -> bool:
+                    async with session.get(url + "/ready") as response:
+                        return response.status == 200
+
+                await wait_for_async(ready, within=20, message="the router process to answer /ready")
                 body = {"model": "sim-model", "prompt": "hello", "max_tokens": 3}
                 async with session.post(url + "/v1/completions", json=body) as response:
                     assert response.status == 200

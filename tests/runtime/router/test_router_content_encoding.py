@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from pdserve.api.router_config import RouterConfig
-from pdserve_dev.testing.metrics import metric_value
+from pdserve_dev.testing.metrics import metric_value, wait_for_metric
 from pdserve_dev.testing.sim import sim_in_process
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,9 +59,8 @@ async def compressing_engine(seen: list[dict[str, Any]]) -> AsyncIterator[str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
@@ -79,9 +78,9 @@ async def test_a_gzip_request_body_reaches_the_engines_readable(
                 assert response.status == 200, await response.text()
                 assert response.headers["X-Pdserve-Route"] == route
                 assert (await response.json())["choices"][0]["text"]
-            async with session.get(url + "/metrics") as response:
-                exposition = await response.text()
-        # The client's encoding is no engine's fault: nothing is counted against (or ejects) an engine.
+            exposition = await wait_for_metric(url, "pdserve_router_requests_total", 1)
+        # Once the request is counted as done: the client's encoding is no engine's fault, nothing is counted
+        # against (or ejects) an engine.
         assert metric_value(exposition, "pdserve_router_endpoint_errors_total") == 0
 
 
