@@ -1,4 +1,14 @@
-"""The timing model: the scheduler's modelled costs show up in measured latencies the way vLLM's do."""
+"""The timing model: the scheduler's modelled costs show up in measured latencies the way vLLM's do.
+
+Measured times are checked against the model, never against wall-clock bounds of a shared CPU. The engine
+sleeps each step's modelled time, chained on deadlines, so load can only add time, with one exception it
+documents: a run that fell behind may catch up by at most 50 ms (`CATCH_UP`). Hence:
+- every measured time is at least its model (minus CATCH_UP where a run of steps may catch up), however loaded
+  the machine;
+- where a test needs "clearly faster", it takes the best of a few runs (noise only adds, so the best run is the
+  least disturbed) and compares it with the model of, or a measurement of, the slower case.
+Counters and gauges are read from the engine's Prometheus exposition, as Prometheus would.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from pdserve_dev.testing.metrics import metric_value
 from pdserve_sim.config import SimConfig
 from pdserve_sim.engine import Engine, EngineRequest
 from pdserve_sim.metrics import SimMetrics
@@ -30,6 +41,10 @@ BASE = TimingParams(
     kv_model_bytes_per_token=16,
     kv_link_bytes_per_second=0.0,
 )
+
+
+CATCH_UP = 0.05  # the most a late engine shortens later steps by (engine.py: lag is capped at 50 ms)
+EPSILON = 1e-3  # timer and float slack
 
 
 @pytest.fixture
@@ -69,6 +84,11 @@ def mean_itl(req: EngineRequest) -> float:
     return (req.last_token_at - req.first_token_at) / (req.outputs - 1)
 
 
+def exposition(engine: Engine) -> str:
+    """The engine's /metrics text."""
+    return engine.metrics.render().decode()
+
+
 def test_step_cost_formula() -> None:
     t = dataclasses.replace(BASE, prefill_fixed=0.01, decode_per_seq=0.001, decode_per_context_token=1e-6)
     assert t.step_seconds(0, 0, 0) == 0
@@ -92,32 +112,39 @@ def test_h200_preset_is_in_the_published_range() -> None:
     assert t.step_seconds(0, 128, 128 * 2000) > 1.5 * t.step_seconds(0, 1, 2000)
 
 
-async def test_prefill_time_grows_with_uncached_tokens(engine: Engine) -> None:
-    short = await run(engine, EngineRequest("a", prompt(50, 1), 1))
-    long = await run(engine, EngineRequest("b", prompt(1000, 2), 1))
-    # 50 tokens -> 2 + 5 ms; 1000 tokens -> 2 + 100 ms.
-    assert ttft(long) - ttft(short) >= 0.08
-    assert ttft(long) >= 0.1
+async def test_prefill_time_grows_with_uncached_tokens(engine: Engine, timing: TimingParams) -> None:
+    shorts = [ttft(await run(engine, EngineRequest(f"s{i}", prompt(50, 10 + i), 1))) for i in range(3)]
+    long = ttft(await run(engine, EngineRequest("b", prompt(1000, 2), 1)))
+    # Model: 50 tokens -> 2 + 5 ms; 1000 tokens -> 2 + 100 ms.
+    short_model, long_model = timing.step_seconds(50, 0, 0), timing.step_seconds(1000, 0, 0)
+    assert min(shorts) >= short_model - EPSILON
+    assert long >= long_model - EPSILON
+    assert min(shorts) < long_model / 2
 
 
-async def test_prefix_cache_hits_cut_ttft(engine: Engine) -> None:
+async def test_prefix_cache_hits_cut_ttft(engine: Engine, timing: TimingParams) -> None:
     first = await run(engine, EngineRequest("a", prompt(1000, 3), 1))
-    again = await run(engine, EngineRequest("b", [*prompt(1000, 3), 5, 6, 7], 1))
-    assert again.num_cached_tokens == 992  # 62 full blocks of 16 were reused
-    assert ttft(again) < ttft(first) / 3
-    m = engine.metrics
-    assert m.prefix_hits._value.get() == 992
-    assert m.tokens_by_source["local_cache_hit"]._value.get() == 992
+    again = [await run(engine, EngineRequest(f"b{i}", [*prompt(1000, 3), 5 + i, 6, 7], 1)) for i in range(3)]
+    assert [r.num_cached_tokens for r in again] == [992] * 3  # 62 full blocks of 16 were reused
+    full_model = timing.step_seconds(1000, 0, 0)
+    assert ttft(first) >= full_model - EPSILON
+    # A hit leaves 11 of 1003 tokens to prefill (3 ms against 102 ms): the best hit beats a third of a full one.
+    assert min(ttft(r) for r in again) < full_model / 3
+    text = exposition(engine)
+    assert metric_value(text, "vllm:prefix_cache_hits_total") == 3 * 992
+    assert metric_value(text, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 3 * 992
 
 
 @pytest.mark.parametrize("timing", [dataclasses.replace(BASE, decode_per_seq=0.002)])
-async def test_decode_step_time_grows_with_batch_size(engine: Engine) -> None:
-    alone = await run(engine, EngineRequest("solo", prompt(20, 4), 10))
+async def test_decode_step_time_grows_with_batch_size(engine: Engine, timing: TimingParams) -> None:
+    alone = [await run(engine, EngineRequest(f"solo{i}", prompt(20, 4 + i), 10)) for i in range(3)]
     batch = [EngineRequest(f"r{i}", prompt(20, 10 + i), 10) for i in range(12)]
     await asyncio.gather(*(run(engine, r) for r in batch))
-    # ITL ~ 2 + 2 ms alone, ~ 2 + 24 ms in a batch of 12.
-    assert mean_itl(alone) < 0.012
-    assert min(mean_itl(r) for r in batch) > 0.018
+    # ITL ~ 2 + 2 ms alone, ~ 2 + 24 ms in a batch of 12 (context cost is 0 here). Over 9 gaps the engine may
+    # catch up CATCH_UP in all, so a batch member's mean gap is at least its model less CATCH_UP / 9.
+    batch_model = timing.step_seconds(0, 12, 0)
+    assert min(mean_itl(r) for r in batch) >= batch_model - CATCH_UP / 9
+    assert min(mean_itl(r) for r in alone) < batch_model / 2
 
 
 @pytest.mark.parametrize("timing", [dataclasses.replace(BASE, num_kv_blocks=4, step_overhead=0.001)])
@@ -127,11 +154,15 @@ async def test_requests_queue_when_the_kv_cache_is_full(engine: Engine) -> None:
     second = EngineRequest("b", prompt(40, 6), 10)
     engine.add(first)
     engine.add(second)
-    await asyncio.sleep(0.005)
-    assert engine.metrics.waiting._value.get() >= 1
+    # Once a step has run (the first token is out), the scheduler has decided: the second waits for capacity.
+    await first.wait_beyond(0)
+    assert engine.snapshot()["waiting"] == 1
+    text = exposition(engine)
+    assert metric_value(text, "vllm:num_requests_waiting") == 1
+    assert metric_value(text, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1
     await asyncio.gather(run(engine, first), run(engine, second))
     assert second.first_scheduled is not None and first.finished_at is not None
-    assert second.first_scheduled >= first.finished_at - 0.002
+    assert second.first_scheduled >= first.finished_at
     assert second.outputs == 10 and first.outputs == 10
 
 
@@ -142,52 +173,69 @@ async def test_decode_growth_past_capacity_preempts_and_recomputes(engine: Engin
     await asyncio.gather(*(run(engine, r) for r in reqs))
     assert [r.outputs for r in reqs] == [30, 30]
     assert all(r.finish_reason == "length" for r in reqs)
-    assert engine.metrics.preemptions._value.get() >= 1
+    assert metric_value(exposition(engine), "vllm:num_preemptions_total") >= 1
     assert engine.pool.num_free == 5
 
 
 @pytest.mark.parametrize("timing", [dataclasses.replace(BASE, max_num_batched_tokens=64)])
-async def test_long_prompts_are_prefilled_in_chunks(engine: Engine) -> None:
+async def test_long_prompts_are_prefilled_in_chunks(engine: Engine, timing: TimingParams) -> None:
     req = await run(engine, EngineRequest("a", prompt(256, 7), 1))
     # 4 chunks of 64 tokens, each a step of 2 + 6.4 ms.
-    assert ttft(req) >= 4 * 0.0084 * 0.95
-    assert engine.metrics.iteration_tokens.sum == 256
+    text = exposition(engine)
+    assert metric_value(text, "vllm:iteration_tokens_total_count") == 4
+    assert metric_value(text, "vllm:iteration_tokens_total_sum") == 256
+    assert ttft(req) >= 4 * timing.step_seconds(64, 0, 0) - EPSILON
 
 
 async def test_speed_multiplier_divides_modelled_time(timing: TimingParams) -> None:
-    slow_cfg = SimConfig(timing=timing, fast=False, speed=1.0)
-    fast_cfg = SimConfig(timing=timing, fast=False, speed=10.0)
-    results = []
-    for cfg in (slow_cfg, fast_cfg):
-        eng = Engine(cfg, SimMetrics("m", timing.max_model_len))
+    # A 0.5 s prefill, so that the sped-up run (50 ms) stands clear of scheduling noise.
+    timing = dataclasses.replace(timing, prefill_per_token=0.0005)
+
+    async def measure(speed: float, salt: int) -> float:
+        eng = Engine(SimConfig(timing=timing, fast=False, speed=speed), SimMetrics("m", timing.max_model_len))
         eng.start()
         try:
-            results.append(ttft(await run(eng, EngineRequest("a", prompt(1000, 8), 1))))
+            return ttft(await run(eng, EngineRequest("a", prompt(1000, salt), 1)))
         finally:
             await eng.stop()
-    assert results[1] < results[0] / 4
+
+    model = timing.step_seconds(1000, 0, 0)
+    slow = await measure(1.0, 8)
+    fast = [await measure(10.0, 9 + i) for i in range(3)]
+    assert slow >= model - EPSILON
+    assert min(fast) >= model / 10 - EPSILON
+    assert min(fast) < slow / 4
 
 
 async def test_cpu_tiny_preset_over_http_reproduces_real_vllm_on_this_cpu() -> None:
     """KNOWLEDGE.md: real vLLM with the tiny model prefills a 401-token prompt in 28-50 ms and decodes 16
-    tokens in 0.16-0.28 s; the simulator with the cpu-tiny preset shows the same through its API."""
+    tokens in 0.16-0.28 s; the preset's model is in those ranges (test above), and the simulator serves that
+    model through its API: no request is faster than the model, and the best of three is within a small factor
+    of it (HTTP and a shared CPU only ever add time)."""
     import time
 
     import aiohttp
 
     from pdserve_dev.testing.sim import sim_in_process
 
+    t = CPU_TINY
+    ttft_model = t.step_seconds(401, 0, 0)
+    total_model = ttft_model + sum(t.step_seconds(0, 1, 401 + i) for i in range(16))
+    ttfts, totals = [], []
     async with (
         sim_in_process(timing=CPU_TINY, fast=False) as sim,
         aiohttp.ClientSession() as http,
     ):
-        body = {"prompt": [200 + i for i in range(401)], "max_tokens": 17, "stream": True}
-        started = time.monotonic()
-        async with http.post(sim.url + "/v1/completions", json=body) as resp:
-            await resp.content.readuntil(b"\n\n")
-            first = time.monotonic()
-            await resp.read()
-            done = time.monotonic()
-    # Loose upper bounds: HTTP and a shared CPU add a few ms to the modelled time.
-    assert 0.028 <= first - started <= 0.050 + 0.03
-    assert 0.16 <= done - first <= 0.28 + 0.05
+        for run_index in range(3):
+            # A new prompt each time: a prefix-cache hit would skip the prefill being measured.
+            body = {"prompt": [200 + run_index * 500 + i for i in range(401)], "max_tokens": 17, "stream": True}
+            started = time.monotonic()
+            async with http.post(sim.url + "/v1/completions", json=body) as resp:
+                await resp.content.readuntil(b"\n\n")
+                ttfts.append(time.monotonic() - started)
+                await resp.read()
+                totals.append(time.monotonic() - started)
+    assert min(ttfts) >= ttft_model - EPSILON
+    assert min(totals) >= total_model - EPSILON
+    assert min(ttfts) <= 2 * ttft_model
+    assert min(totals) <= 1.5 * total_model
