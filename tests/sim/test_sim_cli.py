@@ -14,6 +14,7 @@ import pytest
 
 from pdserve_dev.testing.net import free_port
 from pdserve_dev.testing.sim import READY_PREFIX, sim_process, wait_healthy
+from pdserve_dev.testing.wait import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -169,12 +170,15 @@ async def test_sigterm_aborts_or_drains_in_flight_requests(http: aiohttp.ClientS
         async with http.post(sim.url + "/v1/completions", json=body) as resp:
             await resp.content.readuntil(b"\n\n")
             sim.process.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.1)
             if shutdown_timeout:
+                # Draining starts when the signal is handled, which /health shows: then new work is refused.
+                async def draining() -> bool:
+                    async with http.get(sim.url + "/health") as health:
+                        return health.status == 503
+
+                await wait_for_async(draining, within=10, message="the simulator to start draining")
                 async with http.post(sim.url + "/v1/completions", json=body) as refused:
                     assert refused.status == 503
-                async with http.get(sim.url + "/health") as health:
-                    assert health.status == 503
             raw = (await resp.read()).decode()
         assert raw.endswith("data: [DONE]\n\n")
         reason = '"finish_reason":"length"' if shutdown_timeout else '"finish_reason":"abort"'
