@@ -43,7 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pdserve_dev.testing.net import free_port
+from pdserve_dev.testing.net import free_port, http_ok
+from pdserve_dev.testing.wait import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -225,20 +226,7 @@ class Proc:
 
 
 def _wait_http(url: str, path: str, within: float = 60.0) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            with urllib.request.urlopen(url + path, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}{path} not ready after {within} s")
-        time.sleep(0.1)
+    wait_for(lambda: http_ok(url + path), timeout=within, interval=0.1, message=f"{url}{path} to answer 200")
 
 
 # --------------------------------------------------------------------------------------------------------

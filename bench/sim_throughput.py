@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from pdserve_dev.testing.net import free_port
+from pdserve_dev.testing.net import free_port, http_ok
+from pdserve_dev.testing.wait import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -277,19 +278,7 @@ def loadgen_main(args: argparse.Namespace) -> None:
 
 
 def _wait_health(url: str, timeout: float = 20) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(url)
-        time.sleep(0.1)
+    wait_for(lambda: http_ok(url + "/health"), timeout=timeout, interval=0.1, message=f"{url}/health")
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +26,6 @@ def _pdserve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[st
         check=False,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(1)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_up_status_kubeconfig_down(tmp_path: Path) -> None:

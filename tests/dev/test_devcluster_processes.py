@@ -11,15 +11,11 @@ from pathlib import Path
 from pdserve_dev.cluster import processes
 from pdserve_dev.cluster.cluster import kill_process_node_pods
 from pdserve_dev.testing.net import free_ports
+from pdserve_dev.testing.wait import wait_for
 
 
-def _wait_gone(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if processes.process_start_time(pid) is None:
-            return True
-        time.sleep(0.05)
-    return False
+def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    wait_for(lambda: processes.process_start_time(pid) is None, timeout=timeout, message=f"PID {pid} to exit")
 
 
 def test_stop_terminates_the_process_and_its_children(tmp_path: Path) -> None:
@@ -30,17 +26,15 @@ def test_stop_terminates_the_process_and_its_children(tmp_path: Path) -> None:
     )
     _proc, tracked = processes.spawn("sleeper", [sys.executable, "-c", script], tmp_path)
     child_file = tmp_path / "child"
-    deadline = time.monotonic() + 10
-    while not child_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(child_file.exists, timeout=10, message="the child to record its grandchild's PID")
     grandchild = int(child_file.read_text())
     assert tracked.alive()
     assert [t.name for t in processes.tracked_processes(tmp_path / "pids")] == ["sleeper"]
 
     processes.stop_recorded(tmp_path / "pids", timeout=5)
 
-    assert _wait_gone(tracked.pid)
-    assert _wait_gone(grandchild)
+    _wait_gone(tracked.pid)
+    _wait_gone(grandchild)
     assert list((tmp_path / "pids").glob("*.pid")) == []
 
 

@@ -7,7 +7,6 @@ cluster from `LocalCluster` or with any kubeconfig (`PDSERVE_CLUSTER_KUBECONFIG`
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import uuid
 from collections.abc import Iterable, Mapping
@@ -19,6 +18,7 @@ import yaml
 
 from pdserve_dev.cluster import build
 from pdserve_dev.cluster.cluster import LocalCluster, new_api_client
+from pdserve_dev.testing.net import listening
 from pdserve_dev.testing.wait import wait_for
 
 _COMPONENT_NAMES = ("etcd", "kube-apiserver", "kube-controll", "kube-scheduler", "kwok")
@@ -32,10 +32,8 @@ def leaked_listeners(ports: Iterable[int]) -> list[str]:
     """
     leaked = []
     for port in ports:
-        with socket.socket() as sock:
-            sock.settimeout(1)
-            if sock.connect_ex(("127.0.0.1", port)) != 0:
-                continue
+        if not listening(port):
+            continue
         owners = subprocess.run(
             ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10, check=False
         ).stdout.strip()
