@@ -1,9 +1,15 @@
 """The one home of test helpers, free of pytest so tests, benchmarks and the demo share them.
 
-- `wait`: `wait_for` (poll a predicate, sync) and `wait_for_async`.
-- `net`: `free_port`, `free_ports`.
-- `metrics`: one Prometheus text parser (`samples`, `metric_value`, `scrape`).
+- `wait`: `wait_for` (poll a predicate, sync) and `wait_for_async`. A failed assertion inside a predicate
+  propagates at once; timing out is a test failure.
+- `net`: `free_port`, `free_ports`, and the probes `listening` (a TCP port) and `http_ok` (a GET answers 200).
+- `metrics`: one Prometheus text parser (`samples`, `series`, `metric_value`, `by_label`, `scrape`) and
+  `wait_for_metric`: wait until a server's counter reaches a count, then assert on that exposition.
 - `cluster`: `ClusterHelper` (kubectl, apply, pods) over a running cluster.
 - `operator`: `OperatorProcess`, the operator as a real subprocess.
-- `sim`: engine simulators as subprocesses or in the current event loop.
+- `sim`: engine simulators as subprocesses or in the current event loop, and clients of their admin API
+  (`set_faults`, `requests_seen`, `health_checks_seen`, `state`).
+
+How tests wait: for a counted event (a request counter, a table version, a probe count), then assert; never
+sleep and then assert that something did not happen, never bound wall-clock time on a shared CPU.
 """
