@@ -8,8 +8,9 @@ addresses, and the router discovering them through EndpointSlices and moving KV 
 
 from __future__ import annotations
 
+import itertools
 import json
-import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import yaml
 
 from pdserve_dev.demo import prompt_tokens_by_source
 from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.metrics import by_label, metric_value, scrape_sync, series
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.wait import wait_for
 
@@ -69,11 +71,15 @@ def demo(cluster: ClusterHelper, namespace: str, tmp_path_factory: pytest.TempPa
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """POST JSON; an HTTP error status is returned like any other (a test asserts on it, nothing retries it)."""
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return response.status, dict(response.headers), json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), {"error": error.read().decode(errors="replace")[:500]}
 
 
 def test_status_reports_pools_router_and_kv_compat(cluster: ClusterHelper, namespace: str, demo: str) -> None:
@@ -110,20 +116,47 @@ def test_short_prompt_goes_straight_to_decode(demo: str) -> None:
 
 
 def test_router_follows_a_replaced_decode_pod(cluster: ClusterHelper, namespace: str, demo: str) -> None:
-    before = set(cluster.pod_ips(namespace, "pdserve.io/role=decode"))
+    old = cluster.get_json("pod", "demo-decode-0", "-n", namespace)
+    old_uid, old_ip = old["metadata"]["uid"], old["status"]["podIP"]
     cluster.kubectl("delete", "pod", "demo-decode-0", "-n", namespace, "--wait=true", "--timeout=60s")
-    wait_for(lambda: len(cluster.pod_ips(namespace, "pdserve.io/role=decode")) == 2, timeout=90)
-    assert before  # the replacement may or may not reuse its address; the router must serve either way
-    deadline = time.monotonic() + 30
-    prompt = " ".join(f"other{i}" for i in range(300))
-    while True:
-        try:
-            status, headers, _ = post(
-                f"{demo}/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 2}
-            )
-            assert status == 200 and headers["X-Pdserve-Route"] == "pd"
-            break
-        except (OSError, AssertionError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+
+    def replacement() -> dict[str, Any] | None:
+        for pod in cluster.pods(namespace, "pdserve.io/role=decode"):
+            conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])}
+            if pod["metadata"]["name"] == "demo-decode-0" and pod["metadata"]["uid"] != old_uid:
+                return pod if conditions.get("Ready") == "True" else None
+        return None
+
+    new_ip = wait_for(replacement, timeout=90, message="demo-decode-0 recreated and Ready")["status"]["podIP"]
+    # The process node gives a recreated pod a new address, as a real node does: only a router that learned it
+    # from the EndpointSlice can reach the new engine.
+    assert new_ip != old_ip
+    new_engine = f"http://{new_ip}:8000"
+
+    # The counted event: the new engine's own request counter (a fresh process starts at 0, and nothing but
+    # the router sends it generation requests). Each try is one PD request through the router, which must
+    # succeed whatever the router's table says at that moment (it retries a vanished engine before the first
+    # byte); a failed request fails the test at once instead of being retried.
+    attempt = itertools.count()
+
+    def served_by_the_new_engine() -> bool:
+        prompt = f"Request {next(attempt)}. " + " ".join(f"other{i}" for i in range(300))  # nothing cached
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 2}
+        status, headers, answer = post(f"{demo}/v1/completions", body)
+        assert status == 200, answer
+        assert headers["X-Pdserve-Route"] == "pd", headers
+        served = metric_value(scrape_sync(f"{new_engine}/metrics"), "vllm:request_success_total")
+        return served >= 1
+
+    wait_for(
+        served_by_the_new_engine,
+        timeout=60,
+        interval=0.5,
+        message=f"a request through the router served by the new demo-decode-0 at {new_engine}",
+    )
+    pulled = by_label(scrape_sync(f"{new_engine}/metrics"), "vllm:prompt_tokens_by_source_total", "source")
+    assert pulled.get("external_kv_transfer", 0) > 0  # it decoded with KV pulled from prefill: the PD path
+    # The router's table: exactly the two live decode engines, both usable (the old address is gone).
+    up = series(scrape_sync(f"{demo}/metrics"), "pdserve_router_endpoint_up", role="decode")
+    table = sorted((labels["endpoint"], value) for labels, value in up)
+    assert table == [("demo-decode-0", 1.0), ("demo-decode-1", 1.0)]

@@ -37,6 +37,19 @@ def metric_value(exposition: str, name: str, **labels: str) -> float:
     return total
 
 
+def series(exposition: str, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample called `name` whose labels include `labels`, as (labels, value), in exposition order.
+
+    Unlike `samples`, two samples with the same labels stay two entries: a test can count them.
+    """
+    return [
+        (dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
 def by_label(exposition: str, name: str, label: str) -> dict[str, float]:
     """Samples called `name` summed per value of `label` (e.g. prompt tokens by `source`)."""
     totals: dict[str, float] = {}
