@@ -15,7 +15,7 @@ fi
 .venv/bin/python -m pip install --quiet --cache-dir "$PDSERVE_CACHE_DIR/pip" -e '.[dev]' -e ./devtools
 
 if [ "${PDSERVE_SKIP_CLUSTER_BUILD:-0}" != "1" ]; then
-  # Builds kube-apiserver, controller-manager, scheduler, etcd, kwok, kubectl and helm (about half an hour cold on
-  # two cores; seconds when cached).
+  # Builds kube-apiserver, controller-manager, scheduler, etcd, kwok, kubectl, helm, prometheus and promtool (about
+  # a quarter of an hour cold on two cores; seconds when cached).
   .venv/bin/pdserve dev cluster build
 fi

@@ -8,6 +8,11 @@ its module is installed), building the binaries first if they are not cached. En
 - PDSERVE_CLUSTER_TOPOLOGY=default|minimal|large|none: the simulated GPU nodes.
 - PDSERVE_CLUSTER_PROCESS_NODE=0|1: force the process node off or on.
 
+The session-scoped `prometheus` fixture (a `pdserve_dev.testing.prometheus.PrometheusHelper`) starts the
+cluster's Prometheus the first time a test asks for it; it stops with the cluster. With a reused cluster it
+attaches to `$PDSERVE_PROMETHEUS_URL` or to the Prometheus of `pdserve dev cluster up --prometheus` (starting one
+there if that cluster has none).
+
 Run only the quick tier with `pytest -m "not cluster"`.
 """
 
@@ -22,9 +27,10 @@ from pathlib import Path
 import pytest
 
 from pdserve_dev.cluster import build, netns
-from pdserve_dev.cluster.build import CLUSTER_BINARIES
+from pdserve_dev.cluster.build import CLUSTER_BINARIES, PROMETHEUS_BINARIES
 from pdserve_dev.cluster.cluster import PROCESS_NODE_MODULE, LocalCluster
 from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.prometheus import PrometheusHelper
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,25 +56,34 @@ def _want_process_node() -> bool:
 
 
 _build_errors: list[str] = []
+_prometheus_build_errors: list[str] = []
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Build missing binaries here, before any test starts: a cold build takes 10-20 minutes, far beyond the
     # per-test timeout that would otherwise cover the fixture's setup.
     wants_cluster = any(item.get_closest_marker("cluster") for item in session.items)
+    # Cluster tests start Prometheus too (the `prometheus` fixture, the teardown tests): build it with the cluster.
+    wants_prometheus = wants_cluster or any("prometheus" in getattr(item, "fixturenames", ()) for item in session.items)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def log(message: str) -> None:
+        if reporter is not None:
+            reporter.write_line(message)
+
     if wants_cluster and not os.environ.get("PDSERVE_CLUSTER_KUBECONFIG") and build.missing_binaries(CLUSTER_BINARIES):
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-
-        def log(message: str) -> None:
-            if reporter is not None:
-                reporter.write_line(message)
-
         try:
             build.ensure_binaries(CLUSTER_BINARIES, log=log)
         except build.BuildError as exc:
             # Let the other tests run; every cluster test then fails with this message.
             _build_errors.append(str(exc))
             log(f"Could not build the cluster binaries: {exc}")
+    if wants_prometheus and build.missing_binaries(PROMETHEUS_BINARIES):
+        try:
+            build.ensure_binaries(PROMETHEUS_BINARIES, log=log)
+        except build.BuildError as exc:
+            _prometheus_build_errors.append(str(exc))
+            log(f"Could not build Prometheus: {exc}")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -96,3 +111,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHelper]
     )
     with local:
         yield ClusterHelper.from_cluster(local)
+
+
+@pytest.fixture(scope="session")
+def prometheus(cluster: ClusterHelper) -> PrometheusHelper:
+    """The session cluster's real Prometheus, started on first use; it stops with the cluster."""
+    if _prometheus_build_errors:
+        pytest.fail(f"Could not build Prometheus: {_prometheus_build_errors[0]}", pytrace=False)
+    if cluster.local is None:
+        return PrometheusHelper.from_environment(cluster.kubeconfig)
+    return PrometheusHelper.for_cluster(cluster.local)

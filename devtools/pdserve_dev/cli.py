@@ -105,6 +105,7 @@ def build_command(force: bool, prune_go_cache: bool, binaries: tuple[str, ...]) 
         f"Kubernetes {versions.KUBERNETES_VERSION}, etcd {versions.ETCD_VERSION}, kwok {versions.KWOK_VERSION}, "
         f"helm {versions.HELM_VERSION} -> {build_mod.bin_dir()}"
     )
+    click.echo(f"Prometheus {versions.PROMETHEUS_VERSION} -> {build_mod.bin_dir(toolset=versions.PROMETHEUS)}")
     try:
         report = build_mod.build(binaries or None, force=force, log=click.echo)
     except build_mod.BuildError as exc:
@@ -138,6 +139,11 @@ def build_command(force: bool, prune_go_cache: bool, binaries: tuple[str, ...]) 
 @click.option(
     "--image-map", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="Image map for the process node."
 )
+@click.option(
+    "--prometheus",
+    is_flag=True,
+    help="Also run Prometheus, scraping the engine and router pods (added to a running cluster if it lacks one).",
+)
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--restart", is_flag=True, help="Restart the cluster if it is already running (fresh etcd).")
 def up(
@@ -147,6 +153,7 @@ def up(
     topology: str,
     process_node: bool | None,
     image_map: Path | None,
+    prometheus: bool,
     timeout: float,
     restart: bool,
 ) -> None:
@@ -155,8 +162,15 @@ def up(
         process_node = importlib.util.find_spec(f"{PROCESS_NODE_MODULE}.__main__") is not None
     directory = _resolve(name, workdir)
     _enter_cluster_namespace(directory)
-    if not restart and cluster_status(directory)["running"]:
+    info = cluster_status(directory)
+    if not restart and info["running"]:
         click.echo(f"Cluster {name!r} is already running (workdir {directory}); `--restart` starts it afresh.")
+        if prometheus and not (info["prometheus"] or {}).get("ready"):
+            try:
+                url = LocalCluster.attach(directory, log=click.echo).start_prometheus(timeout)
+            except (ClusterError, build_mod.BuildError) as exc:
+                raise click.ClickException(str(exc)) from exc
+            click.echo(f"Started Prometheus at {url}.")
         click.echo(f"export KUBECONFIG={directory / 'kubeconfig'}")
         return
     started = time.monotonic()
@@ -164,6 +178,7 @@ def up(
         directory,
         topology=topology,
         process_node=process_node,
+        prometheus=prometheus,
         image_map=image_map,
         detach=True,
         ready_timeout=timeout,
@@ -175,6 +190,8 @@ def up(
         raise click.ClickException(str(exc)) from exc
     click.echo(f"Cluster {name!r} is up after {time.monotonic() - started:.1f}s (workdir {directory}).")
     click.echo(f"export KUBECONFIG={local.kubeconfig}")
+    if local.prometheus_url is not None:
+        click.echo(f"Prometheus: {local.prometheus_url}")
     _namespace_hint(directory)
 
 
@@ -216,6 +233,9 @@ def status(name: str, workdir: Path | None, as_json: bool) -> None:
             click.echo(f"kubeconfig: {info['kubeconfig']}")
             click.echo(f"topology:   {info['topology']} (process node: {info['process_node']})")
             click.echo(f"nodes:      {info['nodes'].get('ready', 0)}/{info['nodes'].get('total', 0)} ready")
+            if info["prometheus"] is not None:
+                ready = "ready" if info["prometheus"]["ready"] else "NOT READY"
+                click.echo(f"prometheus: {info['prometheus']['url']} ({ready})")
             for component in info["components"]:
                 state = "running" if component["alive"] else "STOPPED"
                 click.echo(f"  {component['name']:<24} pid {component['pid']:<8} {state}")
@@ -240,8 +260,13 @@ def env(name: str, workdir: Path | None) -> None:
     """Print shell lines that put the built binaries on PATH and select the cluster: `eval "$(... env)"`."""
     directory = _resolve(name, workdir)
     state = _load_state(directory)
-    click.echo(f'export PATH={shlex.quote(state.bin_dir)}:"$PATH"')
+    # prometheus and promtool live in their own cache key's folder (versions.TOOLSETS), when built.
+    prometheus_bin = build_mod.bin_dir(toolset=versions.PROMETHEUS)
+    extra = f"{shlex.quote(str(prometheus_bin))}:" if prometheus_bin.is_dir() else ""
+    click.echo(f'export PATH={shlex.quote(state.bin_dir)}:{extra}"$PATH"')
     click.echo(f"export KUBECONFIG={shlex.quote(state.kubeconfig)}")
+    if state.prometheus_url is not None:
+        click.echo(f"export PDSERVE_PROMETHEUS_URL={state.prometheus_url}")
     if netns.named_exists(netns.named_namespace(directory)):
         click.echo(f"# the cluster is reachable inside network namespace {netns.named_namespace(directory)}")
 

@@ -1,20 +1,22 @@
 """Build the cluster's binaries from the Go module proxy into a versioned cache outside the repository.
 
 Why build at all: these machines have no container engine and no registry ships Kubernetes binaries, but the
-Go module proxy serves the source of every component. Each Go project (Kubernetes, etcd, kwok, helm) is built
-in its own throw-away main module generated from `gomod/<name>/go.mod.tmpl`, so their dependency graphs never
-have to agree with each other.
+Go module proxy serves the source of every component. Each Go project (Kubernetes, etcd, kwok, helm, Prometheus)
+is built in its own throw-away main module generated from `gomod/<name>/go.mod.tmpl`, so their dependency graphs
+never have to agree with each other.
 
-Layout under the cache root (`$PDSERVE_CACHE_DIR`, default `~/.cache/pdserve`):
+Layout under the cache root (`$PDSERVE_CACHE_DIR`, default `~/.cache/pdserve`), one directory per toolset
+(`versions.TOOLSETS`: `k8s` for the cluster, `prometheus` for prometheus and promtool):
 
-    k8s/<cache key>/bin/<binary>         the results
-    k8s/<cache key>/manifest.json        what was built, with which Go, how long it took
-    k8s/<cache key>/src/<module>/go.mod  the generated main modules
-    go/mod, go/build                     GOMODCACHE and GOCACHE, shared by every cache key so CI can keep them
+    <toolset>/<cache key>/bin/<binary>         the results
+    <toolset>/<cache key>/manifest.json        what was built, with which Go, how long it took
+    <toolset>/<cache key>/src/<module>/go.mod  the generated main modules
+    go/mod, go/build                           GOMODCACHE and GOCACHE, shared by every key so CI can keep them
 
-The cache key (`versions.cache_key()`) changes only when a pin or a template changes; a binary already in
-`bin/` is never rebuilt. Binaries are written to a temporary name and renamed, so an interrupted build leaves
-no half-written executable behind, and a file lock serialises concurrent builders (a test run and a CLI call).
+A toolset's cache key (`versions.cache_key(toolset)`) changes only when one of its pins or templates changes; a
+binary already in `bin/` is never rebuilt. Binaries are written to a temporary name and renamed, so an
+interrupted build leaves no half-written executable behind, and a file lock serialises concurrent builders (a
+test run and a CLI call).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ CLUSTER_BINARIES: tuple[str, ...] = (
 )
 """What `up` needs; helm is built too but a cluster can run without it."""
 
+PROMETHEUS_BINARIES: tuple[str, ...] = ("prometheus",)
+"""What `up --prometheus` and the `prometheus` test fixture need (promtool is built too, for checking configs)."""
+
 # Lines of `go` output that mean the module proxy (or checksum database) refused a module, as opposed to a
 # compile error. Used only to phrase the error message.
 _REFUSED = re.compile(
@@ -66,25 +71,35 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "pdserve"
 
 
-def version_dir(key: str | None = None) -> Path:
-    """The directory of one pinned set of versions."""
-    return cache_root() / "k8s" / (key or versions.cache_key())
+def version_dir(key: str | None = None, toolset: versions.Toolset = versions.KUBERNETES) -> Path:
+    """The directory of one pinned set of versions of `toolset`."""
+    return cache_root() / toolset.name / (key or versions.cache_key(toolset))
 
 
-def bin_dir(key: str | None = None) -> Path:
-    """Where the binaries of the current pins live."""
-    return version_dir(key) / "bin"
+def bin_dir(key: str | None = None, toolset: versions.Toolset = versions.KUBERNETES) -> Path:
+    """Where the binaries of the current pins of `toolset` live."""
+    return version_dir(key, toolset) / "bin"
+
+
+def _toolset_of(name: str) -> versions.Toolset:
+    try:
+        return versions.toolset_of(name)
+    except KeyError:
+        raise BuildError(f"Unknown binaries {[name]}; known: {list(versions.ALL_BINARIES)}") from None
+
+
+def _binary_path(name: str) -> Path:
+    return bin_dir(toolset=_toolset_of(name)) / name
 
 
 def missing_binaries(names: Sequence[str] = versions.ALL_BINARIES) -> list[str]:
     """Binaries of the current pins that are not built yet."""
-    directory = bin_dir()
-    return [name for name in names if not os.access(directory / name, os.X_OK)]
+    return [name for name in names if not os.access(_binary_path(name), os.X_OK)]
 
 
 def binary(name: str) -> Path:
     """Path of one built binary; raise with the fix if it is missing."""
-    path = bin_dir() / name
+    path = _binary_path(name)
     if not os.access(path, os.X_OK):
         raise BuildError(f"{name} is not built yet (expected {path}); run `pdserve dev cluster build`")
     return path
@@ -103,9 +118,10 @@ class BinaryResult:
 
 
 @dataclass
-class BuildReport:
-    """Everything `pdserve dev cluster build` prints and stores in manifest.json."""
+class ToolsetBuild:
+    """One toolset's part of a build: what its manifest.json records."""
 
+    toolset: str
     key: str
     bin_dir: str
     go_version: str
@@ -113,18 +129,35 @@ class BuildReport:
     results: list[BinaryResult] = field(default_factory=list)
     seconds: float = 0.0
 
+
+@dataclass
+class BuildReport:
+    """Everything `pdserve dev cluster build` prints: one entry per toolset that had something to do."""
+
+    go_version: str
+    toolsets: list[ToolsetBuild] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def results(self) -> list[BinaryResult]:
+        return [r for toolset in self.toolsets for r in toolset.results]
+
     @property
     def failed(self) -> list[BinaryResult]:
         return [r for r in self.results if r.error is not None]
 
     def disk_usage(self) -> dict[str, int]:
-        """Bytes used by the binaries of this key and by the shared Go caches (for the README)."""
-        root = cache_root()
-        return {
-            "bin": _tree_size(Path(self.bin_dir)),
-            "gomodcache": _tree_size(root / "go" / "mod"),
-            "gocache": _tree_size(root / "go" / "build"),
-        }
+        """Bytes used by the binaries of the built keys and by the shared Go caches (for the README)."""
+        return _disk_usage([Path(t.bin_dir) for t in self.toolsets])
+
+
+def _disk_usage(bin_dirs: Sequence[Path]) -> dict[str, int]:
+    root = cache_root()
+    return {
+        "bin": sum(_tree_size(path) for path in bin_dirs),
+        "gomodcache": _tree_size(root / "go" / "mod"),
+        "gocache": _tree_size(root / "go" / "build"),
+    }
 
 
 def _tree_size(path: Path) -> int:
@@ -179,7 +212,8 @@ def check_go() -> tuple[Path, str]:
 def _ldflags(module: str) -> str:
     """`-s -w` strips symbols (binaries shrink by about a third); -X stamps the versions the programs report.
 
-    Without the stamps kube-apiserver reports v0.0.0-master at /version, which kubectl flags as version skew.
+    Without the stamps kube-apiserver reports v0.0.0-master at /version, which kubectl flags as version skew,
+    and Prometheus an empty version in `prometheus_build_info`.
     """
     flags = ["-s", "-w"]
     if module == "kubernetes":
@@ -196,6 +230,13 @@ def _ldflags(module: str) -> str:
         flags.append(f"-X sigs.k8s.io/kwok/pkg/consts.Version={versions.KWOK_VERSION}")
     elif module == "helm":
         flags.append(f"-X helm.sh/helm/v3/internal/version.version={versions.HELM_VERSION}")
+    elif module == "prometheus":
+        stamp = "github.com/prometheus/common/version"
+        flags += [
+            f"-X {stamp}.Version={versions.PROMETHEUS_VERSION.lstrip('v')}",
+            f"-X {stamp}.Branch=v{versions.PROMETHEUS_VERSION.lstrip('v')}",
+            f"-X {stamp}.BuildUser=pdserve-dev",
+        ]
     return " ".join(flags)
 
 
@@ -241,11 +282,31 @@ def build(
     unknown = wanted - set(versions.ALL_BINARIES)
     if unknown:
         raise BuildError(f"Unknown binaries {sorted(unknown)}; known: {list(versions.ALL_BINARIES)}")
-    key = versions.cache_key()
-    root = version_dir(key)
+    report = BuildReport(go_version=go_version)
+    started = time.monotonic()
+    for toolset in versions.TOOLSETS:
+        todo = [name for name in toolset.binaries if name in wanted]
+        if todo:
+            report.toolsets.append(_build_toolset(toolset, todo, go, go_version, force=force, log=log))
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _build_toolset(
+    toolset: versions.Toolset,
+    wanted: Sequence[str],
+    go: Path,
+    go_version: str,
+    *,
+    force: bool,
+    log: Callable[[str], None],
+) -> ToolsetBuild:
+    key = versions.cache_key(toolset)
+    root = version_dir(key, toolset)
     out_dir = root / "bin"
-    values = versions.template_values()
-    report = BuildReport(
+    values = toolset.values()
+    report = ToolsetBuild(
+        toolset=toolset.name,
         key=key,
         bin_dir=str(out_dir),
         go_version=go_version,
@@ -255,7 +316,7 @@ def build(
     env = go_env()
     with _locked(root / ".build.lock"):
         out_dir.mkdir(parents=True, exist_ok=True)
-        for module in versions.GO_MODULES:
+        for module in toolset.modules:
             todo = [b for b in module.binaries if b in wanted]
             if not todo:
                 continue
@@ -267,6 +328,7 @@ def build(
             known_sums = versions.read_go_sum(module.name)
             if known_sums:
                 (src / "go.sum").write_text(known_sums)
+            tags = [f"-tags={','.join(module.tags)}"] if module.tags else []
             for name in todo:
                 package = module.binaries[name]
                 target = out_dir / name
@@ -278,7 +340,16 @@ def build(
                 t0 = time.monotonic()
                 tmp = out_dir / f".{name}.partial"
                 proc = subprocess.run(
-                    [str(go), "build", "-trimpath", f"-ldflags={_ldflags(module.name)}", "-o", str(tmp), package],
+                    [
+                        str(go),
+                        "build",
+                        "-trimpath",
+                        *tags,
+                        f"-ldflags={_ldflags(module.name)}",
+                        "-o",
+                        str(tmp),
+                        package,
+                    ],
                     cwd=src,
                     env=env,
                     capture_output=True,
@@ -302,7 +373,7 @@ def build(
     return report
 
 
-def _update_manifest(path: Path, report: BuildReport) -> None:
+def _update_manifest(path: Path, report: ToolsetBuild) -> None:
     """Record this build in manifest.json, keeping earlier entries of binaries that were cached this time.
 
     The manifest is the record of how long each binary took to build cold, which a later all-cached run
@@ -312,7 +383,7 @@ def _update_manifest(path: Path, report: BuildReport) -> None:
     with contextlib.suppress(OSError, ValueError):
         previous = {r["name"]: r for r in json.loads(path.read_text()).get("results", [])}
         manifest["results"] = [previous.get(r["name"], r) if r["cached"] else r for r in manifest["results"]]
-    manifest["disk_usage"] = report.disk_usage()
+    manifest["disk_usage"] = _disk_usage([Path(report.bin_dir)])
     path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
@@ -322,12 +393,14 @@ def prune_go_build_cache() -> None:
 
 
 def ensure_binaries(names: Sequence[str] = CLUSTER_BINARIES, *, log: Callable[[str], None] = print) -> Path:
-    """Build whatever of `names` is missing; return the bin directory or raise naming what could not be built."""
+    """Build whatever of `names` is missing; return the bin directory of the first name's toolset, or raise naming
+    what could not be built."""
+    toolset = _toolset_of(names[0]) if names else versions.KUBERNETES
     missing = missing_binaries(names)
     if missing:
-        log(f"Building missing binaries {missing} into {bin_dir()} (first time: 20-40 minutes on 2 cores)")
+        log(f"Building missing binaries {missing} (first time: 10-20 minutes on 2 cores)")
         report = build(missing, log=log)
         failed = [r for r in report.failed if r.name in names]
         if failed:
             raise BuildError("; ".join(f"{r.name}: {r.error}" for r in failed))
-    return bin_dir()
+    return bin_dir(toolset=toolset)

@@ -49,6 +49,8 @@ CLIENTS: tuple[ClientIdentity, ...] = (
     # admits one node per identity, so they run with cluster-admin rights like kwok's own examples do.
     ClientIdentity("kwok", "kwok-controller", ("system:masters",)),
     ClientIdentity("process-node", "pdserve-process-node", ("system:masters",)),
+    # Prometheus' service discovery: no group, only the read-only ClusterRole `prometheus.rbac_objects()` binds.
+    ClientIdentity("prometheus", "pdserve-dev:prometheus"),
 )
 
 

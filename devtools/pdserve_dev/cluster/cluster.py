@@ -10,6 +10,8 @@ Start-up order and what "ready" means (each step waits for the one before only w
    creates the topology's Node objects.
 6. Ready when: both controllers answer /healthz, the `default` ServiceAccount exists in `default` (so pods can
    be created), every simulated node is Ready (kwok took it over) and the process node, when asked for, is Ready.
+7. With `prometheus=True` (or a later `start_prometheus()`): Prometheus, discovering the pods through the API
+   server (see `prometheus`); ready when it answers /-/ready.
 
 The cluster is real except the kubelets: every object goes through the real API server, admission, scheduler
 and controllers. Nodes are kwok's fakes (pods turn Running with fake IPs) or the process node (pods run as
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -41,12 +44,14 @@ from types import FrameType, TracebackType
 from typing import Any, cast
 
 from pdserve_dev.cluster import build, pod_network, processes
+from pdserve_dev.cluster import prometheus as prometheus_mod
 from pdserve_dev.cluster.certs import Pki, generate_pki
 from pdserve_dev.cluster.kubeconfig import write_kubeconfig
 from pdserve_dev.cluster.topology import Topology, get_topology
 from pdserve_dev.testing.net import free_ports
 
 PROCESS_NODE_NAME = "process-node"
+COMPONENT_PROMETHEUS = prometheus_mod.COMPONENT
 PROCESS_NODE_MODULE = "pdserve_dev.process_node"
 STATE_FILE = "state.json"
 
@@ -79,6 +84,12 @@ class ClusterState:
     started_ticks: int
     """Boot-clock ticks when the cluster started: no process it owns can have started earlier."""
     startup_seconds: float = 0.0
+    prometheus_port: int | None = None
+    """Set while the cluster's Prometheus runs (http://127.0.0.1:<port>, inside the cluster's network namespace)."""
+
+    @property
+    def prometheus_url(self) -> str | None:
+        return prometheus_mod.url_of(self.prometheus_port) if self.prometheus_port is not None else None
 
     def save(self) -> None:
         Path(self.workdir, STATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -187,6 +198,7 @@ class LocalCluster:
         topology: Topology | str = "default",
         process_node: bool = False,
         *,
+        prometheus: bool = False,
         image_map: Path | None = None,
         detach: bool = False,
         ready_timeout: float = 90.0,
@@ -196,6 +208,7 @@ class LocalCluster:
         self.workdir = Path(workdir).resolve()
         self.topology = get_topology(topology) if isinstance(topology, str) else topology
         self.process_node = process_node
+        self.prometheus = prometheus
         self.image_map = image_map
         self.detach = detach
         self.ready_timeout = ready_timeout
@@ -207,6 +220,20 @@ class LocalCluster:
         self._previous_handlers: dict[int, Any] = {}
         self._hooks_installed = False
         self.timings: dict[str, float] = {}
+
+    @classmethod
+    def attach(cls, workdir: Path | str, *, log: Callable[[str], None] | None = None) -> LocalCluster:
+        """The cluster already running in `workdir` (started detached, by `pdserve dev cluster up`), to add
+        Prometheus to it with `start_prometheus()`. What is started this way is detached too: `down` stops it.
+        """
+        directory = Path(workdir).resolve()
+        state = ClusterState.load(directory)
+        if state is None:
+            raise ClusterError(f"No cluster in {directory} (no {STATE_FILE})")
+        # The topology only matters for starting nodes, which an attached cluster never does.
+        local = cls(directory, topology="none", process_node=state.process_node, detach=True, log=log)
+        local.state = state
+        return local
 
     # -- public surface ---------------------------------------------------------------------------------
 
@@ -230,6 +257,16 @@ class LocalCluster:
         if self.state is None:
             raise ClusterError("The cluster is not started")
         return pod_network.PodNetwork(**self.state.network)
+
+    @property
+    def prometheus_paths(self) -> prometheus_mod.PrometheusPaths:
+        """Prometheus' config, data and file_sd folder (`<workdir>/prometheus`)."""
+        return prometheus_mod.PrometheusPaths(self.workdir)
+
+    @property
+    def prometheus_url(self) -> str | None:
+        """The URL of the cluster's Prometheus while it runs (see `start_prometheus`)."""
+        return self.state.prometheus_url if self.state is not None else None
 
     def kubectl_command(self, *args: str) -> list[str]:
         """argv for kubectl against this cluster."""
@@ -304,7 +341,7 @@ class LocalCluster:
         server = f"https://127.0.0.1:{api_port}"
         kubeconfigs = {
             stem: write_kubeconfig(self.workdir / "kubeconfigs" / f"{stem}.kubeconfig", server, pki, stem)
-            for stem in ("controller-manager", "scheduler", "kwok", "process-node")
+            for stem in ("controller-manager", "scheduler", "kwok", "process-node", "prometheus")
         }
         write_kubeconfig(self.kubeconfig, server, pki, "admin")
         self.state = ClusterState(
@@ -356,7 +393,56 @@ class LocalCluster:
             self._wait("kwok", lambda: simulated <= self._ready_nodes(api), self.ready_timeout)
             if self.process_node:
                 self._wait(PROCESS_NODE_NAME, lambda: PROCESS_NODE_NAME in self._ready_nodes(api), self.ready_timeout)
-            self._mark("nodes", t)
+            t = self._mark("nodes", t)
+        if self.prometheus:
+            self._start_prometheus()
+            self._mark("prometheus", t)
+
+    # -- Prometheus -----------------------------------------------------------------------------------------
+
+    def start_prometheus(self, timeout: float = 60.0) -> str:
+        """Start the cluster's Prometheus if it does not run yet (building it if needed); return its URL.
+
+        For a cluster started without `prometheus=True`, e.g. by the test session before any test asked for
+        Prometheus. It stops with the cluster either way.
+        """
+        if self.state is None:
+            raise ClusterError("The cluster is not started")
+        running = self.prometheus_url
+        process = self._popen.get(COMPONENT_PROMETHEUS)
+        if running is not None and process is not None and process.poll() is None:
+            return running
+        self._start_prometheus(timeout)
+        url = self.prometheus_url
+        assert url is not None
+        return url
+
+    def _start_prometheus(self, timeout: float = 60.0) -> None:
+        assert self.state is not None
+        binary = build.ensure_binaries(build.PROMETHEUS_BINARIES, log=self._log) / "prometheus"
+        with self.api_client() as api:
+            prometheus_mod.apply_rbac(api)
+        paths = self.prometheus_paths
+        prometheus_mod.write_config(paths, self.workdir / "kubeconfigs" / "prometheus.kubeconfig")
+        for attempt in range(1, 4):
+            (port,) = free_ports(1)
+            self._spawn(COMPONENT_PROMETHEUS, prometheus_mod.argv(binary, paths, port))
+            url = prometheus_mod.url_of(port)
+            try:
+                self._wait(COMPONENT_PROMETHEUS, functools.partial(prometheus_mod.ready, url), timeout)
+                break
+            except ClusterError as exc:
+                # The free port was taken before Prometheus bound it (see `start`): forget the dead process
+                # (so `status` does not report a stopped component) and try another port.
+                if attempt == 3 or "address already in use" not in str(exc):
+                    raise
+                self._popen.pop(COMPONENT_PROMETHEUS).wait()
+                for tracked in processes.tracked_processes(self.workdir / "pids"):
+                    if tracked.name == COMPONENT_PROMETHEUS and not tracked.alive():
+                        tracked.pid_file.unlink(missing_ok=True)
+        self.state.prometheus_port = port
+        self.state.save()
+        self._log(f"Prometheus is ready at {url}")
 
     # -- component command lines --------------------------------------------------------------------------
 
@@ -591,6 +677,8 @@ def cluster_status(workdir: Path) -> dict[str, Any]:
     components = [
         asdict(ComponentStatus(t.name, t.pid, t.alive())) for t in processes.tracked_processes(workdir / "pids")
     ]
+    prometheus_url = state.prometheus_url
+    prometheus_alive = any(c["name"] == COMPONENT_PROMETHEUS and c["alive"] for c in components)
     ca = ssl.create_default_context(cafile=str(workdir / "pki" / "ca.crt"))
     api_ready = _http_ok(f"{state.server}/readyz", ca)
     nodes: dict[str, int] = {}
@@ -611,6 +699,12 @@ def cluster_status(workdir: Path) -> dict[str, Any]:
         "components": components,
         "nodes": nodes,
         "startup_seconds": state.startup_seconds,
+        "prometheus": {
+            "url": prometheus_url,
+            "ready": prometheus_alive and prometheus_url is not None and prometheus_mod.ready(prometheus_url),
+        }
+        if prometheus_url is not None
+        else None,
     }
 
 

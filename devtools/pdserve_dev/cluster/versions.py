@@ -1,14 +1,20 @@
 """Pinned versions of every binary the local cluster runs: the one place to change them.
 
-The cache key of the built binaries is derived from these pins and from the Go module templates in `gomod/`,
-so bumping a version here (or editing a template) makes `pdserve dev cluster build` rebuild, and nothing else
-does. Kubernetes' staging modules (k8s.io/api, k8s.io/client-go, ...) are published as v0.<minor>.<patch> for
-Kubernetes v1.<minor>.<patch>; `staging_version()` derives that so the two can never disagree.
+The binaries come in two toolsets, each cached under its own key: `k8s` (the cluster: Kubernetes, etcd, kwok,
+helm) and `prometheus` (prometheus and promtool, which tests, the demo and the autoscaler's benchmark query). A
+toolset's cache key is derived from its pins and its Go module templates in `gomod/`, so bumping a version here
+(or editing a template) rebuilds that toolset and nothing else: a Prometheus bump never costs the 12-minute
+Kubernetes build, and adding Prometheus did not invalidate Kubernetes binaries built before it existed.
+Kubernetes' staging modules (k8s.io/api, k8s.io/client-go, ...) are published as v0.<minor>.<patch> for
+Kubernetes v1.<minor>.<patch>; `staging_version()` derives that so the two can never disagree. Prometheus
+publishes v3.<minor>.<patch> as the Go module version v0.3<minor>.<patch>; `prometheus_module_version()`
+derives that.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 
@@ -23,6 +29,13 @@ KWOK_VERSION = "v0.8.0"
 
 HELM_VERSION = "v3.22.0"
 """helm, for rendering and installing the pdserve chart (module helm.sh/helm/v3)."""
+
+PROMETHEUS_VERSION = "v3.16.0"
+"""prometheus and promtool (module github.com/prometheus/prometheus, published as v0.316.0)."""
+
+PROMETHEUS_BUILD_TAGS: tuple[str, ...] = ("remove_all_sd", "enable_kubernetes_sd")
+"""Leave out every service discovery but Kubernetes (file and HTTP discovery are always in): Prometheus' own
+build tags for slim builds. The cloud providers' SDKs would double the build time and the download for nothing."""
 
 # Every k8s.io module that k8s.io/kubernetes' go.mod replaces with ./staging/src/k8s.io/<name>. A module
 # outside the main module cannot use those directory replacements, so our go.mod pins each one to the
@@ -66,12 +79,14 @@ KUBERNETES_STAGING_MODULES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class GoModule:
-    """One Go main module built in its own directory, so the four projects' dependency graphs never mix."""
+    """One Go main module built in its own directory, so the projects' dependency graphs never mix."""
 
     name: str
     """Directory under `gomod/` holding `go.mod.tmpl`."""
     binaries: dict[str, str]
     """Output binary name -> Go package path of its `main` package."""
+    tags: tuple[str, ...] = ()
+    """Go build tags."""
 
 
 GO_MODULES: tuple[GoModule, ...] = (
@@ -89,7 +104,16 @@ GO_MODULES: tuple[GoModule, ...] = (
     GoModule("helm", {"helm": "helm.sh/helm/v3/cmd/helm"}),
 )
 
-ALL_BINARIES: tuple[str, ...] = tuple(name for module in GO_MODULES for name in module.binaries)
+PROMETHEUS_MODULES: tuple[GoModule, ...] = (
+    GoModule(
+        "prometheus",
+        {
+            "prometheus": "github.com/prometheus/prometheus/cmd/prometheus",
+            "promtool": "github.com/prometheus/prometheus/cmd/promtool",
+        },
+        tags=PROMETHEUS_BUILD_TAGS,
+    ),
+)
 
 
 def staging_version(kubernetes_version: str = KUBERNETES_VERSION) -> str:
@@ -100,8 +124,18 @@ def staging_version(kubernetes_version: str = KUBERNETES_VERSION) -> str:
     return f"v0.{rest}"
 
 
+def prometheus_module_version(prometheus_version: str | None = None) -> str:
+    """Map Prometheus v3.<minor>.<patch> to its Go module version v0.3<minor>.<patch> (v3.16.0 -> v0.316.0)."""
+    version = prometheus_version or PROMETHEUS_VERSION
+    parts = version.lstrip("v").split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts) or int(parts[0]) < 2 or int(parts[1]) >= 100:
+        raise ValueError(f"Expected a Prometheus version like v3.16.0, got {version!r}")
+    major, minor, patch = (int(p) for p in parts)
+    return f"v0.{major * 100 + minor}.{patch}"
+
+
 def template_values() -> dict[str, str]:
-    """Values substituted into the `gomod/*/go.mod.tmpl` templates (string.Template `${name}` syntax)."""
+    """Values substituted into the `gomod/*/go.mod.tmpl` templates of the cluster toolset (`${name}` syntax)."""
     staging = staging_version()
     replaces = "\n".join(f"\tk8s.io/{name} => k8s.io/{name} {staging}" for name in KUBERNETES_STAGING_MODULES)
     return {
@@ -112,6 +146,47 @@ def template_values() -> dict[str, str]:
         "kwok_version": KWOK_VERSION,
         "helm_version": HELM_VERSION,
     }
+
+
+def prometheus_template_values() -> dict[str, str]:
+    """Values substituted into `gomod/prometheus/go.mod.tmpl`."""
+    return {"prometheus_version": PROMETHEUS_VERSION, "prometheus_module_version": prometheus_module_version()}
+
+
+@dataclass(frozen=True)
+class Toolset:
+    """Go modules built and cached together under `<cache root>/<name>/<cache key>/bin`."""
+
+    name: str
+    """Directory under the cache root."""
+    modules: tuple[GoModule, ...]
+    values: Callable[[], dict[str, str]]
+    """Template values (functions, so a pin changed at run time, as tests do, changes the key)."""
+    version: Callable[[], str]
+    """The readable prefix of the cache key."""
+
+    @property
+    def binaries(self) -> tuple[str, ...]:
+        return tuple(name for module in self.modules for name in module.binaries)
+
+
+KUBERNETES = Toolset("k8s", GO_MODULES, template_values, lambda: KUBERNETES_VERSION)
+"""The cluster: Kubernetes, etcd, kwok, helm."""
+
+PROMETHEUS = Toolset("prometheus", PROMETHEUS_MODULES, prometheus_template_values, lambda: PROMETHEUS_VERSION)
+"""The metrics server tests and the demo scrape engines and routers with."""
+
+TOOLSETS: tuple[Toolset, ...] = (KUBERNETES, PROMETHEUS)
+
+ALL_BINARIES: tuple[str, ...] = tuple(name for toolset in TOOLSETS for name in toolset.binaries)
+
+
+def toolset_of(binary: str) -> Toolset:
+    """The toolset that builds `binary`; KeyError for an unknown name."""
+    for toolset in TOOLSETS:
+        if binary in toolset.binaries:
+            return toolset
+    raise KeyError(binary)
 
 
 def read_template(module: str) -> str:
@@ -125,17 +200,20 @@ def read_go_sum(module: str) -> str:
     return path.read_text() if path.is_file() else ""
 
 
-def cache_key() -> str:
-    """A directory name that changes exactly when a pin or a template changes.
+def cache_key(toolset: Toolset = KUBERNETES) -> str:
+    """A directory name that changes exactly when a pin or a template of `toolset` changes.
 
-    Readable prefix (the Kubernetes version) for humans, then a short hash over every pin and template so two
+    Readable prefix (the toolset's version) for humans, then a short hash over every pin and template so two
     checkouts with different pins never share a binary directory.
     """
     digest = hashlib.sha256()
-    for key, value in sorted(template_values().items()):
+    for key, value in sorted(toolset.values().items()):
         digest.update(f"{key}={value}\n".encode())
-    for module in GO_MODULES:
+    for module in toolset.modules:
         digest.update(read_template(module.name).encode())
         for binary, package in sorted(module.binaries.items()):
             digest.update(f"{binary}={package}\n".encode())
-    return f"{KUBERNETES_VERSION}-{digest.hexdigest()[:12]}"
+        # Hashed only when set, so the toolsets without tags keep the key they had before tags existed.
+        if module.tags:
+            digest.update(f"tags={','.join(module.tags)}\n".encode())
+    return f"{toolset.version()}-{digest.hexdigest()[:12]}"

@@ -9,6 +9,7 @@
 - `operator`: `OperatorProcess`, the operator as a real subprocess.
 - `sim`: engine simulators as subprocesses or in the current event loop, and clients of their admin API
   (`set_faults`, `requests_seen`, `health_checks_seen`, `state`).
+- `prometheus`: `PrometheusHelper`, PromQL against the local cluster's real Prometheus.
 
 How tests wait: for a counted event (a request counter, a table version, a probe count), then assert; never
 sleep and then assert that something did not happen, never bound wall-clock time on a shared CPU.
