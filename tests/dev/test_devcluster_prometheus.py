@@ -221,6 +221,13 @@ def test_cli_up_adds_prometheus_status_shows_it_and_down_stops_it(tmp_path: Path
         env = _pdserve("env", *where).stdout
         assert f"export PDSERVE_PROMETHEUS_URL={url}" in env
         assert f"{build.bin_dir(toolset=versions.PROMETHEUS)}:" in env
+        # Attaching again (another `up --prometheus`, a test session reusing the cluster) finds the running one.
+        third = _pdserve("up", *where, "--topology", "minimal", "--no-process-node", "--prometheus")
+        assert third.returncode == 0 and "Started Prometheus" not in third.stdout
+        assert PrometheusHelper.for_workdir(tmp_path / "cli-cluster").url == url
+        assert [c["name"] for c in json.loads(_pdserve("status", *where, "--json").stdout)["components"]].count(
+            "prometheus"
+        ) == 1
     finally:
         down = _pdserve("down", *where)
     assert down.returncode == 0, down.stdout + down.stderr

@@ -409,8 +409,10 @@ class LocalCluster:
         if self.state is None:
             raise ClusterError("The cluster is not started")
         running = self.prometheus_url
-        process = self._popen.get(COMPONENT_PROMETHEUS)
-        if running is not None and process is not None and process.poll() is None:
+        # Checked by PID file, not by our own child: an attached cluster's Prometheus may be another process's.
+        recorded = processes.tracked_processes(self.workdir / "pids")
+        alive = any(t.name == COMPONENT_PROMETHEUS and t.alive() for t in recorded)
+        if running is not None and alive:
             return running
         self._start_prometheus(timeout)
         url = self.prometheus_url
