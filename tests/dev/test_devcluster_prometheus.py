@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from pdserve_dev.cluster import build, versions
+from pdserve_dev.cluster import prometheus as prom
 from pdserve_dev.cluster.cluster import LocalCluster
 from pdserve_dev.cluster.processes import process_start_time, tracked_processes
 from pdserve_dev.testing.cluster import ClusterHelper
@@ -156,9 +157,26 @@ def test_a_removed_replica_leaves_instant_queries(
     )
 
 
+def test_promtool_accepts_the_rendered_config(tmp_path: Path) -> None:
+    paths = prom.PrometheusPaths(tmp_path)
+    kubeconfig = tmp_path / "prometheus.kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\nclusters: []\nusers: []\ncontexts: []\n")
+    prom.write_config(paths, kubeconfig)
+    check = subprocess.run(
+        [str(build.binary("promtool")), "check", "config", str(paths.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "SUCCESS" in check.stdout
+
+
 OWNER = """
 import sys, time
 from pdserve_dev.cluster import build, versions
+from pdserve_dev.cluster import prometheus as prom
 from pdserve_dev.cluster.cluster import LocalCluster
 cluster = LocalCluster(sys.argv[1], topology="minimal", process_node=False, prometheus=True).start()
 print("READY", cluster.prometheus_url, flush=True)
