@@ -24,6 +24,7 @@ from pdserve_dev.cluster import prometheus as prom
 from pdserve_dev.cluster.cluster import LocalCluster
 from pdserve_dev.cluster.processes import process_start_time, tracked_processes
 from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.net import listening
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.prometheus import PrometheusHelper
 from pdserve_dev.testing.wait import wait_for
@@ -198,7 +199,8 @@ def test_prometheus_dies_with_a_killed_cluster_owner(tmp_path: Path) -> None:
         owner.kill()
         owner.wait(timeout=30)
         wait_for(lambda: process_start_time(prometheus.pid) is None, timeout=20, message="prometheus to exit")
-        wait_for(lambda: not PrometheusHelper(url).ready(), timeout=20, message="prometheus' port to close")
+        port = int(url.rsplit(":", 1)[1])
+        wait_for(lambda: not listening(port), timeout=20, message="prometheus' port to close")
     finally:
         if owner.poll() is None:
             owner.kill()
@@ -251,7 +253,7 @@ def test_cli_up_adds_prometheus_status_shows_it_and_down_stops_it(tmp_path: Path
     assert down.returncode == 0, down.stdout + down.stderr
     assert "prometheus" in down.stdout
     assert process_start_time(pid) is None
-    assert not PrometheusHelper(url).ready()
+    assert not listening(int(url.rsplit(":", 1)[1]))
     assert "NOT READY" in _pdserve("status", *where).stdout
 
 
@@ -263,4 +265,4 @@ def test_prometheus_stops_with_the_cluster(tmp_path: Path) -> None:
         [prometheus] = [t for t in tracked_processes(tmp_path / "pids") if t.name == "prometheus"]
         assert local.start_prometheus() == helper.url  # idempotent
     assert process_start_time(prometheus.pid) is None
-    assert not helper.ready()
+    assert not listening(int(helper.url.rsplit(":", 1)[1]))

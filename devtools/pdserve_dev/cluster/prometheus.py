@@ -34,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +42,7 @@ from typing import Any, cast
 import yaml
 
 from pdserve_dev.cluster.certs import CLIENTS
+from pdserve_dev.testing.net import http_ok
 
 COMPONENT = "prometheus"
 """Process name in the cluster's `pids/` and `logs/`."""
@@ -211,11 +210,7 @@ def write_config(paths: PrometheusPaths, kubeconfig: Path) -> None:
 
 def ready(url: str, timeout: float = 2.0) -> bool:
     """True once Prometheus answers /-/ready (TSDB open, config loaded)."""
-    try:
-        with urllib.request.urlopen(f"{url}/-/ready", timeout=timeout) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+    return http_ok(f"{url}/-/ready", timeout)
 
 
 def add_static_target(file_sd_dir: Path, job: str, address: str, labels: Mapping[str, str] | None = None) -> Path:
