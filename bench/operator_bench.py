@@ -39,8 +39,8 @@ from pdserve_dev.cluster.cluster import LocalCluster
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
 from pdserve_dev.testing.wait import wait_for
-from pdserve_operator.api import KubeApi, load_client
 from pdserve_operator.kinds import MANAGED, PDSERVICE
+from pdserve_operator.kube import KubeApi, load_client
 from pdserve_operator.render import render
 
 ROOT = Path(__file__).resolve().parents[1]

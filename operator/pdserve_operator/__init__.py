@@ -5,10 +5,11 @@ Layers (imports only go down):
     cli, runner      composition root: client, cache, controller, Lease election, kopf, /metrics, /healthz
     handlers         kopf registration only: `on.event` for PDServices and every child kind -> controller
     controller       informer cache + de-duplicating work queue + workers + periodic resync, gated by leadership
-    reconcile        the one level-triggered path: render -> plan -> apply/prune -> status (IO via `api`)
+    reconcile        the one level-triggered path: render -> plan -> apply/prune -> status (IO via `kube`)
     plan, status,    pure: what to apply/prune (`plan`), is an observed child still what we applied (`drift`),
     drift, render    the status and conditions of observed children (`status`), the objects (`render`)
-    api, leader      IO: server-side apply, delete, status patch, events, Lease; every request counted
+    kube, leader     IO: server-side apply, delete, status patch, events, Lease; every request counted
+                     (`kube`, not `api`: `pdserve.api` is the PDService API these objects are rendered from)
 
 Operating notes:
 - Install the CRD before starting the operator (kopf resolves resources at start-up and may not pick up a CRD that

@@ -15,8 +15,8 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from pdserve_operator import metrics
-from pdserve_operator.api import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.kinds import OBSERVED
+from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.reconcile import RetryLaterError, reconcile
 from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
 from pdserve_operator.store import OwnerKey, Store

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from pdserve_operator import metrics
-from pdserve_operator.api import ApiError, KubeApi
 from pdserve_operator.kinds import LEASE
+from pdserve_operator.kube import ApiError, KubeApi
 
 log = logging.getLogger("pdserve.operator.leader")
 

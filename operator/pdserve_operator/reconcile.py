@@ -26,7 +26,7 @@ from typing import Any
 from pdserve.api.validation import Validated, validate
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
-from pdserve_operator.api import ApiError, KubeApi
+from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.render import render
 from pdserve_operator.store import Store
 

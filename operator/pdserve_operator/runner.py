@@ -11,9 +11,9 @@ import kopf
 import prometheus_client
 
 from pdserve_operator import handlers
-from pdserve_operator.api import ApiError, KubeApi, load_client
 from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import PDSERVICE
+from pdserve_operator.kube import ApiError, KubeApi, load_client
 from pdserve_operator.leader import LeaseElector
 
 log = logging.getLogger("pdserve.operator")

@@ -27,8 +27,8 @@ from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
 from pdserve_dev.testing.wait import wait_for
 from pdserve_operator import drift
-from pdserve_operator.api import KubeApi, load_client
 from pdserve_operator.kinds import SERVICE_ACCOUNT
+from pdserve_operator.kube import KubeApi, load_client
 from pdserve_operator.render import render
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

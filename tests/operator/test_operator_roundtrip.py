@@ -17,8 +17,8 @@ import yaml
 from pdserve.api.validation import validate
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_operator import drift
-from pdserve_operator.api import KubeApi, load_client
 from pdserve_operator.kinds import kind_of
+from pdserve_operator.kube import KubeApi, load_client
 from pdserve_operator.render import render
 
 pytestmark = [pytest.mark.cluster]

@@ -27,7 +27,7 @@ from pdserve_operator.kinds import EVENT, PDSERVICE, Kind, kind_of
 FIELD_MANAGER = "pdserve-operator"
 # (connect, read) seconds for every request; applies of big StatefulSets still finish in well under a second.
 REQUEST_TIMEOUT = (5.0, 30.0)
-log = logging.getLogger("pdserve.operator.api")
+log = logging.getLogger("pdserve.operator.kube")
 
 
 class ApiError(Exception):
