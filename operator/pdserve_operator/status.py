@@ -28,7 +28,7 @@ from pdserve.api.defaults import EffectiveRouting, EffectiveSpec, effective
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
-from pdserve_operator.render.names import ENGINE_ROLES, EngineRole
+from pdserve_operator.render.names import ENGINE_ROLES, EngineRole, child_name
 from pdserve_operator.render.router import router_endpoint
 
 AVAILABLE = "Available"
@@ -269,18 +269,18 @@ def _facts(spec: EffectiveSpec | None, body: Mapping[str, Any], snapshot: Snapsh
     pools: dict[str, dict[str, int]] = {}
     progress: list[str] = []
     for role in ENGINE_ROLES:
-        sts = snapshot.child("StatefulSet", namespace, f"{name}-{role}")
+        sts = snapshot.child("StatefulSet", namespace, child_name(name, role))
         desired = _desired(spec, role, sts)
         pools[role] = pool_status(sts, desired)
         if sts is None:
-            progress.append(f"StatefulSet {name}-{role} does not exist yet")
+            progress.append(f"StatefulSet {child_name(name, role)} does not exist yet")
         else:
             why = statefulset_progress(sts)
             if why:
                 progress.append(f"{role}: {why}")
-    deploy = snapshot.child("Deployment", namespace, f"{name}-router")
+    deploy = snapshot.child("Deployment", namespace, child_name(name, "router"))
     if deploy is None:
-        progress.append(f"Deployment {name}-router does not exist yet")
+        progress.append(f"Deployment {child_name(name, 'router')} does not exist yet")
     else:
         why = deployment_progress(deploy)
         if why:

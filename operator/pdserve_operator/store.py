@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from pdserve_operator.plan import ObjectKey, key_of
-from pdserve_operator.render.names import INSTANCE_LABEL
+from pdserve_operator.render.names import INSTANCE_LABEL, child_name
 from pdserve_operator.status import Snapshot
 
 OwnerKey = tuple[str, str]  # (namespace, PDService name)
@@ -126,7 +126,7 @@ class Store:
         with self._lock:
             keys = list(self._by_owner.get((namespace, name), ()))
             objects = [self._objects[k] for k in keys if k in self._objects]
-        router_service = f"{name}-router"
+        router_service = child_name(name, "router")
         children = {key_of(o): o for o in objects if o["kind"] not in ("Pod", "EndpointSlice")}
         pods = [o for o in objects if o["kind"] == "Pod"]
         slices = [

@@ -42,9 +42,13 @@ __all__ = [
 ]
 
 
-def child_name(pds: PDService, role: Role) -> str:
-    """`<pdservice>-<role>`: the name of every object of that role (StatefulSet, Service, PDB, ...)."""
-    return f"{pds.metadata.name}-{role}"
+def child_name(owner: PDService | str, role: Role) -> str:
+    """`<pdservice>-<role>`: the name of every object of that role (StatefulSet, Service, PDB, ...).
+
+    `owner` is the PDService or just its name: status and the informer cache look children up by name, also for a
+    PDService whose spec does not parse, so they have no model to pass. This is the one place the rule lives."""
+    name = owner if isinstance(owner, str) else owner.metadata.name
+    return f"{name}-{role}"
 
 
 def owner_labels(pds: PDService) -> dict[str, str]:
