@@ -102,13 +102,6 @@ class ClusterState:
             return None
 
 
-def new_api_client(kubeconfig: Path | str) -> Any:
-    """A `kubernetes.client.ApiClient` for `kubeconfig` (the library's loader is untyped, hence Any)."""
-    from kubernetes import config
-
-    return config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
-
-
 def _node_ready(node: Any) -> bool:
     """Ready condition True and none of the node lifecycle controller's taints left.
 
@@ -274,6 +267,8 @@ class LocalCluster:
 
     def api_client(self) -> Any:
         """A new `kubernetes.client.ApiClient` for the admin user (close it, or use it as a context manager)."""
+        from pdserve.api.kubeclient import new_api_client  # lazy: the kubernetes client is slow to import
+
         return new_api_client(self.kubeconfig)
 
     def __enter__(self) -> LocalCluster:
@@ -686,6 +681,8 @@ def cluster_status(workdir: Path) -> dict[str, Any]:
     nodes: dict[str, int] = {}
     if api_ready:
         from kubernetes import client
+
+        from pdserve.api.kubeclient import new_api_client
 
         with new_api_client(state.kubeconfig) as api:
             items = client.CoreV1Api(api).list_node().items

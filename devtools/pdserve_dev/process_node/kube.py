@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from pdserve.api.kubeclient import new_api_client
 from pdserve_dev.process_node.volumes import decode_secret
 
 Obj = dict[str, Any]
@@ -35,11 +36,8 @@ class Kube:
     """API access for one process node."""
 
     def __init__(self, kubeconfig: str) -> None:
-        configuration: Any = client.Configuration()
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
         # Every pod worker patches status on its own thread; a pool smaller than that churns connections.
-        configuration.connection_pool_maxsize = 64
-        self.api_client: Any = client.ApiClient(configuration)
+        self.api_client: Any = new_api_client(kubeconfig, pool_size=64)
         # Typed as Any: every call here passes dicts and reads raw responses, which the generated stubs
         # (typed for models) do not describe.
         self.core: Any = client.CoreV1Api(self.api_client)

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from pdserve_dev.cluster import build
-from pdserve_dev.cluster.cluster import LocalCluster, new_api_client
+from pdserve_dev.cluster.cluster import LocalCluster
 from pdserve_dev.testing.net import listening
 from pdserve_dev.testing.wait import wait_for
 
@@ -156,4 +156,6 @@ class ClusterHelper:
 
     def api_client(self) -> Any:
         """A new `kubernetes.client.ApiClient` (use it in a `with` block)."""
+        from pdserve.api.kubeclient import new_api_client  # lazy: the kubernetes client is slow to import
+
         return new_api_client(self.kubeconfig)

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -277,18 +276,9 @@ class KubernetesDiscovery:
                          sorted(after - before), sorted(before - after))  # fmt: skip
 
 
-_SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-
-
 def _default_api_client() -> Any:
-    """An API client: KUBECONFIG when set (local runs, the process node's pods), else the pod's service
-    account (in-cluster), else ~/.kube/config."""
-    from kubernetes import client, config
+    """An API client by pdserve's one order (pdserve.api.kubeclient): the router has no kubeconfig flag, so
+    $KUBECONFIG (local runs, the process node's pods), else the pod's service account, else ~/.kube/config."""
+    from pdserve.api.kubeclient import new_api_client  # lazy: static discovery never loads the kubernetes client
 
-    configuration = client.Configuration()
-    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(_SERVICE_ACCOUNT_TOKEN)
-    if in_cluster and not os.environ.get("KUBECONFIG"):
-        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    else:
-        config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    return client.ApiClient(configuration)
+    return new_api_client()
