@@ -34,13 +34,14 @@ from typing import Any
 import yaml
 
 from pdserve.api.crdgen import custom_resource_definition
+from pdserve.api.kubeclient import new_api_client
 from pdserve.api.validation import validate
 from pdserve_dev.cluster.cluster import LocalCluster
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
 from pdserve_dev.testing.wait import wait_for
 from pdserve_operator.kinds import MANAGED, PDSERVICE
-from pdserve_operator.kube import KubeApi, load_client
+from pdserve_operator.kube import KubeApi
 from pdserve_operator.render import render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,7 +251,7 @@ def main() -> None:
         cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
         ensure_cpu_node(cluster, name="pdserve-operator-bench-cpu", pods=CPU_NODE_PODS, cidr="10.250.251.0/24")
         namespace = cluster.create_namespace("bench-op")
-        api = KubeApi(load_client(str(cluster.kubeconfig)))
+        api = KubeApi(new_api_client(cluster.kubeconfig))
         operator = OperatorProcess(
             cluster.kubeconfig,
             Path(tmp) / "operator.log",

@@ -14,7 +14,11 @@ log = logging.getLogger("pdserve.operator")
 
 
 @click.command("operator")
-@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), help="Kubeconfig; default in-cluster.")
+@click.option(
+    "--kubeconfig",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Kubeconfig; default $KUBECONFIG, then the in-cluster service account, then ~/.kube/config.",
+)
 @click.option("--namespace", "-n", "namespaces", multiple=True, help="Watch only this namespace (repeatable).")
 @click.option("--all-namespaces", "-A", is_flag=True, help="Watch every namespace (cluster-wide mode).")
 @click.option("--metrics-port", type=int, default=8080, show_default=True, help="Prometheus /metrics port; 0=off.")
@@ -59,9 +63,6 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         raise click.UsageError("give either --namespace NS (repeatable) or --all-namespaces")
     if renew_deadline >= lease_seconds:
         raise click.UsageError("--renew-deadline must be shorter than --lease-seconds")
-    if kubeconfig:
-        # Before importing kopf/kubernetes: the client's loader reads $KUBECONFIG once, at import time.
-        os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)
     from pdserve_operator import logs
     from pdserve_operator.runner import Options, run
 

@@ -4,6 +4,10 @@ kopf's watch handlers (handlers.py) only feed the cache and enqueue the owning P
 one level-triggered reconcile path (reconcile.py) in threads (the Kubernetes client is synchronous), one key at a
 time per PDService. A periodic resync re-queues every PDService so that drift in objects we do not watch, or a
 missed event, is corrected within `resync_seconds`.
+
+The runner hands in what a process has one of: the metrics (`OperatorMetrics`) and the thread pool that applies the
+objects of one wave concurrently (`applier`, shared by all workers; the API server, not the pool, is the limit).
+Without an applier, a reconcile applies one object after the other in its worker thread.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Executor
 from typing import Any
 
-from pdserve_operator import metrics
 from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
+from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import RetryLaterError, reconcile
 from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
 from pdserve_operator.store import OwnerKey, Store
@@ -37,10 +42,14 @@ class Controller:
         relist_seconds: float = 600.0,
         namespaces: Collection[str] = (),
         is_leader: Callable[[], bool] = lambda: True,
+        metrics: OperatorMetrics | None = None,
+        applier: Executor | None = None,
     ) -> None:
         from pdserve_operator.workqueue import WorkQueue
 
         self.api = api
+        self.metrics = metrics if metrics is not None else api.metrics
+        self.applier = applier
         self.store = store or Store()
         self.queue: WorkQueue[OwnerKey] = WorkQueue()
         self.workers = workers
@@ -69,14 +78,14 @@ class Controller:
         if not obj.get("metadata") or "kind" not in obj:
             return
         owner = self.store.delete(obj) if event.get("type") == "DELETED" else self.store.put(dict(obj))
-        metrics.CACHED_OBJECTS.set(self.store.size())
+        self.metrics.cached_objects.set(self.store.size())
         if owner is not None and self.store.owner(*owner) is not None:
             self.enqueue(owner)
 
     def enqueue(self, key: OwnerKey) -> None:
         if self.is_leader():
             self.queue.add(key)
-            metrics.QUEUE_DEPTH.set(len(self.queue))
+            self.metrics.queue_depth.set(len(self.queue))
 
     def enqueue_all(self) -> None:
         for key in self.store.owner_keys():
@@ -125,13 +134,13 @@ class Controller:
                     item.setdefault("kind", kind.kind)
                     objects.append(item)
             dropped += self.store.replace_kind(kind.kind, self.namespaces or None, objects)
-        metrics.CACHED_OBJECTS.set(self.store.size())
+        self.metrics.cached_objects.set(self.store.size())
         return dropped
 
     async def _worker(self, index: int) -> None:
         while True:
             key = await self.queue.get()
-            metrics.QUEUE_DEPTH.set(len(self.queue))
+            self.metrics.queue_depth.set(len(self.queue))
             try:
                 if self.is_leader():
                     await self._process(key)
@@ -142,27 +151,27 @@ class Controller:
         namespace, name = key
         started = time.perf_counter()
         try:
-            outcome = await asyncio.to_thread(reconcile, namespace, name, self.store, self.api)
+            outcome = await asyncio.to_thread(reconcile, namespace, name, self.store, self.api, applier=self.applier)
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)
-            metrics.RECONCILES.labels("not_leader").inc()
+            self.metrics.reconciles.labels("not_leader").inc()
             return
         except RetryLaterError as exc:
             delay = self.queue.retry(key)
-            metrics.RECONCILES.labels("error").inc()
-            metrics.RECONCILE_ERRORS.inc()
+            self.metrics.reconciles.labels("error").inc()
+            self.metrics.reconcile_errors.inc()
             log.warning("Retrying reconcile pdservice=%s/%s delay=%.1fs error=%s", namespace, name, delay, exc)
             return
         except Exception:
             delay = self.queue.retry(key)
-            metrics.RECONCILES.labels("error").inc()
-            metrics.RECONCILE_ERRORS.inc()
+            self.metrics.reconciles.labels("error").inc()
+            self.metrics.reconcile_errors.inc()
             log.exception("Reconcile crashed pdservice=%s/%s delay=%.1fs", namespace, name, delay)
             return
         finally:
-            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+            self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         self.queue.forget(key)
-        metrics.RECONCILES.labels(outcome.result).inc()
+        self.metrics.reconciles.labels(outcome.result).inc()
         if outcome.result not in ("noop", "gone"):
             log.info(
                 "Reconciled pdservice=%s/%s result=%s applied=%d pruned=%d status_written=%s seconds=%.3f",

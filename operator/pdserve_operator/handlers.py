@@ -3,6 +3,10 @@
 All handlers are `on.event` (level-triggered, no kopf bookkeeping written to objects) and return None. Child kinds
 are watched with a server-side label selector (`app.kubernetes.io/managed-by=pdserve-operator`), so the operator
 never streams the cluster's unrelated Pods or ConfigMaps.
+
+kopf's watches log in with the same credentials as the reconciler: the login handler converts the Configuration that
+`pdserve.api.kubeclient` loads (--kubeconfig, then $KUBECONFIG, then in-cluster) instead of kopf's own client login,
+which tries in-cluster first and would let the watches and the writes reach different API servers.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import logging
 from typing import Any
 
 import kopf
+from kubernetes import client as k8s
 
+from pdserve.api.kubeclient import load_configuration
 from pdserve.api.v1alpha1 import GROUP, PLURAL, VERSION
 from pdserve_operator.controller import CHILD_SELECTOR, Controller
 from pdserve_operator.kinds import OBSERVED, Kind
@@ -37,12 +43,33 @@ def configure(settings: kopf.OperatorSettings, *, server_timeout: int = 270, cli
         settings.watching.label_selectors[_matches(kind)] = CHILD_SELECTOR
 
 
-def register(controller: Controller, registry: kopf.OperatorRegistry) -> None:
+def connection_info(configuration: k8s.Configuration, *, trust_env: bool = False) -> kopf.ConnectionInfo:
+    """kopf's credentials from a kubernetes client Configuration (what `kopf.login_via_client` extracts, from ours).
+
+    The bearer header is read through `get_api_key_with_prefix`, which runs the refresh hook of exec plugins and
+    projected service-account tokens, so a re-login after a 401 picks up a fresh token."""
+    header = configuration.get_api_key_with_prefix("BearerToken") or configuration.get_api_key_with_prefix(
+        "authorization"
+    )
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        username=configuration.username or None,
+        password=configuration.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+        trust_env=trust_env,
+    )
+
+
+def register(controller: Controller, registry: kopf.OperatorRegistry, *, kubeconfig: str | None = None) -> None:
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> Any:
-        # The kubernetes client's own loader: in-cluster ServiceAccount first, else $KUBECONFIG (set by the CLI);
-        # it understands every kubeconfig auth method (client certificates, tokens, exec plugins).
-        return kopf.login_via_client(**kwargs)
+    def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+        return connection_info(load_configuration(kubeconfig), trust_env=settings.networking.trust_env)
 
     @kopf.on.probe(id="reconciler", registry=registry)
     def probe(**_: Any) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The IO layer: the few Kubernetes API calls the reconciler makes, each counted and timed out.
 
-It speaks raw REST through the official client's ApiClient (auth, TLS and kubeconfig handling come from the
-library) rather than the typed or dynamic clients: the dynamic client would need discovery requests, and the
-typed client cannot send `application/apply-patch+yaml`. Every call goes through `_request`, which counts it in
-Prometheus (and in `self.requests`, for tests and the benchmark) and applies connect/read timeouts.
+It speaks raw REST through the official client's ApiClient (auth and TLS come from the library; which kubeconfig
+or service account is used is `pdserve.api.kubeclient`'s one order) rather than the typed or dynamic clients: the
+dynamic client would need discovery requests, and the typed client cannot send `application/apply-patch+yaml`.
+Every call goes through `_request`, which counts it in Prometheus (the `OperatorMetrics` the runner hands in) and in
+`self.requests` (for tests and the benchmark), and applies connect/read timeouts.
 
 Writes go through `_write`, which first asks the leader guard: a replica that is not (or no longer) the leader
 raises `NotLeaderError` instead of writing, so two replicas never both act.
@@ -16,13 +17,12 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
-from pdserve_operator import metrics
 from pdserve_operator.kinds import EVENT, PDSERVICE, Kind, kind_of
+from pdserve_operator.metrics import OperatorMetrics
 
 FIELD_MANAGER = "pdserve-operator"
 # (connect, read) seconds for every request; applies of big StatefulSets still finish in well under a second.
@@ -56,17 +56,21 @@ class NotLeaderError(Exception):
     """Raised instead of writing when this replica does not hold the leader Lease."""
 
 
-def load_client(kubeconfig: str | None) -> k8s.ApiClient:
-    """An ApiClient from a kubeconfig file (dev, tests) or the pod's ServiceAccount (in-cluster)."""
-    configuration = k8s.Configuration()
-    if kubeconfig:
-        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
-    else:
-        try:
-            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        except k8s_config.ConfigException:
-            k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    return k8s.ApiClient(configuration)
+class KubeIO(Protocol):
+    """The writes a reconcile makes, and nothing else: the seam between the reconciler and the API server.
+
+    `KubeApi` implements it over HTTP. The reconcile unit tests implement it in memory
+    (`pdserve_dev.testing.fake_kube.FakeKube`); the contract both keep: every write raises `NotLeaderError` (and
+    sends nothing) once this replica is not the leader, and API failures raise `ApiError` with the HTTP status code
+    (0 for a connection failure), while `post_event` logs and swallows them (events are advisory)."""
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+
+    def delete(self, kind: Kind, namespace: str, name: str, uid: str) -> None: ...
+
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]: ...
+
+    def post_event(self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str) -> None: ...
 
 
 @dataclass
@@ -76,11 +80,21 @@ class Response:
 
 
 class KubeApi:
-    """The reconciler's view of the API: apply, delete, status patch, events, leases."""
+    """The reconciler's view of the API: apply, delete, status patch, events, leases.
 
-    def __init__(self, client: k8s.ApiClient, is_leader: Callable[[], bool] = lambda: True) -> None:
+    `metrics` is the process's OperatorMetrics (the runner's); without one, the instance counts into a private
+    registry of its own (tests, the benchmark's read-only client)."""
+
+    def __init__(
+        self,
+        client: k8s.ApiClient,
+        is_leader: Callable[[], bool] = lambda: True,
+        *,
+        metrics: OperatorMetrics | None = None,
+    ) -> None:
         self._client = client
         self._is_leader = is_leader
+        self.metrics = metrics if metrics is not None else OperatorMetrics()
         self.requests: collections.Counter[str] = collections.Counter()
         self.writes: collections.Counter[str] = collections.Counter()
 
@@ -109,10 +123,10 @@ class KubeApi:
         except k8s.ApiException as exc:  # raised by the REST layer for transport-level failures
             code, data = exc.status or 0, (exc.body or str(exc)).encode() if isinstance(exc.body, str) else b""
         except Exception as exc:  # connection refused, timeouts: counted and surfaced as retriable
-            metrics.API_REQUESTS.labels(method, kind, "error").inc()
+            self.metrics.api_requests.labels(method, kind, "error").inc()
             self.requests[f"{method} {kind}"] += 1
             raise ApiError(0, str(exc), "ConnectionError") from exc
-        metrics.API_REQUESTS.labels(method, kind, str(code)).inc()
+        self.metrics.api_requests.labels(method, kind, str(code)).inc()
         self.requests[f"{method} {kind}"] += 1
         try:
             parsed = json.loads(data) if data else {}
@@ -125,7 +139,7 @@ class KubeApi:
     def _write(self, verb: str, kind: str) -> None:
         if not self._is_leader():
             raise NotLeaderError(f"not the leader; refusing to {verb} {kind}")
-        metrics.WRITES.labels(verb, kind).inc()
+        self.metrics.writes.labels(verb, kind).inc()
         self.writes[f"{verb} {kind}"] += 1
 
     @property
@@ -215,11 +229,11 @@ class KubeApi:
         return self._request("GET", path, kind).body
 
     def create_raw(self, path: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        metrics.LEASE_WRITES.inc()
+        self.metrics.lease_writes.inc()
         return self._request("POST", path, kind, body=body).body
 
     def replace_raw(self, path: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        metrics.LEASE_WRITES.inc()
+        self.metrics.lease_writes.inc()
         return self._request("PUT", path, kind, body=body).body
 
     def list(self, path: str, kind: str, label_selector: str = "") -> list[dict[str, Any]]:

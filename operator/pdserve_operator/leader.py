@@ -8,6 +8,7 @@ timing. Non-leaders keep their watches and cache warm and only stop *acting*; on
 Timing (client-go's defaults): lease 15 s, renew deadline 10 s, retry 2 s. The leader stops acting when it could not
 renew for `renew_deadline`, strictly before anyone may take over (`lease_duration` after they last saw the lease
 change, measured on *their* clock, so clock skew between nodes does not matter). Every write checks `is_leader()`.
+The `pdserve_operator_leader` gauge lives in the OperatorMetrics of the elector's KubeApi (the runner's).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from pdserve_operator import metrics
 from pdserve_operator.kinds import LEASE
 from pdserve_operator.kube import ApiError, KubeApi
 
@@ -70,7 +70,7 @@ class LeaseElector:
             if self._leading:
                 await asyncio.to_thread(self.release)
             self._leading = False
-            metrics.LEADER.set(0)
+            self.api.metrics.leader.set(0)
 
     def _update(self, acquired: bool) -> None:
         now = time.monotonic()
@@ -80,12 +80,12 @@ class LeaseElector:
         if leading and not self._leading:
             log.info("Became the leader lease=%s/%s identity=%s", self.namespace, self.name, self.identity)
             self._leading = True
-            metrics.LEADER.set(1)
+            self.api.metrics.leader.set(1)
             self.on_started_leading()
         elif not leading and self._leading:
             log.warning("Lost the leader lease lease=%s/%s identity=%s", self.namespace, self.name, self.identity)
             self._leading = False
-            metrics.LEADER.set(0)
+            self.api.metrics.leader.set(0)
 
     def try_acquire_or_renew(self) -> bool:
         path = LEASE.object_path(self.namespace, self.name)

@@ -12,13 +12,17 @@ Failure policy:
   and a Warning event when that message changes; no backoff retry (the next event or resync tries again).
 - Transient errors (connection, 5xx, 409, 429): `RetryLaterError` after recording status where possible; the work queue
   re-queues the PDService with exponential backoff.
+- Leadership lost (`NotLeaderError` from any write): propagates at once; the pass makes no further writes.
+
+The objects of one wave are applied concurrently on `applier`, the runner's thread pool (passed down, never a module
+global); without one they are applied one after the other in the calling thread.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -26,7 +30,7 @@ from typing import Any
 from pdserve.api.validation import Validated, validate
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
-from pdserve_operator.kube import ApiError, KubeApi
+from pdserve_operator.kube import ApiError, KubeIO
 from pdserve_operator.render import render
 from pdserve_operator.store import Store
 
@@ -48,11 +52,7 @@ class Outcome:
     events: list[str] = field(default_factory=list)
 
 
-# Concurrent applies across all reconciles; the API server, not this pool, is the bottleneck.
-_APPLIER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdserve-apply")
-
-
-def _apply_one(api: KubeApi, item: planner.Apply) -> tuple[planner.Apply, dict[str, Any] | None, ApiError | None]:
+def _apply_one(api: KubeIO, item: planner.Apply) -> tuple[planner.Apply, dict[str, Any] | None, ApiError | None]:
     try:
         return item, api.apply(item.obj), None
     except ApiError as exc:
@@ -92,7 +92,15 @@ def _transition_events(old: dict[str, Any] | None, new: dict[str, Any]) -> list[
     return events
 
 
-def reconcile(namespace: str, name: str, store: Store, api: KubeApi, now: Callable[[], str] = utc_now) -> Outcome:
+def reconcile(
+    namespace: str,
+    name: str,
+    store: Store,
+    api: KubeIO,
+    now: Callable[[], str] = utc_now,
+    *,
+    applier: Executor | None = None,
+) -> Outcome:
     """One pass for one PDService. Raises RetryLaterError (transient failure) or NotLeaderError (leadership lost)."""
     body = store.owner(namespace, name)
     if body is None:
@@ -114,9 +122,10 @@ def reconcile(namespace: str, name: str, store: Store, api: KubeApi, now: Callab
     apply_errors: list[str] = []
     transient: list[str] = []
     done: dict[str, list[str]] = {}
+    apply_all = applier.map if applier is not None else map
     for wave in the_plan.waves():
         # Objects of one wave are independent: apply them concurrently (a NotLeaderError propagates from map).
-        for item, response, error in _APPLIER.map(lambda it: _apply_one(api, it), wave):
+        for item, response, error in apply_all(lambda it: _apply_one(api, it), wave):
             label = f"{item.kind.kind} {item.obj['metadata']['name']}"
             if error is not None:
                 (transient if error.retriable else apply_errors).append(f"{label}: {error}")
@@ -166,7 +175,7 @@ def _invalid(
     body: dict[str, Any],
     checked: Validated,
     store: Store,
-    api: KubeApi,
+    api: KubeIO,
     now: Callable[[], str],
 ) -> Outcome:
     meta = body["metadata"]
@@ -188,7 +197,7 @@ def _invalid(
 
 
 def _event(
-    api: KubeApi,
+    api: KubeIO,
     body: dict[str, Any],
     type_: str,
     reason: str,
@@ -206,7 +215,7 @@ def _write_status(
     body: dict[str, Any],
     new_status: dict[str, Any],
     store: Store,
-    api: KubeApi,
+    api: KubeIO,
     now: Callable[[], str],
     outcome: Outcome,
 ) -> None:

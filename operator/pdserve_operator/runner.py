@@ -1,20 +1,29 @@
-"""Composition root of the operator process: API client, cache, controller, leader election, kopf, servers."""
+"""Composition root of the operator process: API client, cache, controller, leader election, kopf, servers.
+
+Everything a process has one of is created here and passed down: the API client (by `pdserve.api.kubeclient`'s
+order: --kubeconfig, $KUBECONFIG, in-cluster), the metrics and their registry (served on --metrics-port), and the
+thread pool that applies a wave's objects concurrently (shut down on exit). Importing the operator's modules
+creates none of them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import kopf
 import prometheus_client
 
+from pdserve.api.kubeclient import new_api_client
 from pdserve_operator import handlers
 from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import PDSERVICE
-from pdserve_operator.kube import ApiError, KubeApi, load_client
+from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.leader import LeaseElector
+from pdserve_operator.metrics import OperatorMetrics
 
 log = logging.getLogger("pdserve.operator")
 
@@ -37,12 +46,16 @@ class Options:
     resync_seconds: float = 60.0
     relist_seconds: float = 600.0
     watch_timeout: int = 270
+    # Concurrent applies across all reconciles; the API server, not this pool, is the bottleneck.
+    apply_threads: int = 8
 
 
 async def run(options: Options) -> None:
-    client = load_client(options.kubeconfig)
+    client = new_api_client(options.kubeconfig)
+    metrics = OperatorMetrics(process_metrics=True)
+    applier = ThreadPoolExecutor(max_workers=options.apply_threads, thread_name_prefix="pdserve-apply")
     elector: LeaseElector | None = None
-    api = KubeApi(client, is_leader=lambda: elector.is_leader() if elector else True)
+    api = KubeApi(client, is_leader=lambda: elector.is_leader() if elector else True, metrics=metrics)
     controller = Controller(
         api,
         workers=options.workers,
@@ -50,11 +63,13 @@ async def run(options: Options) -> None:
         relist_seconds=options.relist_seconds,
         namespaces=options.namespaces,
         is_leader=api_is_leader(lambda: elector),
+        metrics=metrics,
+        applier=applier,
     )
     if options.leader_elect:
-        # A separate KubeApi so lease traffic is not counted as reconcile traffic.
+        # A separate KubeApi so lease traffic is not counted as reconcile traffic (`requests`, `writes`).
         elector = LeaseElector(
-            KubeApi(client),
+            KubeApi(client, metrics=metrics),
             namespace=options.lease_namespace,
             name=options.lease_name,
             identity=options.identity,
@@ -64,10 +79,10 @@ async def run(options: Options) -> None:
             on_started_leading=controller.enqueue_all,
         )
     if options.metrics_port:
-        prometheus_client.start_http_server(options.metrics_port, addr=options.bind)
+        prometheus_client.start_http_server(options.metrics_port, addr=options.bind, registry=metrics.registry)
 
     registry = kopf.OperatorRegistry()
-    handlers.register(controller, registry)
+    handlers.register(controller, registry, kubeconfig=options.kubeconfig)
     settings = kopf.OperatorSettings()
     handlers.configure(settings, server_timeout=options.watch_timeout, client_timeout=options.watch_timeout + 30)
     stop = asyncio.Event()
@@ -78,7 +93,7 @@ async def run(options: Options) -> None:
         ",".join(options.namespaces) or "*",
         options.leader_elect,
     )
-    await wait_for_crd(KubeApi(client))
+    await wait_for_crd(KubeApi(client, metrics=metrics))
     tasks = [asyncio.create_task(controller.run(stop))]
     if elector is not None:
         tasks.append(asyncio.create_task(elector.run(stop)))
@@ -94,6 +109,7 @@ async def run(options: Options) -> None:
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        applier.shutdown(wait=False, cancel_futures=True)
         log.info("Stopped operator identity=%s", options.identity)
 
 

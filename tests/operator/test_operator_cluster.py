@@ -20,6 +20,7 @@ import yaml
 
 from pdserve.api.crdgen import custom_resource_definition
 from pdserve.api.defaults import effective
+from pdserve.api.kubeclient import new_api_client
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import validate
@@ -28,7 +29,7 @@ from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
 from pdserve_dev.testing.wait import wait_for
 from pdserve_operator import drift
 from pdserve_operator.kinds import SERVICE_ACCOUNT
-from pdserve_operator.kube import KubeApi, load_client
+from pdserve_operator.kube import KubeApi
 from pdserve_operator.render import render
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -431,7 +432,7 @@ def test_restart_mid_reconcile_converges_without_duplicates(cluster: ClusterHelp
     try:
         first = start_operator(cluster, namespace, tmp_path, "first")
         first.wait_ready()
-        api = KubeApi(load_client(str(cluster.kubeconfig)))
+        api = KubeApi(new_api_client(cluster.kubeconfig))
         first_child = SERVICE_ACCOUNT.object_path(namespace, "restart-router")
         cluster.apply(example("restart", namespace))
         # SIGKILL it the moment the first child exists: the pass is cut short, the workloads usually not applied.

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.api.kubeclient import new_api_client
 from pdserve.api.validation import validate
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_operator import drift
 from pdserve_operator.kinds import kind_of
-from pdserve_operator.kube import KubeApi, load_client
+from pdserve_operator.kube import KubeApi
 from pdserve_operator.render import render
 
 pytestmark = [pytest.mark.cluster]
@@ -86,7 +87,7 @@ def variants(namespace: str) -> list[dict[str, Any]]:
 
 def test_rendered_objects_read_back_without_drift(cluster: ClusterHelper) -> None:
     namespace = cluster.create_namespace("roundtrip")
-    api = KubeApi(load_client(str(cluster.kubeconfig)))
+    api = KubeApi(new_api_client(cluster.kubeconfig))
     try:
         drifted = []
         for document in variants(namespace):
