@@ -1,0 +1,319 @@
+"""The operator's failure contract: `reconcile()` scenario by scenario against a fake of its IO layer.
+
+`FakeKube` (pdserve_dev.testing.fake_kube) fakes the four writes a reconcile makes, not the API server: what the
+server itself does with an object (validation, defaulting, field ownership) is covered by the cluster tests against
+the real kube-apiserver. Here each scenario sets up the world (a PDService, the informer cache the operator would
+keep, injected failures, a Lease that runs out), runs passes and checks what was written, in which order, and
+what was raised. Every scenario runs with the apply thread pool the runner uses and with inline applies.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve.api.validation import validate
+from pdserve_dev.testing.fake_kube import Call, FakeKube
+from pdserve_operator.kube import NotLeaderError
+from pdserve_operator.plan import WORKLOAD_KINDS
+from pdserve_operator.reconcile import Outcome, RetryLaterError, reconcile
+from pdserve_operator.render import render
+from pdserve_operator.store import Store
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
+NAMESPACE, NAME = "default", "llama-8b"
+REFUSAL = 'StatefulSet.apps "llama-8b-decode" is invalid: spec.template.spec.containers[0].image: Required value'
+
+
+def document() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    return loaded
+
+
+def invalid(doc: dict[str, Any]) -> dict[str, Any]:
+    """Passes the CRD, fails pdserve's semantic validation: a TP-2 engine on a 1-GPU pod."""
+    doc["spec"]["prefill"].update(tensorParallelSize=2, gpusPerPod=1)
+    doc["spec"]["decode"]["tensorParallelSize"] = 2
+    return doc
+
+
+def children_count() -> int:
+    return len(render(validate(document())))
+
+
+class World:
+    """The fake IO layer, the informer cache, a ticking clock, and reconcile passes over them."""
+
+    def __init__(self, applier: Executor | None) -> None:
+        self.kube = FakeKube()
+        self.store = Store()
+        self.applier = applier
+        self._ticks = itertools.count()
+
+    def now(self) -> str:
+        # A clock that moves on every call: a pass must not write just because time passed.
+        tick = next(self._ticks)
+        return f"2026-01-01T{tick // 3600 % 24:02d}:{tick // 60 % 60:02d}:{tick % 60:02d}Z"
+
+    def put_spec(self, doc: dict[str, Any]) -> None:
+        """`kubectl apply` of the PDService, and its watch event reaching the cache."""
+        self.store.put_owner(self.kube.add_owner(doc))
+
+    def watch(self, objects: list[dict[str, Any]]) -> None:
+        """Watch events of objects changed by someone else (the workload controllers)."""
+        for obj in objects:
+            self.store.put(obj)
+
+    def reconcile(self) -> Outcome:
+        return reconcile(NAMESPACE, NAME, self.store, self.kube, self.now, applier=self.applier)
+
+    def pass_calls(self) -> tuple[Outcome, list[Call]]:
+        mark = self.kube.mark()
+        outcome = self.reconcile()
+        return outcome, self.kube.calls_since(mark)
+
+    def converge(self) -> None:
+        """Create everything, let the controllers roll it out, record the final status."""
+        self.put_spec(document())
+        self.reconcile()
+        self.watch(self.kube.finish_rollouts())
+        self.reconcile()
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        status = self.kube.owner(NAMESPACE, NAME).get("status") or {}
+        found = [c for c in status.get("conditions", []) if c["type"] == type_]
+        assert len(found) == 1, status
+        return dict(found[0])
+
+    def warnings(self, reason: str) -> list[dict[str, Any]]:
+        return [e for e in self.kube.events if e["type"] == "Warning" and e["reason"] == reason]
+
+
+@pytest.fixture(params=["pool", "inline"])
+def world(request: pytest.FixtureRequest) -> Iterator[World]:
+    if request.param == "inline":
+        yield World(None)
+        return
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="test-apply") as pool:
+        yield World(pool)
+
+
+def verbs(calls: list[Call], predicate: Callable[[Call], bool] = lambda call: True) -> list[str]:
+    return [f"{call.verb} {call.kind} {call.name} {call.outcome}" for call in calls if predicate(call)]
+
+
+# ----------------------------------------------------------------------------------------------------- no-op
+
+
+def test_first_pass_applies_every_child_once_then_writes_status(world: World) -> None:
+    world.put_spec(document())
+    outcome, calls = world.pass_calls()
+    assert outcome.result == "applied"
+    applies = [call for call in calls if call.verb == "apply"]
+    assert len(applies) == children_count()
+    assert all(call.written for call in calls)
+    # Workloads only after everything they reference (wave order), status after all applies.
+    first_workload = next(i for i, call in enumerate(applies) if call.kind in WORKLOAD_KINDS)
+    assert all(call.kind in WORKLOAD_KINDS for call in applies[first_workload:])
+    assert max(i for i, c in enumerate(calls) if c.verb == "apply") < calls.index(
+        next(c for c in calls if c.verb == "status")
+    )
+    assert world.condition("Progressing")["reason"] == "Applying"
+
+
+def test_a_pass_over_an_unchanged_world_writes_nothing(world: World) -> None:
+    world.converge()
+    assert world.condition("Progressing") | {"lastTransitionTime": ""} == {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "Complete",
+        "message": "all children are up to date",
+        "observedGeneration": 1,
+        "lastTransitionTime": "",
+    }
+    for _ in range(3):
+        outcome, calls = world.pass_calls()
+        assert (outcome.result, calls) == ("noop", [])
+    # The watch event of our own status patch (a newer resourceVersion of the owner) changes nothing either.
+    world.store.put_owner(world.kube.owner(NAMESPACE, NAME))
+    assert world.pass_calls()[1] == []
+
+
+def test_a_deleted_pdservice_is_gone_without_writes(world: World) -> None:
+    world.converge()
+    world.store.delete_owner(NAMESPACE, NAME)
+    outcome, calls = world.pass_calls()
+    assert (outcome.result, calls) == ("gone", [])
+
+
+# ----------------------------------------------------------------------------------------- refused (4xx)
+
+
+@pytest.mark.parametrize("code", [400, 403, 404, 422])
+def test_a_refused_apply_is_reported_once(world: World, code: int) -> None:
+    world.kube.fail("apply", code, REFUSAL, kind="StatefulSet", name="llama-8b-decode")
+    world.put_spec(document())
+    outcome = world.reconcile()  # no RetryLaterError: a refusal does not go away by retrying with backoff
+
+    assert "StatefulSet llama-8b-decode (missing)" not in outcome.applied
+    assert len(outcome.applied) == children_count() - 1
+    degraded = world.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ApplyFailed")
+    assert REFUSAL in degraded["message"]
+    assert world.condition("Progressing")["status"] == "True"  # the other children were just applied
+    assert len(world.warnings("ApplyFailed")) == 1
+    assert REFUSAL in world.warnings("ApplyFailed")[0]["message"]
+
+    # The next passes try the refused object again (an event or resync may have fixed its cause) and post nothing
+    # more; once the status has settled, that attempt is the only request a pass makes.
+    events = len(world.kube.events)
+    world.reconcile()
+    outcome, calls = world.pass_calls()
+    assert verbs(calls) == [f"apply StatefulSet llama-8b-decode {code}"]
+    assert len(world.kube.events) == events
+    assert world.condition("Degraded")["reason"] == "ApplyFailed"
+    assert world.condition("Progressing")["reason"] == "RollingOut"
+
+
+def test_a_refusal_that_goes_away_recovers(world: World) -> None:
+    refusal = world.kube.fail("apply", 422, REFUSAL, kind="StatefulSet", name="llama-8b-decode")
+    world.put_spec(document())
+    world.reconcile()
+    world.kube.failures.remove(refusal)
+    world.reconcile()
+    world.watch(world.kube.finish_rollouts())
+    world.reconcile()
+    assert world.condition("Degraded")["reason"] == "AsExpected"
+    assert [e["reason"] for e in world.kube.events if e["reason"] in ("ApplyFailed", "Recovered")] == [
+        "ApplyFailed",
+        "Recovered",
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ transient
+
+
+@pytest.mark.parametrize("code", [0, 409, 429, 500, 503], ids=["connection", "409", "429", "500", "503"])
+def test_a_transient_apply_error_writes_status_then_retries(world: World, code: int) -> None:
+    world.kube.fail("apply", code, kind="StatefulSet", name="llama-8b-decode", times=1)
+    world.put_spec(document())
+    mark = world.kube.mark()
+    with pytest.raises(RetryLaterError, match="StatefulSet llama-8b-decode"):
+        world.reconcile()
+    calls = world.kube.calls_since(mark)
+    failed = calls.index(Call("apply", "StatefulSet", "llama-8b-decode", str(code)))
+    status = [i for i, call in enumerate(calls) if call.verb == "status"]
+    assert status and status[-1] > failed and calls[status[-1]].written
+    # Transient trouble is not a refusal: no ApplyFailed condition or event.
+    assert world.condition("Degraded")["reason"] != "ApplyFailed"
+    assert not world.warnings("ApplyFailed")
+
+    # The work queue's retry: the missing object is applied and the pass ends normally.
+    outcome, calls = world.pass_calls()
+    assert "StatefulSet llama-8b-decode (missing)" in outcome.applied
+    assert verbs(calls, lambda call: call.verb == "apply") == ["apply StatefulSet llama-8b-decode ok"]
+
+
+@pytest.mark.parametrize("code", [0, 500, 409])
+def test_a_transient_status_error_retries(world: World, code: int) -> None:
+    world.kube.fail("status", code, times=1)
+    world.put_spec(document())
+    with pytest.raises(RetryLaterError, match="status"):
+        world.reconcile()
+    # Children were applied; the retry only needs to write the status.
+    _, calls = world.pass_calls()
+    assert verbs(calls, lambda call: call.verb != "event") == [f"status PDService {NAME} ok"]
+
+
+def test_a_transient_prune_error_writes_status_then_retries(world: World) -> None:
+    world.converge()
+    # A child an older render produced, still controlled by this PDService.
+    uid = world.kube.owner(NAMESPACE, NAME)["metadata"]["uid"]
+    leftover = world.kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": "llama-8b-leftover",
+                "namespace": NAMESPACE,
+                "labels": {"app.kubernetes.io/instance": NAME},
+                "ownerReferences": [{"kind": "PDService", "name": NAME, "uid": uid, "controller": True}],
+            },
+        }
+    )
+    world.watch([leftover])
+    world.kube.fail("delete", 503, kind="ConfigMap", times=1)
+    mark = world.kube.mark()
+    with pytest.raises(RetryLaterError, match="delete ConfigMap llama-8b-leftover"):
+        world.reconcile()
+    assert verbs(world.kube.calls_since(mark)) == ["delete ConfigMap llama-8b-leftover 503"]  # status unchanged
+    outcome = world.reconcile()
+    assert outcome.pruned == ["ConfigMap llama-8b-leftover"]
+    assert ("ConfigMap", NAMESPACE, "llama-8b-leftover") not in world.kube.objects
+
+
+# ------------------------------------------------------------------------------------------ leadership lost
+
+
+def test_leadership_lost_mid_wave_stops_every_write(world: World) -> None:
+    world.put_spec(document())
+    world.kube.lose_leadership_after(2)
+    mark = world.kube.mark()
+    with pytest.raises(NotLeaderError):
+        world.reconcile()
+    calls = world.kube.calls_since(mark)
+    assert verbs(calls, lambda call: call.written) == verbs(calls[:2])
+    first_refused = next(i for i, call in enumerate(calls) if not call.written)
+    after = calls[first_refused:]
+    # Only objects of the same wave, already handed to the pool, may still try (and be refused); nothing of the
+    # next wave, no prune, no status, no event.
+    assert all(call.outcome == "not-leader" for call in after), verbs(after)
+    assert all(call.verb == "apply" and call.kind not in WORKLOAD_KINDS for call in after), verbs(after)
+    assert world.kube.events == []
+    assert "status" not in (world.kube.owner(NAMESPACE, NAME))
+
+
+def test_leadership_lost_before_the_status_write_stops_it(world: World) -> None:
+    world.put_spec(document())
+    world.kube.lose_leadership_after(children_count())  # every apply succeeds; the events and status do not
+    with pytest.raises(NotLeaderError):
+        world.reconcile()
+    refused = [call for call in world.kube.calls if not call.written]
+    assert refused and all(call.verb in ("event", "status") for call in refused)
+    assert world.kube.events == []
+    assert "status" not in world.kube.owner(NAMESPACE, NAME)
+
+
+# -------------------------------------------------------------------------------------------- invalid spec
+
+
+def test_an_invalid_spec_is_reported_once_and_children_are_left_alone(world: World) -> None:
+    world.converge()
+    world.put_spec(invalid(document()))
+    outcome, calls = world.pass_calls()
+    assert outcome.result == "invalid"
+    assert verbs(calls) == [f"status PDService {NAME} ok", f"event Event {NAME} ok"]
+    degraded = world.condition("Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["observedGeneration"]) == ("True", "InvalidSpec", 2)
+    assert "spec.prefill.gpusPerPod" in degraded["message"]
+    assert world.condition("Progressing")["reason"] == "InvalidSpec"
+    assert len(world.warnings("InvalidSpec")) == 1
+    # No retry storm: nothing changes until the user edits the spec, so the next passes write nothing.
+    for _ in range(2):
+        outcome, calls = world.pass_calls()
+        assert (outcome.result, calls) == ("invalid", [])
+
+
+def test_an_invalid_new_pdservice_creates_nothing(world: World) -> None:
+    world.put_spec(invalid(document()))
+    outcome, calls = world.pass_calls()
+    assert outcome.result == "invalid"
+    assert not [call for call in calls if call.verb in ("apply", "delete")]
+    assert world.condition("Degraded")["reason"] == "InvalidSpec"
+    assert len(world.warnings("InvalidSpec")) == 1
