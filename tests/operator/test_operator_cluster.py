@@ -76,6 +76,21 @@ def rendered(cluster: ClusterHelper, namespace: str, name: str) -> list[dict[str
     return render(validate({k: v for k, v in body.items() if k != "status"}))
 
 
+def pdservice_count(cluster: ClusterHelper, namespace: str) -> int:
+    return len(cluster.get_json("pdservices.pdserve.io", f"--namespace={namespace}").get("items", []))
+
+
+def wait_resyncs(cluster: ClusterHelper, namespace: str, operator: OperatorProcess, rounds: int) -> None:
+    """Wait for about `rounds` reconcile passes of every PDService in the namespace (the pass counter is not per
+    PDService; each resync queues all of them): the counted event before asserting something did not happen."""
+    operator.wait_reconciles(rounds * max(1, pdservice_count(cluster, namespace)))
+
+
+def settle(cluster: ClusterHelper, namespace: str, operator: OperatorProcess) -> None:
+    """Wait until a full resync round of passes wrote nothing (trailing status updates of a rollout are over)."""
+    operator.wait_quiet(max(1, pdservice_count(cluster, namespace)))
+
+
 def matches_render(cluster: ClusterHelper, namespace: str, name: str) -> bool:
     observed = {(o["kind"], o["metadata"]["name"]): o for o in children(cluster, namespace, name)}
     for obj in rendered(cluster, namespace, name):
@@ -210,11 +225,10 @@ def test_noop_reconcile_writes_nothing(
 ) -> None:
     # Let any trailing status updates settle, then watch several resync passes plus an event-triggered one.
     wait_for(lambda: condition(pds_get(cluster, namespace, llama), "Progressing").get("status") == "False", 60)
-    time.sleep(4)
+    settle(cluster, namespace, operator)
     writes = operator.writes()
-    passes = operator.total("pdserve_operator_reconciles_total{")
     cluster.kubectl("annotate", "pdservices.pdserve.io", llama, f"--namespace={namespace}", "touched=1", "--overwrite")
-    wait_for(lambda: operator.total("pdserve_operator_reconciles_total{") >= passes + 3, 30)
+    wait_resyncs(cluster, namespace, operator, 3)
     assert operator.writes() == writes
 
 
@@ -319,9 +333,10 @@ def test_empty_string_fields_settle(cluster: ClusterHelper, namespace: str, oper
             60,
             message="Progressing to become False",
         )
-        time.sleep(2)
+        # Mistaking the omitted fields for drift would re-apply on every pass and never settle.
+        settle(cluster, namespace, operator)
         writes = operator.writes()
-        time.sleep(8)  # several resync periods (3 s)
+        wait_resyncs(cluster, namespace, operator, 3)
         assert operator.writes() == writes
     finally:
         cluster.kubectl("delete", "pdservices.pdserve.io", "blank", f"--namespace={namespace}")
@@ -347,7 +362,7 @@ def test_owned_leftovers_are_pruned_and_foreign_objects_kept(
         30,
         message="the leftover ConfigMap to be pruned",
     )
-    time.sleep(2)
+    wait_resyncs(cluster, namespace, operator, 2)  # passes after the prune that saw the foreign object too
     assert cluster.kubectl("get", "configmap", "llama-foreign", f"--namespace={namespace}", check=False).returncode == 0
     events = cluster.get_json("events", f"--namespace={namespace}", f"--field-selector=involvedObject.name={llama}")
     assert any(e["reason"] == "Pruned" and "llama-leftover" in e["message"] for e in events["items"])
@@ -381,9 +396,16 @@ def test_invalid_spec_is_reported_and_children_untouched(
     item = wait_for(degraded, 30)
     assert item["status"] == "True"
     assert "spec.prefill.gpusPerPod" in item["message"]
-    # No retry storm: over several resync periods the operator writes nothing more.
+
+    def invalid_spec_event() -> bool:
+        events = cluster.get_json("events", f"--namespace={namespace}", f"--field-selector=involvedObject.name={llama}")
+        return any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events["items"])
+
+    # The event is the pass's last write (after the status): once it is visible, the pass's writes are counted.
+    wait_for(invalid_spec_event, 30, message="the InvalidSpec event")
+    # No retry storm: over several passes that each find the spec invalid, the operator writes nothing more.
     writes = operator.writes()
-    time.sleep(7)
+    operator.wait_reconciles(3, result="invalid")
     assert operator.writes() == writes
     after = {
         (o["kind"], o["metadata"]["name"]): o["metadata"]["resourceVersion"]
@@ -391,8 +413,6 @@ def test_invalid_spec_is_reported_and_children_untouched(
     }
     workloads = {k: v for k, v in after.items() if k[0] in ("StatefulSet", "Deployment", "ConfigMap", "Service")}
     assert workloads == {k: v for k, v in versions.items() if k in workloads}
-    events = cluster.get_json("events", f"--namespace={namespace}", f"--field-selector=involvedObject.name={llama}")
-    assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events["items"])
 
     # Fixing the spec recovers.
     fixed = copy.deepcopy(broken)

@@ -20,6 +20,7 @@ from typing import Any
 
 from pdserve_dev.testing.metrics import samples, scrape_sync
 from pdserve_dev.testing.net import free_port
+from pdserve_dev.testing.wait import WaitTimeoutError, wait_for
 
 CPU_NODE = "pdserve-operator-tests-cpu"
 
@@ -129,6 +130,38 @@ class OperatorProcess:
 
     def writes(self) -> float:
         return self.total("pdserve_operator_writes_total{")
+
+    def reconciles(self, result: str | None = None) -> float:
+        """Finished reconcile passes (`pdserve_operator_reconciles_total`): all of them, or those of one `result`
+        (noop, status, applied, invalid, gone, error, not_leader)."""
+        if result is None:
+            return self.total("pdserve_operator_reconciles_total{")
+        return self.metrics().get(f'pdserve_operator_reconciles_total{{result="{result}"}}', 0.0)
+
+    def wait_reconciles(self, passes: int, result: str | None = None, timeout: float = 60.0) -> float:
+        """Wait until `passes` more passes (of `result`, when given) have finished; returns the new count.
+
+        This is the counted event a test waits for before asserting that something did *not* happen ("no writes",
+        "not pruned"): with it, the assertion covers that many passes whatever the machine's speed, where a sleep
+        would cover an unknown number of them, possibly none."""
+        target = self.reconciles(result) + passes
+        return wait_for(
+            lambda: (count := self.reconciles(result)) >= target and count,
+            timeout,
+            message=lambda: f"{passes} more reconcile passes (result={result or 'any'}); log:\n{self.log_tail(20)}",
+        )
+
+    def wait_quiet(self, passes: int, timeout: float = 90.0) -> None:
+        """Wait until `passes` consecutive passes finished without a single write: the operator has settled (the
+        trailing status updates of a rollout are done). Times out if every window of passes writes something."""
+        deadline = time.monotonic() + timeout
+        while True:
+            writes = self.writes()
+            self.wait_reconciles(passes, timeout=max(1.0, deadline - time.monotonic()))
+            if self.writes() == writes:
+                return
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"the operator kept writing for {timeout:.0f}s; log:\n{self.log_tail(20)}")
 
     def is_leader(self) -> bool:
         try:
