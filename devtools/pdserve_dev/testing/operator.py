@@ -157,11 +157,15 @@ class OperatorProcess:
         deadline = time.monotonic() + timeout
         while True:
             writes = self.writes()
-            self.wait_reconciles(passes, timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                self.wait_reconciles(passes, timeout=max(0.0, deadline - time.monotonic()))
+            except WaitTimeoutError:
+                raise WaitTimeoutError(
+                    f"no {passes} passes in a row without a write within {timeout:.0f}s (writes went from "
+                    f"{writes:.0f} to {self.writes():.0f}); log:\n{self.log_tail(20)}"
+                ) from None
             if self.writes() == writes:
                 return
-            if time.monotonic() >= deadline:
-                raise WaitTimeoutError(f"the operator kept writing for {timeout:.0f}s; log:\n{self.log_tail(20)}")
 
     def is_leader(self) -> bool:
         try:
