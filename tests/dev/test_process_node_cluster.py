@@ -478,9 +478,12 @@ def test_process_node_registers_restarts_its_pods_and_stops_them(
     pods_dir = tmp_path / "node" / "pids"
     node.start()
     try:
+        # `kubectl get` with check=False: "not registered yet" is a reason to poll again, not a verdict (a failed
+        # check raises AssertionError, which wait_for rightly never retries).
         registered = wait_for(
             lambda: (
-                (n := cluster.get_json("node", name))
+                (proc := cluster.kubectl("get", "node", name, "-o", "json", check=False)).returncode == 0
+                and (n := json.loads(proc.stdout))
                 and any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
                 and n
             ),
