@@ -1,4 +1,4 @@
-"""kopf registration only: watch PDServices and every child kind, feed the controller. No logic here.
+"""kopf registration only: watch PDServices and every child kind, feed the controller, log in. No reconcile logic.
 
 All handlers are `on.event` (level-triggered, no kopf bookkeeping written to objects) and return None. Child kinds
 are watched with a server-side label selector (`app.kubernetes.io/managed-by=pdserve-operator`), so the operator
