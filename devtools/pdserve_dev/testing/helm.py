@@ -24,9 +24,9 @@ class HelmError(AssertionError):
 
 def helm(*args: str, check: bool = True, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     """Run the built helm with `args`; raise HelmError with its stderr when `check` and it fails."""
-    proc = subprocess.run(
-        [str(build.binary("helm")), *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+    # Built on first use when missing (a few minutes cold), like the cluster's binaries; cached afterwards.
+    binary = build.ensure_binaries(("helm",)) / "helm"
+    proc = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise HelmError(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip()}")
     return proc
