@@ -10,6 +10,10 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff format --check .
 .venv/bin/mypy pdserve operator/pdserve_operator runtime/pdserve_runtime sim/pdserve_sim devtools/pdserve_dev tests bench
 .venv/bin/lint-imports
+# YAML the repository ships as plain files (the chart's templates are not YAML: the chart tests lint what they
+# render, next to `helm lint --strict`), and the Dockerfile.
+.venv/bin/yamllint --strict charts examples crds gitops .yamllint.yaml
+.venv/bin/hadolint --failure-threshold warning Dockerfile
 
 # tests/conftest.py moves the session into a private network namespace holding only loopback (when root), so
 # nothing a test starts can reach beyond this machine.

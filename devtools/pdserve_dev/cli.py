@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from pdserve_dev.cluster import build as build_mod
-from pdserve_dev.cluster import netns, versions
+from pdserve_dev.cluster import netns, tools, versions
 from pdserve_dev.cluster.cluster import (
     PROCESS_NODE_MODULE,
     ClusterError,
@@ -100,7 +100,8 @@ def _resolve(name: str, workdir: Path | None) -> Path:
 )
 @click.argument("binaries", nargs=-1)
 def build_command(force: bool, prune_go_cache: bool, binaries: tuple[str, ...]) -> None:
-    """Build the pinned binaries (all, or the named ones) into the cache; cached ones are skipped."""
+    """Build the pinned binaries (all, or the named ones) into the cache, and with no names the check tools too;
+    cached ones are skipped."""
     click.echo(
         f"Kubernetes {versions.KUBERNETES_VERSION}, etcd {versions.ETCD_VERSION}, kwok {versions.KWOK_VERSION}, "
         f"helm {versions.HELM_VERSION} -> {build_mod.bin_dir()}"
@@ -117,6 +118,12 @@ def build_command(force: bool, prune_go_cache: bool, binaries: tuple[str, ...]) 
     )
     if report.failed:
         raise click.ClickException("Could not build: " + ", ".join(r.name for r in report.failed))
+    if not binaries:
+        # The check tools the tests use (kstatus-check, the Prometheus Operator CRDs), cached under their own key.
+        try:
+            tools.ensure_all(log=click.echo)
+        except build_mod.BuildError as exc:
+            raise click.ClickException(str(exc)) from exc
     if prune_go_cache:
         build_mod.prune_go_build_cache()
         click.echo(f"Removed the Go build cache {build_mod.cache_root() / 'go' / 'build'}.")

@@ -14,6 +14,16 @@ Conditions (metav1.Condition shape, the Deployment convention):
   ImagePullFailed, RouterUnavailable (the router Deployment gave up: ProgressDeadlineExceeded/ReplicaFailure).
   False/AsExpected otherwise. Not-yet-ready pods that are simply starting are Progressing, not Degraded.
 
+GitOps conditions (kstatus, the rules Flux, kpt and cli-utils apply; Argo CD's health check in gitops/ reads them
+too), derived from the three above so that exactly one of them is True at any time:
+- Ready: Available, nothing progressing, nothing degraded. kstatus reads Ready=True as Current.
+- Stalled: the operator cannot make progress without a human: InvalidSpec, ApplyFailed (the API server refused a
+  child), CrashLooping engines, RouterUnavailable (the router Deployment gave up). kstatus: Failed.
+- Reconciling: everything else that is not Ready: children being applied or rolling out, pods pending (a cluster
+  autoscaler may still add the GPU nodes), images being pulled, endpoints not ready yet. kstatus: InProgress.
+Together with `observedGeneration` (written on every status write; kstatus reports InProgress until it equals
+`metadata.generation`) this gives GitOps tools a verdict that never passes vacuously.
+
 `merge_conditions` keeps `lastTransitionTime` of a condition whose status did not change, so an unchanged world
 computes a byte-identical status and the reconcile writes nothing.
 """
@@ -34,7 +44,12 @@ from pdserve_operator.render.router import router_endpoint
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED)
+READY = "Ready"
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
+CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED, READY, RECONCILING, STALLED)
+STALLED_REASONS = frozenset({"InvalidSpec", "ApplyFailed", "CrashLooping", "RouterUnavailable"})
+"""Degraded reasons that need a human (kstatus' Stalled); other Degraded reasons resolve on their own."""
 # How many offending pods a condition message names before it says "and N more".
 _MAX_PODS_IN_MESSAGE = 3
 
@@ -238,6 +253,34 @@ def degraded_condition(facts: Facts, apply_errors: Sequence[str]) -> ConditionVa
     return ConditionValue(DEGRADED, "False", "AsExpected", "")
 
 
+def gitops_conditions(
+    available: ConditionValue, progressing: ConditionValue, degraded: ConditionValue
+) -> list[ConditionValue]:
+    """Ready, Reconciling and Stalled (kstatus semantics) from the three core conditions; exactly one is True."""
+    stalled = degraded.status == "True" and degraded.reason in STALLED_REASONS
+    ready = available.status == "True" and progressing.status != "True" and degraded.status != "True"
+    if stalled:
+        cause = degraded
+    elif degraded.status == "True":
+        cause = degraded  # e.g. PodsPending: more telling than "RollingOut"
+    elif progressing.status == "True":
+        cause = progressing
+    else:
+        cause = available  # e.g. the router's endpoints are not ready yet
+    reconciling = not (ready or stalled)
+    return [
+        ConditionValue(READY, "True", "AllReady", available.message)
+        if ready
+        else ConditionValue(READY, "False", cause.reason, cause.message),
+        ConditionValue(RECONCILING, "True", cause.reason, cause.message)
+        if reconciling
+        else ConditionValue(RECONCILING, "False", "Stalled" if stalled else "Complete", ""),
+        ConditionValue(STALLED, "True", cause.reason, cause.message)
+        if stalled
+        else ConditionValue(STALLED, "False", "AsExpected", ""),
+    ]
+
+
 def merge_conditions(
     old: Sequence[Mapping[str, Any]], new: Sequence[ConditionValue], generation: int | None, now: str
 ) -> list[dict[str, Any]]:
@@ -330,17 +373,14 @@ def compute_status(
     available = available_condition(facts)
     if problems:
         message = "; ".join(str(problem) for problem in problems)
-        conditions = [
-            available,
-            ConditionValue(PROGRESSING, "False", "InvalidSpec", "the spec is invalid; children were left unchanged"),
-            ConditionValue(DEGRADED, "True", "InvalidSpec", message),
-        ]
+        progressing = ConditionValue(
+            PROGRESSING, "False", "InvalidSpec", "the spec is invalid; children were left unchanged"
+        )
+        degraded = ConditionValue(DEGRADED, "True", "InvalidSpec", message)
     else:
-        conditions = [
-            available,
-            progressing_condition(facts, applied, apply_errors),
-            degraded_condition(facts, apply_errors),
-        ]
+        progressing = progressing_condition(facts, applied, apply_errors)
+        degraded = degraded_condition(facts, apply_errors)
+    conditions = [available, progressing, degraded, *gitops_conditions(available, progressing, degraded)]
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions") or [], conditions, generation, now),

@@ -372,7 +372,9 @@ class PDServiceSpec(ApiModel):
 class Condition(ApiModel):
     """A metav1.Condition."""
 
-    type: str = Field(description="Condition type: Available, Progressing or Degraded.")
+    type: str = Field(
+        description="Condition type: Available, Progressing, Degraded; Ready, Reconciling, Stalled (kstatus, GitOps)."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     observed_generation: int | None = Field(default=None, description="Generation the condition was set for.")
     last_transition_time: str = Field(description="When the status last flipped (RFC 3339).")
@@ -394,7 +396,10 @@ class PDServiceStatus(ApiModel):
     observed_generation: int | None = Field(default=None, description="Last spec generation acted on.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Available, Progressing, Degraded.",
+        description=(
+            "Available, Progressing, Degraded, and kstatus' Ready, Reconciling, Stalled (exactly one of these three is "
+            "True: Ready when serving and up to date, Stalled when a human must act, Reconciling otherwise)."
+        ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     prefill: PoolStatus | None = Field(default=None, description="Prefill pool.")

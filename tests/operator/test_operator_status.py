@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
+from pdserve_dev.cluster import tools
 from pdserve_operator import status as st
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
@@ -104,93 +107,147 @@ def crashing_pod(name: str) -> dict[str, Any]:
     }
 
 
+def pulling_pod(name: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [
+                {"name": "vllm", "restartCount": 0, "state": {"waiting": {"reason": "ImagePullBackOff"}}}
+            ],
+        },
+    }
+
+
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 
 
-@pytest.mark.parametrize(
-    ("snap", "expected"),
-    [
-        (
-            healthy(),
-            {
-                "Available": ("True", "MinimumReplicasAvailable"),
-                "Progressing": ("False", "Complete"),
-                "Degraded": ("False", "AsExpected"),
-            },
+# (observed children, expected conditions): the table every rule is checked against, here and by kstatus below.
+CASES: list[tuple[st.Snapshot, dict[str, tuple[str, str]]]] = [
+    (
+        healthy(),
+        {
+            "Available": ("True", "MinimumReplicasAvailable"),
+            "Progressing": ("False", "Complete"),
+            "Degraded": ("False", "AsExpected"),
+            "Ready": ("True", "AllReady"),
+            "Reconciling": ("False", "Complete"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+    (
+        snapshot(),
+        {
+            "Available": ("False", "DecodeUnavailable"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": ("False", "AsExpected"),
+            "Ready": ("False", "RollingOut"),
+            "Reconciling": ("True", "RollingOut"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+    (
+        snapshot(sts("prefill", 2, 0), sts("decode", 4, 4), router(2)),
+        {
+            "Available": ("False", "PrefillUnavailable"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": ("False", "AsExpected"),
+            "Ready": ("False", "RollingOut"),
+            "Reconciling": ("True", "RollingOut"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+    (
+        snapshot(sts("prefill", 2, 2), sts("decode", 4, 4), router(2), slices=[slice_(ready=False)]),
+        {
+            "Available": ("False", "RouterUnavailable"),
+            "Progressing": ("False", "Complete"),
+            "Degraded": ("False", "AsExpected"),
+            "Ready": ("False", "RouterUnavailable"),
+            "Reconciling": ("True", "RouterUnavailable"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+    (
+        snapshot(sts("prefill", 2, 1, updated=1, revisions=("r1", "r2")), sts("decode", 4, 4), router(2)),
+        {
+            "Available": ("True", "MinimumReplicasAvailable"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": ("False", "AsExpected"),
+            "Ready": ("False", "RollingOut"),
+            "Reconciling": ("True", "RollingOut"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+    (
+        snapshot(
+            sts("prefill", 2, 0),
+            sts("decode", 4, 4),
+            router(2),
+            pods=[pending_pod("llama-8b-prefill-0", "0/16 nodes are available: 16 Insufficient nvidia.com/gpu.")],
         ),
-        (
-            snapshot(),
-            {
-                "Available": ("False", "DecodeUnavailable"),
-                "Progressing": ("True", "RollingOut"),
-                "Degraded": ("False", "AsExpected"),
-            },
+        {
+            "Available": ("False", "PrefillUnavailable"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": ("True", "PodsPending"),
+            "Ready": ("False", "PodsPending"),
+            "Reconciling": ("True", "PodsPending"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+    (
+        snapshot(sts("prefill", 2, 2), sts("decode", 4, 3), router(2), pods=[crashing_pod("llama-8b-decode-3")]),
+        {
+            "Available": ("True", "MinimumReplicasAvailable"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": ("True", "CrashLooping"),
+            "Ready": ("False", "CrashLooping"),
+            "Reconciling": ("False", "Stalled"),
+            "Stalled": ("True", "CrashLooping"),
+        },
+    ),
+    (
+        snapshot(
+            sts("prefill", 2, 2),
+            sts("decode", 4, 4),
+            router(0, conditions=[{"type": "Progressing", "status": "False", "message": "deadline exceeded"}]),
         ),
-        (
-            snapshot(sts("prefill", 2, 0), sts("decode", 4, 4), router(2)),
-            {
-                "Available": ("False", "PrefillUnavailable"),
-                "Progressing": ("True", "RollingOut"),
-                "Degraded": ("False", "AsExpected"),
-            },
-        ),
-        (
-            snapshot(sts("prefill", 2, 2), sts("decode", 4, 4), router(2), slices=[slice_(ready=False)]),
-            {
-                "Available": ("False", "RouterUnavailable"),
-                "Progressing": ("False", "Complete"),
-                "Degraded": ("False", "AsExpected"),
-            },
-        ),
-        (
-            snapshot(sts("prefill", 2, 1, updated=1, revisions=("r1", "r2")), sts("decode", 4, 4), router(2)),
-            {
-                "Available": ("True", "MinimumReplicasAvailable"),
-                "Progressing": ("True", "RollingOut"),
-                "Degraded": ("False", "AsExpected"),
-            },
-        ),
-        (
-            snapshot(
-                sts("prefill", 2, 0),
-                sts("decode", 4, 4),
-                router(2),
-                pods=[pending_pod("llama-8b-prefill-0", "0/16 nodes are available: 16 Insufficient nvidia.com/gpu.")],
-            ),
-            {
-                "Available": ("False", "PrefillUnavailable"),
-                "Progressing": ("True", "RollingOut"),
-                "Degraded": ("True", "PodsPending"),
-            },
-        ),
-        (
-            snapshot(sts("prefill", 2, 2), sts("decode", 4, 3), router(2), pods=[crashing_pod("llama-8b-decode-3")]),
-            {
-                "Available": ("True", "MinimumReplicasAvailable"),
-                "Progressing": ("True", "RollingOut"),
-                "Degraded": ("True", "CrashLooping"),
-            },
-        ),
-        (
-            snapshot(
-                sts("prefill", 2, 2),
-                sts("decode", 4, 4),
-                router(0, conditions=[{"type": "Progressing", "status": "False", "message": "deadline exceeded"}]),
-            ),
-            {
-                "Available": ("False", "RouterUnavailable"),
-                "Progressing": ("True", "RollingOut"),
-                "Degraded": ("True", "RouterUnavailable"),
-            },
-        ),
-    ],
-)
+        {
+            "Available": ("False", "RouterUnavailable"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": ("True", "RouterUnavailable"),
+            "Ready": ("False", "RouterUnavailable"),
+            "Reconciling": ("False", "Stalled"),
+            "Stalled": ("True", "RouterUnavailable"),
+        },
+    ),
+    (
+        snapshot(sts("prefill", 2, 2), sts("decode", 4, 3), router(2), pods=[pulling_pod("llama-8b-decode-3")]),
+        {
+            "Available": ("True", "MinimumReplicasAvailable"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": ("True", "ImagePullFailed"),
+            "Ready": ("False", "ImagePullFailed"),
+            "Reconciling": ("True", "ImagePullFailed"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("snap", "expected"), CASES)
 def test_conditions(snap: st.Snapshot, expected: dict[str, tuple[str, str]]) -> None:
     status = st.compute_status(body(), snap, pds=pds(), now=T0)
     assert conditions(status) == expected
     assert status["observedGeneration"] == 3
     assert all(c["observedGeneration"] == 3 for c in status["conditions"])
+    # kstatus: exactly one verdict, Current (Ready), InProgress (Reconciling) or Failed (Stalled).
+    gitops = {c["type"]: c for c in status["conditions"] if c["type"] in ("Ready", "Reconciling", "Stalled")}
+    assert len([t for t, c in gitops.items() if c["status"] == "True"]) == 1
+    # A condition that is not Ready says why, with the cause's message.
+    if gitops["Ready"]["status"] == "False":
+        assert gitops["Ready"]["message"]
 
 
 def test_pods_pending_carries_the_scheduler_message() -> None:
@@ -219,7 +276,14 @@ def test_transition_time_moves_only_when_status_flips() -> None:
     # Available flips: only its time moves; a reason change without a flip keeps the time.
     later = st.compute_status(body(first), healthy(), pds=pds(), now=T1)
     times = {c["type"]: c["lastTransitionTime"] for c in later["conditions"]}
-    assert times == {"Available": T1, "Progressing": T1, "Degraded": T0}
+    assert times == {
+        "Available": T1,
+        "Progressing": T1,
+        "Degraded": T0,
+        "Ready": T1,
+        "Reconciling": T1,
+        "Stalled": T0,
+    }
 
 
 def test_invalid_spec_keeps_last_good_endpoint_and_reports_every_problem() -> None:
@@ -230,6 +294,9 @@ def test_invalid_spec_keeps_last_good_endpoint_and_reports_every_problem() -> No
         "Available": ("True", "MinimumReplicasAvailable"),
         "Progressing": ("False", "InvalidSpec"),
         "Degraded": ("True", "InvalidSpec"),
+        "Ready": ("False", "InvalidSpec"),
+        "Reconciling": ("False", "Stalled"),
+        "Stalled": ("True", "InvalidSpec"),
     }
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["message"] == "spec.prefill.gpusPerPod: too few; spec.engine.sideChannelPort: clash"
@@ -252,8 +319,55 @@ def test_refused_apply_is_not_reported_as_complete() -> None:
         "Available": ("True", "MinimumReplicasAvailable"),
         "Progressing": ("False", "ApplyFailed"),
         "Degraded": ("True", "ApplyFailed"),
+        "Ready": ("False", "ApplyFailed"),
+        "Reconciling": ("False", "Stalled"),
+        "Stalled": ("True", "ApplyFailed"),
     }
     # While other children are still rolling out, that is what Progressing reports.
     rolling = snapshot(sts("prefill", 2, 1, updated=1, revisions=("r1", "r2")), sts("decode", 4, 4), router(2))
     status = st.compute_status(body(), rolling, pds=pds(), apply_errors=errors, now=T0)
     assert conditions(status)["Progressing"] == ("True", "RollingOut")
+    # Still stalled: the refusal needs a human even while other children roll out.
+    assert conditions(status)["Stalled"] == ("True", "ApplyFailed")
+    assert conditions(status)["Reconciling"] == ("False", "Stalled")
+
+
+def _kstatus(objects: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """kstatus' own verdict (sigs.k8s.io/cli-utils pkg/kstatus, built from the Go module proxy and cached)."""
+    binary = tools.kstatus_binary()
+    proc = subprocess.run(
+        [str(binary)], input=json.dumps(objects), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    verdicts: list[dict[str, str]] = json.loads(proc.stdout)
+    return verdicts
+
+
+def test_kstatus_reads_every_status_as_the_conditions_say() -> None:
+    """Feed the real kstatus library (what Flux, kpt and cli-utils run) every status of the table: Ready means
+    Current, Reconciling InProgress, Stalled Failed; and a status of an older generation is never Current."""
+    objects, expected = [], []
+    for snap, conds in CASES:
+        objects.append(body(st.compute_status(body(), snap, pds=pds(), now=T0)))
+        verdict = {"Ready": "Current", "Reconciling": "InProgress", "Stalled": "Failed"}
+        expected.append(next(verdict[t] for t in verdict if conds[t][0] == "True"))
+    problems = [Problem("spec.prefill.gpusPerPod", "too few")]
+    objects.append(body(st.compute_status(body(), healthy(), pds=pds(), problems=problems, now=T0)))
+    expected.append("Failed")
+    # The user edited the spec (generation 4) and the operator has not acted on it yet: the Ready status it wrote
+    # for generation 3 must not count.
+    objects.append(body(st.compute_status(body(), healthy(), pds=pds(), now=T0), generation=4))
+    expected.append("InProgress")
+    # No status at all (no operator running): kstatus' rule for kinds it does not know says Current. Recorded here
+    # because it is why the README asks Flux users for healthCheckExprs and why Argo CD's health.lua says
+    # Progressing for it.
+    objects.append(body())
+    expected.append("Current")
+
+    verdicts = _kstatus(objects)
+    assert [v["status"] for v in verdicts] == expected, verdicts
+    # kstatus repeats the Stalled/Reconciling message: what `flux get` or `kpt live status` shows.
+    first_stalled = expected.index("Failed")
+    assert verdicts[first_stalled]["message"] == next(
+        c["message"] for c in objects[first_stalled]["status"]["conditions"] if c["type"] == "Stalled"
+    )

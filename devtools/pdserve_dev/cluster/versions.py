@@ -37,6 +37,17 @@ PROMETHEUS_BUILD_TAGS: tuple[str, ...] = ("remove_all_sd", "enable_kubernetes_sd
 """Leave out every service discovery but Kubernetes (file and HTTP discovery are always in): Prometheus' own
 build tags for slim builds. The cloud providers' SDKs would double the build time and the download for nothing."""
 
+# Check tools (`tools.py`), built or fetched from the Go module proxy under a cache key of their own, so changing
+# them never rebuilds the cluster's binaries.
+CLI_UTILS_VERSION = "v0.37.2"
+"""sigs.k8s.io/cli-utils, whose pkg/kstatus computes the health Flux and kpt read from conditions."""
+
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+"""github.com/prometheus-operator/prometheus-operator, whose module carries the monitoring.coreos.com CRDs."""
+
+PROMETHEUS_OPERATOR_SUM = "h1:M5xLCLEoaW2IJfnuCwFzzpL+jSVQu3KGT84Pye+fW8s="
+"""The module's go.sum hash: the CRDs are checked against it as well as against the checksum database."""
+
 # Every k8s.io module that k8s.io/kubernetes' go.mod replaces with ./staging/src/k8s.io/<name>. A module
 # outside the main module cannot use those directory replacements, so our go.mod pins each one to the
 # published tag instead. The list is the `replace` block of k8s.io/kubernetes v1.37's go.mod.

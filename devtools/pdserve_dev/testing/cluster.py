@@ -159,3 +159,21 @@ class ClusterHelper:
         from pdserve.api.kubeclient import new_api_client  # lazy: the kubernetes client is slow to import
 
         return new_api_client(self.kubeconfig)
+
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path, duration: str = "2h") -> Path:
+        """A kubeconfig that authenticates as ServiceAccount `namespace/name` with a TokenRequest token, written to
+        `path`: to run a component (the operator) under exactly the RBAC its pod would get."""
+        token = self.kubectl("create", "token", name, f"--namespace={namespace}", f"--duration={duration}").stdout
+        admin = yaml.safe_load(self.kubectl("config", "view", "--raw", "--minify", "--flatten").stdout)
+        cluster = admin["clusters"][0]
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [cluster],
+            "users": [{"name": name, "user": {"token": token.strip()}}],
+            "contexts": [{"name": name, "context": {"cluster": cluster["name"], "user": name, "namespace": namespace}}],
+            "current-context": name,
+        }
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path

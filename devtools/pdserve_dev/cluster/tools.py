@@ -1,0 +1,149 @@
+"""Check tools from the Go module proxy, cached like the cluster's binaries: kstatus-check and the Prometheus
+Operator CRDs.
+
+- `kstatus-check` is a ten-line Go program (`gomod/kstatus/main.go`) over sigs.k8s.io/cli-utils' kstatus, the
+  library Flux and kpt use to decide whether an object is Current, InProgress or Failed. Tests feed it the
+  statuses the operator computes, so the GitOps semantics are checked against the real rules.
+- The monitoring.coreos.com CRDs (ServiceMonitor, PodMonitor, PrometheusRule) come from the Prometheus Operator's
+  Go module (`example/prometheus-operator-crd/`), downloaded with `go mod download`, verified against the pinned
+  go.sum hash, and copied out, so the chart's monitoring objects can be dry-run against the real schemas.
+
+Layout under the cache root, beside `k8s/` (build.py):
+
+    tools/<key>/bin/kstatus-check
+    tools/<key>/prometheus-operator-crds/monitoring.coreos.com_*.yaml
+
+The key covers the pins and the kstatus sources only, so a change here never rebuilds kube-apiserver, and a cluster
+pin change never rebuilds these. The Go module and build caches are shared with build.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+import subprocess
+import time
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+from pdserve_dev.cluster import build, versions
+
+KSTATUS_BINARY = "kstatus-check"
+PROMETHEUS_OPERATOR_MODULE = "github.com/prometheus-operator/prometheus-operator"
+PROMETHEUS_OPERATOR_CRD_DIR = "example/prometheus-operator-crd"
+PROMETHEUS_OPERATOR_CRDS: tuple[str, ...] = (
+    "monitoring.coreos.com_servicemonitors.yaml",
+    "monitoring.coreos.com_podmonitors.yaml",
+    "monitoring.coreos.com_prometheusrules.yaml",
+)
+"""The kinds the chart renders (the other seven CRDs of the module are not needed to check it)."""
+
+# go.sum is not part of the key (as in build.py): it only pins hashes of what the pins already name.
+_KSTATUS_SOURCES = ("go.mod.tmpl", "main.go")
+
+
+def _kstatus_source(name: str) -> str:
+    path = resources.files("pdserve_dev.cluster").joinpath("gomod").joinpath("kstatus").joinpath(name)
+    return path.read_text() if path.is_file() else ""
+
+
+def cache_key() -> str:
+    """Changes exactly when a pin or a kstatus source changes."""
+    digest = hashlib.sha256()
+    for pin in (versions.CLI_UTILS_VERSION, versions.PROMETHEUS_OPERATOR_VERSION, versions.PROMETHEUS_OPERATOR_SUM):
+        digest.update(f"{pin}\n".encode())
+    for name in _KSTATUS_SOURCES:
+        digest.update(_kstatus_source(name).encode())
+    return f"tools-{digest.hexdigest()[:12]}"
+
+
+def tools_dir() -> Path:
+    return build.cache_root() / "tools" / cache_key()
+
+
+def kstatus_binary(log: Callable[[str], None] = print) -> Path:
+    """Path of kstatus-check, built on first use (about a minute cold; k8s.io packages come from the shared
+    build cache when the cluster was built)."""
+    target = tools_dir() / "bin" / KSTATUS_BINARY
+    if os.access(target, os.X_OK):
+        return target
+    go, _ = build.check_go()
+    with build._locked(tools_dir() / ".build.lock"):
+        if os.access(target, os.X_OK):  # another builder finished while we waited
+            return target
+        src = tools_dir() / "src" / "kstatus"
+        src.mkdir(parents=True, exist_ok=True)
+        template = string.Template(_kstatus_source("go.mod.tmpl"))
+        (src / "go.mod").write_text(template.substitute(cli_utils_version=versions.CLI_UTILS_VERSION))
+        (src / "main.go").write_text(_kstatus_source("main.go"))
+        known_sums = _kstatus_source("go.sum")
+        if known_sums:
+            (src / "go.sum").write_text(known_sums)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.parent / f".{KSTATUS_BINARY}.partial"
+        log(f"  {KSTATUS_BINARY:<24} building sigs.k8s.io/cli-utils {versions.CLI_UTILS_VERSION} kstatus ...")
+        started = time.monotonic()
+        proc = subprocess.run(
+            [str(go), "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), "."],
+            cwd=src,
+            env=build.go_env(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise build.BuildError(build._explain_failure(KSTATUS_BINARY, "sigs.k8s.io/cli-utils", proc.stderr))
+        partial.replace(target)
+        log(f"  {KSTATUS_BINARY:<24} built in {time.monotonic() - started:6.1f}s")
+    return target
+
+
+def prometheus_operator_crds(log: Callable[[str], None] = print) -> list[Path]:
+    """The ServiceMonitor, PodMonitor and PrometheusRule CRDs of the pinned Prometheus Operator."""
+    out_dir = tools_dir() / "prometheus-operator-crds"
+    paths = [out_dir / name for name in PROMETHEUS_OPERATOR_CRDS]
+    if all(path.is_file() for path in paths):
+        return paths
+    go, _ = build.check_go()
+    module = f"{PROMETHEUS_OPERATOR_MODULE}@{versions.PROMETHEUS_OPERATOR_VERSION}"
+    with build._locked(tools_dir() / ".build.lock"):
+        log(f"  prometheus-operator CRDs  downloading {module} ...")
+        proc = subprocess.run(
+            [str(go), "mod", "download", "-json", module],
+            env=build.go_env(),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
+        # `go mod download -json` reports a refusal inside the JSON (field Error) and exits non-zero.
+        try:
+            info = json.loads(proc.stdout or "{}")
+        except ValueError:
+            info = {}
+        if proc.returncode != 0 or info.get("Error"):
+            reason = info.get("Error") or proc.stderr.strip()
+            raise build.BuildError(f"the Go module proxy did not provide {module}: {reason}")
+        if info.get("Sum") != versions.PROMETHEUS_OPERATOR_SUM:
+            raise build.BuildError(
+                f"{module} has hash {info.get('Sum')}, expected {versions.PROMETHEUS_OPERATOR_SUM} (versions.py)"
+            )
+        source = Path(info["Dir"]) / PROMETHEUS_OPERATOR_CRD_DIR
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for path in paths:
+            partial = path.with_name(f".{path.name}.partial")
+            shutil.copyfile(source / path.name, partial)
+            partial.chmod(0o644)  # the module cache is read-only; our copy need not be
+            partial.replace(path)
+    return paths
+
+
+def ensure_all(log: Callable[[str], None] = print) -> None:
+    """Build or fetch every check tool that is not cached yet (what `pdserve dev cluster build` calls)."""
+    kstatus_binary(log)
+    prometheus_operator_crds(log)
