@@ -21,8 +21,7 @@ Operating notes:
 - No finalizer: children carry a controller ownerReference and are garbage-collected with their PDService.
 - kopf writes no bookkeeping at all (only `on.event` handlers, returning None); its progress/diffbase storage is
   configured to annotations anyway.
-- RBAC the operator needs: pdservices get/list/watch and pdservices/status patch; serviceaccounts, roles,
-  rolebindings, configmaps, services, statefulsets, deployments, poddisruptionbudgets get/list/watch/patch/delete;
-  pods and endpointslices get/list/watch (also needed to grant them in the router's Role); events create;
-  leases get/create/update; customresourcedefinitions and namespaces list/watch (kopf's resource discovery).
+- RBAC the operator needs: exactly the list in `charts/pdserve/files/operator-rbac.yaml`, which the chart renders
+  and its tests check (`kubectl auth can-i --list` against it). Note that children need `create` as well as
+  `patch`: server-side apply of an object that does not exist yet is authorised as a create.
 """
