@@ -124,6 +124,7 @@ class EffectiveEngine:
     args: tuple[str, ...]
     env: tuple[EnvVar, ...]
     shm_size: str = default("16Gi")
+    run_as_user: int | None = default(None, doc="unset: the image's user (root in vLLM's official image)")
 
 
 # ------------------------------------------------------------------------------------------------------- pools

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from pdserve.api import hostpaths
 from pdserve.api.defaulting import default_of, field_value, resolve
 from pdserve.api.defaults import EffectiveAutoscaling, EffectiveEngine, EffectivePool
 from pdserve.api.v1alpha1 import (
@@ -85,6 +86,19 @@ def _bounds_hold(scaling: AutoscalingSpec) -> bool:
     return bounds.min_replicas <= bounds.max_replicas
 
 
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(_cel_literal(value) for value in values) + "]"
+
+
+# A node path in spec.model.uri (hostpaths.py has the why): normalised, and clear of every system path.
+_NODE_PATH_NORMALISED = f"!self.uri.startsWith('/') || !self.uri.matches({_cel_literal(hostpaths.UNNORMALISED)})"
+_NODE_PATH_NOT_SYSTEM = (
+    "!self.uri.startsWith('/') || (self.uri != '/' && "
+    f"{_cel_list(hostpaths.SYSTEM_PATHS)}.all(p, self.uri != p && !self.uri.startsWith(p + '/') && "
+    "!p.startsWith(self.uri + '/')))"
+)
+
+
 def _tp_pairs(spec: PDServiceSpec) -> bool:
     if field_value(EffectiveEngine, spec.engine, "attention") == "mla":
         return True
@@ -133,6 +147,29 @@ RULES: tuple[CrossFieldRule[Any], ...] = (
         holds=lambda model: model.revision is None or model.uri.startswith("hf://"),
         message="revision applies to hf:// models only; remove it or use an hf:// uri",
         field="revision",
+    ),
+    CrossFieldRule(
+        name="model-node-path-normalised",
+        model=ModelSpec,
+        cel=_NODE_PATH_NORMALISED,
+        holds=lambda model: not hostpaths.is_node_path(model.uri) or hostpaths.is_normalised(model.uri),
+        message=(
+            "a node path must be normalised: no '.' or '..' segment, no '//' and no trailing '/'; write the folder "
+            "as it is on the node, e.g. /mnt/models/llama"
+        ),
+        field="uri",
+    ),
+    CrossFieldRule(
+        name="model-node-path-not-system",
+        model=ModelSpec,
+        cel=_NODE_PATH_NOT_SYSTEM,
+        holds=lambda model: not hostpaths.is_node_path(model.uri) or not hostpaths.touches_system_path(model.uri),
+        message=(
+            "a node path may not be, lie under or contain a system path (/, /etc, /proc, /sys, /dev, /root, /run, "
+            "/var/run, /var/lib/kubelet, /var/log, ...): the engine image is the author's and would read the node; "
+            "keep model weights in a folder of their own, e.g. /mnt/models/llama"
+        ),
+        field="uri",
     ),
     CrossFieldRule(
         name="autoscaling-min-le-max",

@@ -22,6 +22,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
+from pdserve.api.kubeformats import (
+    EnvVarName,
+    ExtendedResourceName,
+    LabelKey,
+    LabelSelectorMap,
+    LabelValue,
+    Namespace,
+    Quantity,
+    ResourceMap,
+    SecretName,
+    TolerationKey,
+)
+
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
 KIND = "PDService"
@@ -35,25 +48,12 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MAX_NAME_LENGTH = 40
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
-# Kubernetes resource quantity, e.g. "500m", "16Gi", "2": the suffixes apimachinery parses (binary Ki..Ei, decimal
-# n u m k M G T P E, or a decimal exponent), so a value the CRD admits never fails later in a rendered StatefulSet.
-Quantity = Annotated[
-    str,
-    StringConstraints(pattern=r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"),
-]
-# A label key such as "topology.kubernetes.io/zone" (optional DNS prefix, then a name).
-LabelKey = Annotated[
-    str,
-    StringConstraints(
-        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-        r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
-        max_length=316,
-    ),
-]
-# An extended resource name such as "nvidia.com/gpu" or "rdma/ib".
-ResourceName = Annotated[
-    str, StringConstraints(pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
-]
+# Kubernetes' own string formats (label keys and values, resource names, quantities, env var names, namespaces) come
+# from kubeformats, which checks them in Python and states them in the CRD alike: a value the CRD admits must never
+# be refused later by the API server in a rendered StatefulSet or Deployment.
+# Tolerations per list: far more than any node pool needs, and a bound the API server's CEL cost estimate needs (each
+# toleration key carries a CEL check; an unbounded list makes its estimated cost unbounded).
+MAX_TOLERATIONS = 64
 ImageRef = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^\S+$")]
 
 # Enumerations, named because the effective view (`defaults.py`) types its fields with them too.
@@ -89,7 +89,7 @@ class ApiModel(BaseModel):
 class EnvVar(ApiModel):
     """An environment variable, shaped like core/v1 EnvVar (valueFrom is passed through unchanged)."""
 
-    name: str = Field(min_length=1, description="Variable name.")
+    name: EnvVarName = Field(description="Variable name.")
     value: str | None = Field(default=None, description="Literal value.")
     value_from: dict[str, Any] | None = Field(
         default=None,
@@ -101,9 +101,11 @@ class EnvVar(ApiModel):
 class Toleration(ApiModel):
     """A pod toleration, shaped like core/v1 Toleration."""
 
-    key: str | None = Field(default=None, description="Taint key the toleration applies to; empty matches all.")
+    key: TolerationKey | None = Field(
+        default=None, description="Taint key the toleration applies to; empty matches all."
+    )
     operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal.")
-    value: str | None = Field(default=None, description="Taint value to match when operator is Equal.")
+    value: LabelValue | None = Field(default=None, description="Taint value to match when operator is Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to match; empty matches all effects."
     )
@@ -115,8 +117,8 @@ class Toleration(ApiModel):
 class ComputeResources(ApiModel):
     """CPU and memory (and any extra resources) of a container, as Kubernetes quantities."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests, e.g. cpu: '8'.")
-    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits, e.g. memory: 64Gi.")
+    requests: ResourceMap = Field(default_factory=dict, description="Resource requests, e.g. cpu: '8'.")
+    limits: ResourceMap = Field(default_factory=dict, description="Resource limits, e.g. memory: 64Gi.")
 
 
 # ----------------------------------------------------------------------------------------------------------- model
@@ -132,6 +134,7 @@ class ModelSpec(ApiModel):
     )
     uri: str = Field(
         pattern=r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|/.*)$",
+        max_length=1024,
         description=(
             "Where the weights come from: `hf://org/name` (downloaded by the engine from the Hugging Face hub), "
             "`pvc://claim/path` (a PersistentVolumeClaim mounted read-only), or an absolute path already on the node."
@@ -142,7 +145,7 @@ class ModelSpec(ApiModel):
         max_length=128,
         description="Model revision (hf:// only): a branch, tag or commit. Pin a commit for reproducible KV compat.",
     )
-    hf_token_secret: str | None = Field(
+    hf_token_secret: SecretName | None = Field(
         default=None,
         description="Name of a Secret with key HF_TOKEN, for gated hf:// models.",
     )
@@ -203,6 +206,16 @@ class EngineSpec(ApiModel):
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for both pools.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both pools.")
     shm_size: Quantity | None = Field(default=None, description="Size of the /dev/shm emptyDir.")
+    run_as_user: int | None = Field(
+        default=None,
+        ge=1,
+        le=2_147_483_647,
+        description=(
+            "Run the engine containers as this non-root user ID (with runAsNonRoot), which Pod Security "
+            "`restricted` requires. Only for images built for it: vLLM's official image runs as root and keeps "
+            "its caches under /root."
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ pools
@@ -211,7 +224,7 @@ class EngineSpec(ApiModel):
 class RdmaSpec(ApiModel):
     """The RDMA device resource a pod requests (e.g. from the RDMA shared device plugin)."""
 
-    resource_name: ResourceName | None = Field(default=None, description="Extended resource name.")
+    resource_name: ExtendedResourceName | None = Field(default=None, description="Extended resource name.")
     count: int | None = Field(default=None, ge=1, le=64, description="Devices per pod.")
 
 
@@ -244,8 +257,10 @@ class PoolSpec(ApiModel):
     gpus_per_pod: int | None = Field(default=None, ge=0, le=64, description="GPUs per pod.")
     rdma: RdmaSpec | None = Field(default=None, description="RDMA device request; used unless placement.rdma=off.")
     resources: ComputeResources | None = Field(default=None, description="CPU and memory of the engine container.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Extra node selector for this pool.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Extra tolerations for this pool.")
+    node_selector: LabelSelectorMap = Field(default_factory=dict, description="Extra node selector for this pool.")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=MAX_TOLERATIONS, description="Extra tolerations for this pool."
+    )
     max_num_seqs: int | None = Field(default=None, ge=1, description="vLLM --max-num-seqs for this pool.")
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1, description="vLLM --max-num-batched-tokens for this pool."
@@ -264,12 +279,13 @@ class PoolSpec(ApiModel):
 class PlacementSpec(ApiModel):
     """Where engine pods go: GPU nodes, RDMA, co-location of prefill and decode, and spreading."""
 
-    gpu_resource_name: ResourceName | None = Field(default=None, description="GPU resource.")
-    gpu_node_selector: dict[str, str] = Field(
+    gpu_resource_name: ExtendedResourceName | None = Field(default=None, description="GPU resource.")
+    gpu_node_selector: LabelSelectorMap = Field(
         default_factory=dict,
         description="Node selector for GPU nodes of both pools, e.g. the GPU product label.",
     )
     tolerations: list[Toleration] | None = Field(
+        max_length=MAX_TOLERATIONS,
         default=None,
         description="Tolerations for both pools.",
     )
@@ -334,10 +350,12 @@ class RouterSpec(ApiModel):
     service_type: ServiceType | None = Field(default=None, description="Router Service type.")
     routing: RoutingSpec | None = Field(default=None, description="Routing policy settings.")
     resources: ComputeResources | None = Field(default=None, description="Router container resources.")
-    node_selector: dict[str, str] = Field(
+    node_selector: LabelSelectorMap = Field(
         default_factory=dict, description="Node selector for router pods (they need no GPU; CPU nodes are best)."
     )
-    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations for router pods.")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=MAX_TOLERATIONS, description="Tolerations for router pods."
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ slo
@@ -419,7 +437,7 @@ class ObjectMeta(ApiModel):
         pattern=NAME_PATTERN,
         description="Object name; a DNS-1035 label short enough for the names derived from it.",
     )
-    namespace: str = Field(default="default", description="Namespace.")
+    namespace: Namespace = Field(default="default", description="Namespace.")
     uid: str | None = Field(default=None, description="Object UID (set by the API server).")
     generation: int | None = Field(default=None, description="Spec generation (set by the API server).")
     labels: dict[str, str] = Field(default_factory=dict, description="Labels.")

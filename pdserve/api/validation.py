@@ -20,7 +20,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pdserve.api import hostpaths, owned
 from pdserve.api.defaults import EffectivePool, EffectiveSpec, effective
+from pdserve.api.policy import DEFAULT_POLICY, HOST_PATH_FLAG, Policy
 from pdserve.api.rules import BY_MODEL
 from pdserve.api.v1alpha1 import ApiModel, EnvVar, PDService, PDServiceSpec, PoolSpec
 
@@ -42,34 +44,6 @@ class InvalidSpecError(ValueError):
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
         super().__init__("; ".join(str(p) for p in problems))
-
-
-# Engine flags pdserve sets itself. Passing them in `args` would silently fight the renderer (the last flag wins in
-# argparse), so they are rejected with a pointer to the field that owns them.
-OWNED_ENGINE_FLAGS: Mapping[str, str] = {
-    "--host": "the operator binds the engine to all interfaces",
-    "--port": "use spec.engine.port",
-    "--model": "use spec.model.uri",
-    "--served-model-name": "use spec.model.name",
-    "--revision": "use spec.model.revision",
-    "--tensor-parallel-size": "use spec.<pool>.tensorParallelSize",
-    "-tp": "use spec.<pool>.tensorParallelSize",
-    "--data-parallel-size": "use spec.<pool>.dataParallelSize",
-    "-dp": "use spec.<pool>.dataParallelSize",
-    "--kv-transfer-config": "use spec.engine.kvConnector",
-    "--kv-cache-dtype": "use spec.engine.kvCacheDtype",
-    "--block-size": "use spec.engine.blockSize",
-    "--max-model-len": "use spec.engine.maxModelLen",
-    "--max-num-seqs": "use spec.<pool>.maxNumSeqs",
-    "--max-num-batched-tokens": "use spec.<pool>.maxNumBatchedTokens",
-}
-OWNED_ENV: Mapping[str, str] = {
-    "VLLM_NIXL_SIDE_CHANNEL_HOST": "it is set to the pod IP",
-    "VLLM_NIXL_SIDE_CHANNEL_PORT": "use spec.engine.sideChannelPort",
-    "POD_NAME": "it is set from the downward API",
-    "POD_UID": "it is set from the downward API",
-    "POD_IP": "it is set from the downward API",
-}
 
 
 @dataclass(frozen=True)
@@ -95,8 +69,11 @@ class Validated:
         return self.pds, self.spec
 
 
-def validate(source: Mapping[str, Any] | PDService) -> Validated:
-    """Parse (unless given a parsed PDService) and check a PDService once: every problem, in the order found."""
+def validate(source: Mapping[str, Any] | PDService, policy: Policy = DEFAULT_POLICY) -> Validated:
+    """Parse (unless given a parsed PDService) and check a PDService once: every problem, in the order found.
+
+    `policy` is the cluster's (the operator's flags); the default allows nothing beyond the API itself.
+    """
     if isinstance(source, PDService):
         pds = source
     else:
@@ -105,24 +82,38 @@ def validate(source: Mapping[str, Any] | PDService) -> Validated:
         except ValidationError as exc:
             return Validated(None, None, tuple(sorted(_from_pydantic(exc))))
     spec = effective(pds.spec)
-    problems = [*_cross_field(pds.spec, "spec"), *(problem for rule in _RULES for problem in rule(pds.spec, spec))]
+    problems = [
+        *_cross_field(pds.spec, "spec"),
+        *(problem for rule in _RULES for problem in rule(pds.spec, spec)),
+        *_policy(pds.spec, policy),
+    ]
     return Validated(pds, spec, tuple(problems))
 
 
 # ------------------------------------------------------------------------------------------------ pydantic errors
 
 
+# A problem quotes the user's input to help find it, never at length: a hostile document (a megabyte-long scalar, a
+# list built from YAML aliases) must not turn into megabytes of errors.
+_ECHO_LIMIT = 60
+
+
+def _short(value: object) -> str:
+    text = repr(value) if not isinstance(value, (dict, list)) else f"a {type(value).__name__} of {len(value)}"
+    return text if len(text) <= _ECHO_LIMIT else text[:_ECHO_LIMIT] + "..."
+
+
 def _from_pydantic(exc: ValidationError) -> Iterator[Problem]:
     for error in exc.errors():
-        path = ".".join(str(part) for part in error["loc"]) or "<root>"
+        path = ".".join(_short(part) if len(str(part)) > _ECHO_LIMIT else str(part) for part in error["loc"])
         message = error["msg"]
         if error["type"] == "extra_forbidden":
             message = "unknown field; check the spelling against `pdserve crd`"
         elif error["type"] == "missing":
             message = "required field is missing"
         elif "input" in error and error["type"] not in {"model_type", "dict_type"}:
-            message = f"{message} (got {error['input']!r})"
-        yield Problem(path, message)
+            message = f"{message} (got {_short(error['input'])})"
+        yield Problem(path or "<root>", message)
 
 
 # ------------------------------------------------------------------------------------------- cross-field (table)
@@ -187,23 +178,25 @@ def _hub_token_needs_hf(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Pr
 
 
 def _owned_flags(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    # Every token, not only those in flag position: argparse reads any token that looks like a flag as one.
     sources: list[tuple[str, list[str]]] = [("spec.engine.args", spec.engine.args)]
     sources += [(f"{path}.args", pool.args) for path, pool, _ in _pools(spec, view)]
     for path, args in sources:
         for index, arg in enumerate(args):
-            flag = arg.split("=", 1)[0]
-            if flag in OWNED_ENGINE_FLAGS:
-                yield Problem(f"{path}[{index}]", f"{flag} is set by pdserve; {OWNED_ENGINE_FLAGS[flag]}")
+            problem = owned.flag_problem(arg)
+            if problem is not None:
+                yield Problem(f"{path}[{index}]", problem)
 
 
 def _owned_env(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    names = owned.owned_env(spec.model.hf_token_secret)
     sources: list[tuple[str, list[EnvVar]]] = [("spec.engine.env", spec.engine.env)]
     sources += [(f"{path}.env", pool.env) for path, pool, _ in _pools(spec, view)]
     for path, env in sources:
         yield from _duplicate_env(path, env)
         for index, var in enumerate(env):
-            if var.name in OWNED_ENV:
-                yield Problem(f"{path}[{index}].name", f"{var.name} is set by pdserve; {OWNED_ENV[var.name]}")
+            if var.name in names:
+                yield Problem(f"{path}[{index}].name", f"{var.name} is set by pdserve; {names[var.name]}")
 
 
 def _duplicate_env(path: str, env: Iterable[EnvVar]) -> Iterator[Problem]:
@@ -235,6 +228,56 @@ def _rdma_consistent(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Probl
             )
 
 
+# vLLM 0.32's CPU platform: its attention backend (CPU_ATTN) takes block sizes that are multiples of 32 ("No common
+# block size for 16 (CPU_ATTN: [MultipleOf(32)])" at start-up) and its NixlConnector registers KV buffers in host
+# memory only. GPU backends take multiples of 16, with a device or a host (kvBufferDevice cpu) buffer alike, so the
+# rule follows the engine's platform (a pool without GPUs), not kvBufferDevice. Python-only: it is a fact of the
+# engine version the image holds, not of the API, and the CRD should not have to change when vLLM does.
+CPU_BLOCK_MULTIPLE = 32
+
+
+def _cpu_engines(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    cpu_pools = [path for path, _, resolved in _pools(spec, view) if resolved.gpus_per_pod == 0]
+    if not cpu_pools:
+        return
+    which = " and ".join(f"{path}.gpusPerPod" for path in cpu_pools)
+    engine = view.engine
+    if engine.block_size % CPU_BLOCK_MULTIPLE != 0:
+        sizes = [size for size in (32, 64, 128) if size % CPU_BLOCK_MULTIPLE == 0]
+        yield Problem(
+            "spec.engine.blockSize",
+            f"engines without GPUs ({which} is 0) run vLLM's CPU backend, whose attention kernels need a block size "
+            f"that is a multiple of {CPU_BLOCK_MULTIPLE}, not {engine.block_size}; set blockSize to "
+            f"{', '.join(map(str, sizes[:-1]))} or {sizes[-1]}",
+        )
+    if engine.kv_buffer_device != "cpu":
+        yield Problem(
+            "spec.engine.kvBufferDevice",
+            f"engines without GPUs ({which} is 0) have no {engine.kv_buffer_device} device for NIXL's KV buffers; "
+            "set kvBufferDevice to cpu",
+        )
+
+
+def _policy(spec: PDServiceSpec, policy: Policy) -> Iterator[Problem]:
+    """The administrator's decisions (policy.py): node paths as model sources."""
+    uri = spec.model.uri
+    if not hostpaths.is_node_path(uri) or not hostpaths.is_normalised(uri) or hostpaths.touches_system_path(uri):
+        return  # not a node path, or one the rules table already refuses whatever the policy
+    if not policy.model_host_paths:
+        yield Problem(
+            "spec.model.uri",
+            "node paths are off on this cluster: an administrator allows folders with `pdserve operator "
+            f"{HOST_PATH_FLAG} PREFIX` (`pdserve validate {HOST_PATH_FLAG} PREFIX` checks against them); "
+            "or use hf:// or pvc://",
+        )
+    elif not policy.allows_model_host_path(uri):
+        yield Problem(
+            "spec.model.uri",
+            f"{uri} is not under a folder the administrator allows for model weights "
+            f"({', '.join(policy.model_host_paths)}); move the weights there, or use hf:// or pvc://",
+        )
+
+
 _RULES: tuple[Callable[[PDServiceSpec, EffectiveSpec], Iterable[Problem]], ...] = (
     _hub_token_needs_hf,
     _gpus_cover_parallelism,
@@ -243,4 +286,5 @@ _RULES: tuple[Callable[[PDServiceSpec, EffectiveSpec], Iterable[Problem]], ...] 
     _owned_env,
     _ports_distinct,
     _rdma_consistent,
+    _cpu_engines,
 )

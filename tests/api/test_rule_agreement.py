@@ -22,10 +22,12 @@ import yaml
 
 from pdserve.api.rules import RULES, CrossFieldRule
 from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.examples import MODEL_HOST_PATHS
 
 ROOT = Path(__file__).resolve().parents[2]
 RULE = {rule.name: rule for rule in RULES}
 ENV_FROM = {"fieldRef": {"fieldPath": "spec.nodeName"}}
+EXAMPLES_HOST_PATHS = [arg for prefix in MODEL_HOST_PATHS for arg in ("--allow-model-host-paths", prefix)]
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ CASES = [
     Case("colocation-default-without-key", {"placement": {"spreadKey": "topology.kubernetes.io/zone"}}),
     Case("colocation-required-with-key", {"placement": {"colocation": "required", "topologyKey": "pdserve.io/rack"}}),
     Case("tp-equal", {"prefill.tensorParallelSize": 2, "decode.tensorParallelSize": 2}),
+    Case("node-path-allowed", {"model": {"name": "m", "uri": "/mnt/models/llama"}}),
+    Case("node-path-dotted-names", {"model": {"name": "m", "uri": "/mnt/models/..llama/.cache"}}),
+    Case("node-path-mentioning-a-system-path", {"model": {"name": "m", "uri": "/mnt/models/var/lib/kubelet"}}),
     Case(
         "tp-larger-prefill-mla",
         {"prefill.tensorParallelSize": 4, "decode.tensorParallelSize": 2, "engine.attention": "mla"},
@@ -107,6 +112,39 @@ CASES = [
         "revision-on-pvc",
         {"model": {"name": "m", "uri": "pvc://claim/m", "revision": "main"}},
         breaks=(("revision-needs-hf", "spec.model"),),
+    ),
+    Case(
+        "node-path-dot-dot",
+        {"model": {"name": "m", "uri": "/mnt/models/../../../etc"}},
+        breaks=(("model-node-path-normalised", "spec.model"),),
+    ),
+    Case(
+        "node-path-double-slash",
+        {"model": {"name": "m", "uri": "/mnt//models"}},
+        breaks=(("model-node-path-normalised", "spec.model"),),
+    ),
+    Case(
+        "node-path-trailing-slash",
+        {"model": {"name": "m", "uri": "/mnt/models/"}},
+        breaks=(("model-node-path-normalised", "spec.model"),),
+    ),
+    Case(
+        "node-path-root", {"model": {"name": "m", "uri": "/"}}, breaks=(("model-node-path-not-system", "spec.model"),)
+    ),
+    Case(
+        "node-path-kubelet",
+        {"model": {"name": "m", "uri": "/var/lib/kubelet/pods"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    Case(
+        "node-path-above-kubelet",
+        {"model": {"name": "m", "uri": "/var"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    Case(
+        "node-path-etc-un-normalised",
+        {"model": {"name": "m", "uri": "/etc/../mnt"}},
+        breaks=(("model-node-path-normalised", "spec.model"), ("model-node-path-not-system", "spec.model")),
     ),
     Case(
         "bounds-min-above-max",
@@ -157,6 +195,27 @@ CASES = [
     Case("negative-replicas", {"prefill.replicas": -1}, schema=True),
     Case("quantity-1k-uppercase", {"engine.shmSize": "1K"}, schema=True),
     Case("unknown-field", {"decode.replica": 2}, schema=True),
+    # Kubernetes' own formats (kubeformats.py): what the API server would refuse in a rendered child.
+    Case("node-selector-key-with-a-space", {"placement.gpuNodeSelector": {"bad key!": "x"}}, schema=True),
+    Case("node-selector-key-name-of-64", {"decode.nodeSelector": {f"example.com/{'n' * 64}": "x"}}, schema=True),
+    Case("node-selector-key-prefix-of-254", {"router.nodeSelector": {f"{'p' * 254}/name": "x"}}, schema=True),
+    Case("node-selector-value-of-64", {"prefill.nodeSelector": {"pool": "v" * 64}}, schema=True),
+    Case("node-selector-at-the-limits", {"prefill.nodeSelector": {f"{'p' * 253}/{'n' * 63}": "v" * 63, "e": ""}}),
+    Case("topology-key-name-of-64", {"placement.topologyKey": f"example.com/{'n' * 64}"}, schema=True),
+    Case("topology-key-prefix-of-254", {"placement.spreadKey": f"{'p' * 254}/zone"}, schema=True),
+    Case("toleration-key-with-a-space", {"placement.tolerations": [{"key": "a b", "operator": "Exists"}]}, schema=True),
+    Case("toleration-value-of-64", {"decode.tolerations": [{"key": "k", "value": "v" * 64}]}, schema=True),
+    Case("resource-name-not-standard", {"decode.resources": {"limits": {"gpu": "1"}}}, schema=True),
+    Case("resource-name-with-a-space", {"decode.resources": {"requests": {"big cpu": "1"}}}, schema=True),
+    Case("resource-names-valid", {"decode.resources": {"limits": {"hugepages-2Mi": "1Gi", "example.com/d": "1"}}}),
+    Case("gpu-resource-without-a-domain", {"placement.gpuResourceName": "gpu"}, schema=True),
+    Case("env-name-with-equals", {"engine.env": [{"name": "A=B", "value": "1"}]}, schema=True),
+    Case("env-name-non-ascii", {"engine.env": [{"name": "CAF\u00c9", "value": "1"}]}, schema=True),
+    Case("env-name-relaxed", {"engine.env": [{"name": "my.var-1 ~!", "value": "1"}]}),
+    Case(
+        "hub-token-secret-upper-case", {"model": {"name": "m", "uri": "hf://o/m", "hfTokenSecret": "HF"}}, schema=True
+    ),
+    Case("run-as-root", {"engine.runAsUser": 0}, schema=True),
     # Only `pdserve validate` refuses: rules CEL cannot express, or would newly refuse stored objects.
     Case(
         "gpus-below-tp",
@@ -171,7 +230,30 @@ CASES = [
     Case("duplicate-env", {"engine.env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, python_only=True),
     Case("port-clash", {"engine.port": 5600}, python_only=True),
     Case("cpu-engine-rdma-required", {"decode.gpusPerPod": 0}, python_only=True),
-    Case("hub-token-on-a-path", {"model": {"name": "m", "uri": "/models/m", "hfTokenSecret": "t"}}, python_only=True),
+    Case(
+        "hub-token-on-a-path", {"model": {"name": "m", "uri": "/mnt/models/m", "hfTokenSecret": "t"}}, python_only=True
+    ),
+    # The administrator's policy (this file's `pdserve validate` allows /mnt/models, as the examples assume).
+    Case("node-path-not-allowed", {"model": {"name": "m", "uri": "/opt/models/llama"}}, python_only=True),
+    Case("owned-flag-abbreviated", {"engine.args": ["--kv-transfer-conf.engine_id=x"]}, python_only=True),
+    Case("owned-flag-underscores", {"decode.args": ["--tensor_parallel_size", "2"]}, python_only=True),
+    Case("owned-env-nvidia", {"engine.env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}, python_only=True),
+    # vLLM's CPU backend: a block size that is a multiple of 32 and a host KV buffer.
+    Case(
+        "cpu-engines-block-16",
+        {"prefill.gpusPerPod": 0, "decode.gpusPerPod": 0, "placement": {"rdma": "off"}, "engine.kvBufferDevice": "cpu"},
+        python_only=True,
+    ),
+    Case(
+        "cpu-engines-block-128",
+        {
+            "prefill.gpusPerPod": 0,
+            "decode.gpusPerPod": 0,
+            "placement": {"rdma": "off"},
+            "engine.kvBufferDevice": "cpu",
+            "engine.blockSize": 128,
+        },
+    ),
 ]
 
 
@@ -187,7 +269,7 @@ def pdserve_validate(cases: Iterable[Case]) -> dict[str, Verdict]:
     cases = list(cases)
     stream = yaml.safe_dump_all([case.manifest for case in cases], sort_keys=False)
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "validate", "-f", "-"],
+        [sys.executable, "-m", "pdserve.cli", "validate", *EXAMPLES_HOST_PATHS, "-f", "-"],
         cwd=ROOT,
         input=stream,
         capture_output=True,

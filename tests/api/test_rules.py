@@ -16,6 +16,7 @@ from pdserve.api import rules
 from pdserve.api.crdgen import openapi_schema
 from pdserve.api.defaulting import default_of
 from pdserve.api.defaults import EffectiveAutoscaling, EffectiveEngine, EffectivePool
+from pdserve.api.policy import Policy
 from pdserve.api.rules import RULES, CrossFieldRule, cel_or_default
 from pdserve.api.validation import Problem, validate
 
@@ -26,6 +27,8 @@ BASE: dict[str, Any] = {
     "spec": {"model": {"name": "m", "uri": "hf://org/m"}, "engine": {"image": "vllm:1"}},
 }
 ENV_FROM = {"fieldRef": {"fieldPath": "spec.nodeName"}}
+# The node-path rules hold whatever an administrator allows; their boundary cases need a node path that is allowed.
+POLICY = Policy.allowing(model_host_paths=["/mnt/models"])
 
 
 def doc(**patch: Any) -> dict[str, Any]:
@@ -67,6 +70,17 @@ EXAMPLES: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         "spec.model",
         doc(model={"name": "m", "uri": "hf://org/m", "revision": "main"}),
     ),
+    "model-node-path-normalised": (
+        doc(model={"name": "m", "uri": "/mnt/models/../llama"}),
+        "spec.model",
+        doc(model={"name": "m", "uri": "/mnt/models/..llama/.cache"}),
+    ),
+    "model-node-path-not-system": (
+        # Contains /var/lib/kubelet.
+        doc(model={"name": "m", "uri": "/var/lib"}),
+        "spec.model",
+        doc(model={"name": "m", "uri": "/mnt/models/var/lib/kubelet"}),
+    ),
     "autoscaling-min-le-max": (
         # Only the table's default maxReplicas (8) makes this invalid.
         doc(prefill__autoscaling={"minReplicas": 9}),
@@ -95,13 +109,13 @@ def test_every_rule_has_an_example() -> None:
 @pytest.mark.parametrize("rule", RULES, ids=[rule.name for rule in RULES])
 def test_rule_reports_its_violation_at_its_field(rule: CrossFieldRule[Any]) -> None:
     broken, at, _ = EXAMPLES[rule.name]
-    assert validate(broken).problems == (Problem(f"{at}.{rule.field}", rule.message),)
+    assert validate(broken, POLICY).problems == (Problem(f"{at}.{rule.field}", rule.message),)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[rule.name for rule in RULES])
 def test_rule_admits_its_boundary_case(rule: CrossFieldRule[Any]) -> None:
     _, _, fine = EXAMPLES[rule.name]
-    assert validate(fine).problems == ()
+    assert validate(fine, POLICY).problems == ()
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[rule.name for rule in RULES])
@@ -111,7 +125,7 @@ def test_a_broken_rule_is_noticed(rule: CrossFieldRule[Any], monkeypatch: pytest
     others = tuple(r for r in rules.BY_MODEL[rule.model] if r is not rule)
     monkeypatch.setitem(rules.BY_MODEL, rule.model, (*others, neutered))
     broken, _, _ = EXAMPLES[rule.name]
-    assert validate(broken).problems == ()
+    assert validate(broken, POLICY).problems == ()
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[rule.name for rule in RULES])

@@ -11,6 +11,7 @@ import yaml
 
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import InvalidSpecError, Problem, validate
+from pdserve_dev.testing.examples import POLICY as EXAMPLES_POLICY
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -41,7 +42,7 @@ def with_spec(**patch: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("path", sorted(p.name for p in EXAMPLES.glob("*.yaml") if p.name != "invalid.yaml"))
 def test_examples_are_valid(path: str) -> None:
     for doc in yaml.safe_load_all((EXAMPLES / path).read_text()):
-        assert validate(doc).problems == ()
+        assert validate(doc, EXAMPLES_POLICY).problems == ()
 
 
 CASES: list[tuple[str, dict[str, Any], str, str]] = [
@@ -246,3 +247,45 @@ def test_kubernetes_valid_env_and_tolerations_pass() -> None:
         router={"tolerations": [{"key": "k", "value": "v", "effect": "NoExecute", "tolerationSeconds": 0}]},
     )
     assert validate(doc).problems == ()
+
+
+# ------------------------------------------------------------------------------------------------ CPU engines
+
+
+def cpu_engines(**engine: Any) -> dict[str, Any]:
+    """Both pools without GPUs (vLLM's CPU backend), TCP transport."""
+    return with_spec(
+        engine={"image": "vllm-cpu:0.32.0", **engine},
+        prefill__gpusPerPod=0,
+        decode__gpusPerPod=0,
+        placement={"rdma": "off"},
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_cpu_engines_need_a_block_size_multiple_of_32(block_size: int) -> None:
+    # Real vLLM 0.32 on the CPU: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])" at start-up.
+    (problem,) = validate(cpu_engines(kvBufferDevice="cpu", blockSize=block_size)).problems
+    assert problem.field == "spec.engine.blockSize"
+    assert "32, 64 or 128" in problem.message and "CPU" in problem.message
+
+
+def test_cpu_engines_default_block_size_is_refused() -> None:
+    (problem,) = validate(cpu_engines(kvBufferDevice="cpu")).problems
+    assert problem.field == "spec.engine.blockSize" and "16" in problem.message
+
+
+def test_cpu_engines_need_a_cpu_kv_buffer() -> None:
+    # vLLM's NixlConnector on the CPU platform registers KV buffers in host memory only.
+    (problem,) = validate(cpu_engines(blockSize=128)).problems
+    assert problem.field == "spec.engine.kvBufferDevice" and "cpu" in problem.message
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+def test_cpu_engines_with_a_cpu_buffer_and_a_multiple_of_32_pass(block_size: int) -> None:
+    assert validate(cpu_engines(kvBufferDevice="cpu", blockSize=block_size)).problems == ()
+
+
+def test_gpu_engines_with_a_host_kv_buffer_keep_block_size_16() -> None:
+    # On GPUs the attention backend takes multiples of 16; a host (cpu) NIXL buffer does not change that.
+    assert validate(with_spec(engine={"image": "i", "kvBufferDevice": "cpu", "blockSize": 16})).problems == ()

@@ -10,6 +10,7 @@
 - `sim`: engine simulators as subprocesses or in the current event loop, and clients of their admin API
   (`set_faults`, `requests_seen`, `health_checks_seen`, `state`).
 - `prometheus`: `PrometheusHelper`, PromQL against the local cluster's real Prometheus.
+- `examples`: the cluster policy the shipped examples are written for.
 
 How tests wait: for a counted event (a request counter, a table version, a probe count), then assert; never
 sleep and then assert that something did not happen, never bound wall-clock time on a shared CPU.
