@@ -12,7 +12,7 @@ The engine command line is what vLLM 0.32 accepts (`vllm serve MODEL ...`, KNOWL
   `kv_transfer_params` is reachable from any decode pod.
 - UCX transports are always named explicitly (their defaults, RDMA unless `placement.rdma=off`, are in
   `pdserve.api.defaults`): a silent fallback to TCP is the most common invisible PD failure (10-40x TTFT). Users
-  override with spec.engine.ucx/env.
+  override them with spec.engine.ucx (env cannot: the names are owned, `pdserve.api.owned`).
 
 Every value comes from the effective spec (`pdserve.api.defaults.effective`), never from `x or DEFAULT` here.
 """
@@ -125,10 +125,9 @@ def engine_env(spec: EffectiveSpec, role: EngineRole) -> list[dict[str, Any]]:
                 "valueFrom": {"secretKeyRef": {"name": spec.model.hf_token_secret, "key": "HF_TOKEN"}},
             }
         )
-    # User env last so it can override pdserve's UCX choices (never the owned names: validation rejects those).
+    # User env last; validation refuses every name set above (pdserve.api.owned), so nothing here is overridden.
+    # A pool's variable replaces the engine's of the same name.
     user = {var.name: _env(var) for var in [*engine.env, *pool.env]}
-    overridden = {e["name"] for e in env} & user.keys()
-    env = [e for e in env if e["name"] not in overridden]
     return env + list(user.values())
 
 
@@ -166,6 +165,27 @@ def _probes(port_name: str) -> dict[str, Any]:
     }
 
 
+def security_context(spec: EffectiveSpec) -> dict[str, Any]:
+    """The most restrictive context vLLM with NIXL runs under (README, "Pod Security").
+
+    Every capability is dropped; RDMA memory registration pins pages, so UCX's verbs transports need IPC_LOCK
+    wherever RDMA may be used (`placement.rdma` required or preferred; with `off` UCX uses TCP and needs nothing).
+    vLLM's official image runs as root and keeps its caches under /root, so a non-root user is the author's
+    choice (`engine.runAsUser`, for images built for it), which Pod Security `restricted` then admits.
+    """
+    capabilities: dict[str, list[str]] = {"drop": ["ALL"]}
+    if spec.placement.rdma != "off":
+        capabilities["add"] = ["IPC_LOCK"]
+    context: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": capabilities,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if spec.engine.run_as_user is not None:
+        context.update(runAsNonRoot=True, runAsUser=spec.engine.run_as_user)
+    return context
+
+
 def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[str, Any]:
     engine, pool = spec.engine, spec.pool(role)
     name = child_name(pds, role)
@@ -184,8 +204,7 @@ def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[s
         "resources": _resources(spec, pool),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
         **_probes("http"),
-        # RDMA memory registration pins pages: NIXL/UCX need IPC_LOCK.
-        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+        "securityContext": security_context(spec),
     }
     if engine.image_pull_policy:
         container["imagePullPolicy"] = engine.image_pull_policy

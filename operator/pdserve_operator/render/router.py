@@ -129,6 +129,7 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
             "readOnlyRootFilesystem": True,
             "runAsNonRoot": True,
             "runAsUser": 65532,
+            "runAsGroup": 65532,
             "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         },

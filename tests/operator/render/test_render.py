@@ -10,6 +10,7 @@ import yaml
 
 from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.policy import Policy
 from pdserve.api.router_config import RouterConfig
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import InvalidSpecError, validate
@@ -129,7 +130,7 @@ def test_model_sources() -> None:
     assert container["args"][0] == "/models/store/llama/v1"
     volumes = by_kind(pvc, "StatefulSet", "svc-decode")["spec"]["template"]["spec"]["volumes"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "store", "readOnly": True}} in volumes
-    host = render(validate(pds(model={"name": "m", "uri": "/mnt/w"})))
+    host = render(validate(pds(model={"name": "m", "uri": "/mnt/w"}), Policy.allowing(model_host_paths=["/mnt"])))
     assert engine_container(host, "prefill")["args"][0] == "/mnt/w"
     hf = render(validate(pds(model={"name": "m", "uri": "hf://org/model", "revision": "abc", "hfTokenSecret": "tok"})))
     container = engine_container(hf, "prefill")
@@ -151,11 +152,24 @@ def test_rdma_policies() -> None:
     assert term["preference"]["matchExpressions"] == [{"key": "example.com/ib", "operator": "Exists"}]
 
 
-def test_user_env_overrides_ucx_default() -> None:
-    container = engine_container(
-        render(validate(pds(engine={"image": "i", "env": [{"name": "UCX_TLS", "value": "all"}]}))), "decode"
-    )
+def test_ucx_spec_overrides_ucx_default() -> None:
+    container = engine_container(render(validate(pds(engine={"image": "i", "ucx": {"transports": "all"}}))), "decode")
     assert [e for e in container["env"] if e["name"] == "UCX_TLS"] == [{"name": "UCX_TLS", "value": "all"}]
+
+
+def test_user_env_comes_after_pdserves_and_a_pool_overrides_the_engine() -> None:
+    objects = render(
+        validate(
+            pds(
+                engine={"image": "i", "env": [{"name": "A", "value": "engine"}, {"name": "B", "value": "b"}]},
+                decode={"env": [{"name": "A", "value": "decode"}]},
+            )
+        )
+    )
+    env = engine_container(objects, "decode")["env"]
+    names = [e["name"] for e in env]
+    assert names[-2:] == ["A", "B"] and len(names) == len(set(names))
+    assert {"name": "A", "value": "decode"} in env
 
 
 def test_colocation() -> None:

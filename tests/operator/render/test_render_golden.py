@@ -2,6 +2,8 @@
 
 Regenerate after an intended change with `PDSERVE_UPDATE_GOLDEN=1 pytest tests/operator/render` and review the diff.
 A missing golden file is a failure, not a file to write: otherwise a renamed example would pass against itself.
+The examples are rendered under the policy they are written for (`pdserve_dev.testing.examples`: node paths
+under /mnt/models allowed).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import yaml
 
 from pdserve.api.validation import validate
 from pdserve.cli.manifests import dump_stream
+from pdserve_dev.testing.examples import POLICY
 from pdserve_operator.render import render
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -24,7 +27,7 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if p.name != "in
 def rendered(example: Path) -> str:
     objects = []
     for doc in yaml.safe_load_all(example.read_text()):
-        objects += render(validate(doc))
+        objects += render(validate(doc, POLICY))
     return dump_stream(objects)
 
 
