@@ -56,7 +56,8 @@ def small_pds(name: str, namespace: str) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "model": {"name": "tiny", "uri": "hf://org/tiny"},
-            "engine": {"image": "vllm/vllm-openai:v0.32.0"},
+            # GPU-less engines run vLLM's CPU backend: a host KV buffer and a block size that is a multiple of 32.
+            "engine": {"image": "vllm/vllm-openai:v0.32.0", "kvBufferDevice": "cpu", "blockSize": 32},
             "prefill": {"replicas": 1, "gpusPerPod": 0},
             "decode": {"replicas": 1, "gpusPerPod": 0},
             "placement": {"rdma": "off"},

@@ -10,6 +10,8 @@ import uuid
 
 import click
 
+from pdserve.api.policy import HOST_PATH_FLAG, Policy, PolicyError
+
 log = logging.getLogger("pdserve.operator")
 
 
@@ -35,6 +37,14 @@ log = logging.getLogger("pdserve.operator")
 @click.option("--resync-seconds", type=float, default=60.0, show_default=True, help="Periodic full resync.")
 @click.option("--relist-seconds", type=float, default=600.0, show_default=True, help="Full relist of children.")
 @click.option("--watch-timeout", type=int, default=270, show_default=True, help="Server-side watch timeout (s).")
+@click.option(
+    HOST_PATH_FLAG,
+    "model_host_paths",
+    multiple=True,
+    metavar="PREFIX",
+    help="A node folder spec.model.uri may name (repeatable). Default: none, node paths are refused. "
+    "Never / or a system path.",
+)
 @click.option("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def operator(  # noqa: PLR0917 - click passes every option as an argument
@@ -55,6 +65,7 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
     resync_seconds: float,
     relist_seconds: float,
     watch_timeout: int,
+    model_host_paths: tuple[str, ...],
     log_format: str,
     log_level: str,
 ) -> None:
@@ -63,6 +74,10 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         raise click.UsageError("give either --namespace NS (repeatable) or --all-namespaces")
     if renew_deadline >= lease_seconds:
         raise click.UsageError("--renew-deadline must be shorter than --lease-seconds")
+    try:
+        policy = Policy.allowing(model_host_paths=model_host_paths)
+    except PolicyError as exc:
+        raise click.BadParameter(str(exc), param_hint=HOST_PATH_FLAG) from None
     from pdserve_operator import logs
     from pdserve_operator.runner import Options, run
 
@@ -86,6 +101,7 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         resync_seconds=resync_seconds,
         relist_seconds=relist_seconds,
         watch_timeout=watch_timeout,
+        policy=policy,
     )
     try:
         import uvloop

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
+from pdserve.api.policy import DEFAULT_POLICY, Policy
 from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.metrics import OperatorMetrics
@@ -44,6 +45,7 @@ class Controller:
         is_leader: Callable[[], bool] = lambda: True,
         metrics: OperatorMetrics | None = None,
         applier: Executor | None = None,
+        policy: Policy = DEFAULT_POLICY,
     ) -> None:
         from pdserve_operator.workqueue import WorkQueue
 
@@ -57,6 +59,7 @@ class Controller:
         self.relist_seconds = relist_seconds
         self.namespaces = list(namespaces)  # empty: cluster-wide
         self.is_leader = is_leader
+        self.policy = policy
 
     # ------------------------------------------------------------------------------------------ event intake
 
@@ -151,7 +154,9 @@ class Controller:
         namespace, name = key
         started = time.perf_counter()
         try:
-            outcome = await asyncio.to_thread(reconcile, namespace, name, self.store, self.api, applier=self.applier)
+            outcome = await asyncio.to_thread(
+                reconcile, namespace, name, self.store, self.api, applier=self.applier, policy=self.policy
+            )
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)
             self.metrics.reconciles.labels("not_leader").inc()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pdserve.api.policy import DEFAULT_POLICY, Policy
 from pdserve.api.validation import Validated, validate
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
@@ -100,15 +101,18 @@ def reconcile(
     now: Callable[[], str] = utc_now,
     *,
     applier: Executor | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> Outcome:
-    """One pass for one PDService. Raises RetryLaterError (transient failure) or NotLeaderError (leadership lost)."""
+    """One pass for one PDService. Raises RetryLaterError (transient failure) or NotLeaderError (leadership lost).
+
+    `policy` is the administrator's (the operator's flags, e.g. which node paths may hold model weights)."""
     body = store.owner(namespace, name)
     if body is None:
         return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
     if body["metadata"].get("deletionTimestamp"):
         return Outcome("gone")
     # Parsed and checked once: the result carries the model and its effective spec to render and status.
-    checked = validate(_spec_document(body))
+    checked = validate(_spec_document(body), policy)
     if not checked.ok:
         return _invalid(body=body, checked=checked, store=store, api=api, now=now)
 

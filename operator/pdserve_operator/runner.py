@@ -18,6 +18,7 @@ import kopf
 import prometheus_client
 
 from pdserve.api.kubeclient import new_api_client
+from pdserve.api.policy import DEFAULT_POLICY, Policy
 from pdserve_operator import handlers
 from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import PDSERVICE
@@ -48,6 +49,7 @@ class Options:
     watch_timeout: int = 270
     # Concurrent applies across all reconciles; the API server, not this pool, is the bottleneck.
     apply_threads: int = 8
+    policy: Policy = DEFAULT_POLICY
 
 
 async def run(options: Options) -> None:
@@ -65,6 +67,7 @@ async def run(options: Options) -> None:
         is_leader=api_is_leader(lambda: elector),
         metrics=metrics,
         applier=applier,
+        policy=options.policy,
     )
     if options.leader_elect:
         # A separate KubeApi so lease traffic is not counted as reconcile traffic (`requests`, `writes`).

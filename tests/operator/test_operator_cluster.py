@@ -124,7 +124,9 @@ def namespace(cluster: ClusterHelper, crd: None) -> Iterator[str]:
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def start_operator(cluster: ClusterHelper, namespace: str, log_dir: Path, identity: str) -> OperatorProcess:
+def start_operator(
+    cluster: ClusterHelper, namespace: str, log_dir: Path, identity: str, *flags: str
+) -> OperatorProcess:
     return OperatorProcess(
         cluster.kubeconfig,
         log_dir / f"operator-{identity}.log",
@@ -143,6 +145,7 @@ def start_operator(cluster: ClusterHelper, namespace: str, log_dir: Path, identi
             "4",
             "--retry-period",
             "1",
+            *flags,
         ],
     ).start()
 
@@ -419,6 +422,42 @@ def test_invalid_spec_is_reported_and_children_untouched(
     fixed["spec"]["prefill"]["gpusPerPod"] = 2
     cluster.apply(fixed)
     wait_for(lambda: condition(pds_get(cluster, namespace, llama), "Degraded").get("reason") == "AsExpected", 60)
+
+
+def test_node_paths_are_refused_unless_the_operator_allows_them(
+    cluster: ClusterHelper, namespace: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    document = example("nodepath", namespace)
+    document["spec"]["model"] = {"name": "weights", "uri": "/mnt/models/weights"}
+    cluster.apply(document)  # the CRD admits it: a normalised path clear of every system path
+
+    def degraded() -> dict[str, Any] | None:
+        item = condition(pds_get(cluster, namespace, "nodepath"), "Degraded")
+        return item if item.get("reason") == "InvalidSpec" else None
+
+    item = wait_for(degraded, 30)
+    assert "spec.model.uri" in item["message"] and "--allow-model-host-paths" in item["message"]
+    assert not [o for o in children(cluster, namespace, "nodepath") if o["kind"] == "StatefulSet"]
+
+    # An operator whose administrator allows /mnt/models renders the hostPath volume.
+    allowed = cluster.create_namespace("op-paths")
+    other = start_operator(cluster, allowed, tmp_path, "paths", "--allow-model-host-paths", "/mnt/models")
+    try:
+        other.wait_ready()
+        document["metadata"]["namespace"] = allowed
+        cluster.apply(document)
+
+        def statefulset() -> dict[str, Any] | None:
+            found = [o for o in children(cluster, allowed, "nodepath") if o["kind"] == "StatefulSet"]
+            return found[0] if found else None
+
+        volumes = wait_for(statefulset, 60)["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "model", "hostPath": {"path": "/mnt/models/weights", "type": "Directory"}} in volumes
+        assert condition(pds_get(cluster, allowed, "nodepath"), "Degraded").get("reason") != "InvalidSpec"
+    finally:
+        other.stop()
+        cluster.kubectl("delete", "namespace", allowed, "--wait=false", check=False)
+        cluster.kubectl("delete", "pdservices.pdserve.io", "nodepath", f"--namespace={namespace}", check=False)
 
 
 def test_impossible_placement_reports_the_scheduler_message(
