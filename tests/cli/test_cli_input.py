@@ -1,8 +1,8 @@
 """`pdserve validate` / `render` on hostile or malformed input: bounded time and memory, one clear line, exit 1.
 
 Each run is a subprocess under rlimits (CPU seconds, address space) so a regression fails the test instead of
-eating the shared machine, and is measured with wait4: its CPU time and peak RSS are compared with those of
-validating a normal example in the same test (ratios, not wall-clock bounds, on a shared CPU).
+eating the shared machine, and is measured: its CPU time (wait4) and peak RSS (its own VmHWM) are compared with
+those of validating a normal example in the same test (ratios, not wall-clock bounds, on a shared CPU).
 """
 
 from __future__ import annotations
@@ -30,11 +30,14 @@ class Run:
     max_rss_kib: int
 
 
-# The child sets its own limits, then runs the CLI as `python -m pdserve.cli` would (no preexec_fn).
+# The child sets its own limits, records its peak RSS at exit (VmHWM of its own address space: wait4's ru_maxrss
+# would include the forking parent's), then runs the CLI as `python -m pdserve.cli` would (no preexec_fn).
 LIMITED = (
-    "import resource, runpy, sys; "
+    "import atexit, os, resource, runpy, sys; "
     f"resource.setrlimit(resource.RLIMIT_CPU, ({CPU_LIMIT_S}, {CPU_LIMIT_S})); "
     f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT})); "
+    "hwm = lambda: [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
+    "atexit.register(lambda: open(os.environ['PDSERVE_TEST_HWM'], 'w').write(hwm())); "
     "sys.argv[0] = 'pdserve'; "
     "runpy.run_module('pdserve.cli', run_name='__main__', alter_sys=True)"
 )
@@ -42,10 +45,12 @@ LIMITED = (
 
 def pdserve(tmp_path: Path, *args: str, stdin: bytes | None = None) -> Run:
     """Run `pdserve ARGS` with rlimits; its output goes to files (no pipe to fill) and wait4 reads its usage."""
-    out, err, inp = tmp_path / "stdout", tmp_path / "stderr", tmp_path / "stdin"
+    out, err, inp, hwm = (tmp_path / name for name in ("stdout", "stderr", "stdin", "hwm"))
     inp.write_bytes(stdin or b"")
+    hwm.unlink(missing_ok=True)
+    env = {**os.environ, "PDSERVE_TEST_HWM": str(hwm)}
     with out.open("wb") as o, err.open("wb") as e, inp.open("rb") as i:
-        proc = subprocess.Popen([sys.executable, "-c", LIMITED, *args], cwd=ROOT, stdin=i, stdout=o, stderr=e)
+        proc = subprocess.Popen([sys.executable, "-c", LIMITED, *args], cwd=ROOT, stdin=i, stdout=o, stderr=e, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     return Run(
@@ -53,7 +58,7 @@ def pdserve(tmp_path: Path, *args: str, stdin: bytes | None = None) -> Run:
         out.read_text(errors="replace"),
         err.read_text(errors="replace"),
         usage.ru_utime + usage.ru_stime,
-        usage.ru_maxrss,
+        int(hwm.read_text()) if hwm.exists() else MEMORY_LIMIT // 1024,  # no record: it was killed
     )
 
 
