@@ -209,6 +209,15 @@ def test_prometheus_url_is_passed_only_when_set() -> None:
     assert f"--prometheus-url={url}" in args
 
 
+def test_model_host_paths_are_passed_one_flag_each() -> None:
+    assert not [a for a in container(template(CHART))["args"] if a.startswith("--allow-model-host-paths")]
+    args = container(template(CHART, values={"operator.allowModelHostPaths": ["/mnt/models", "/data/llm"]}))["args"]
+    allowed = [a for a in args if a.startswith("--allow-model-host-paths")]
+    assert allowed == ["--allow-model-host-paths=/mnt/models", "--allow-model-host-paths=/data/llm"]
+    with pytest.raises(HelmError):
+        template(CHART, values={"operator.allowModelHostPaths": ["models"]})
+
+
 def test_selectors_never_carry_the_chart_version_nor_match_pdservice_pods() -> None:
     objects = template(CHART, values_files=[CHART / "ci" / "monitoring-values.yaml"])
     selectors = [
