@@ -17,6 +17,7 @@ import yaml
 from pdserve.api.kubeclient import new_api_client
 from pdserve.api.validation import validate
 from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.examples import POLICY
 from pdserve_operator import drift
 from pdserve_operator.kinds import kind_of
 from pdserve_operator.kube import KubeApi
@@ -40,6 +41,7 @@ def everything(namespace: str) -> dict[str, Any]:
         port=8001,
         sideChannelPort=5601,
         shmSize="1.5Gi",
+        runAsUser=1000,
         ucx={"transports": "rc", "netDevices": "mlx5_0:1"},
         env=[
             {"name": "EMPTY", "value": ""},
@@ -91,7 +93,7 @@ def test_rendered_objects_read_back_without_drift(cluster: ClusterHelper) -> Non
     try:
         drifted = []
         for document in variants(namespace):
-            for obj in render(validate(document)):
+            for obj in render(validate(document, POLICY)):
                 stamped = drift.stamp(obj)
                 label = f"{document['metadata']['name']}: {obj['kind']} {obj['metadata']['name']}"
                 response = api.apply(stamped)
