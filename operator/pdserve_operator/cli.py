@@ -35,6 +35,13 @@ log = logging.getLogger("pdserve.operator")
 @click.option("--resync-seconds", type=float, default=60.0, show_default=True, help="Periodic full resync.")
 @click.option("--relist-seconds", type=float, default=600.0, show_default=True, help="Full relist of children.")
 @click.option("--watch-timeout", type=int, default=270, show_default=True, help="Server-side watch timeout (s).")
+@click.option(
+    "--crash-recovery-seconds",
+    type=click.FloatRange(min=0),
+    default=60.0,  # status.CRASH_RECOVERY_SECONDS (not imported here: the CLI loads the operator lazily)
+    show_default=True,
+    help="A crashed container counts (Degraded EngineCrashed/CrashLooping) until running and ready this long.",
+)
 @click.option("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def operator(  # noqa: PLR0917 - click passes every option as an argument
@@ -55,6 +62,7 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
     resync_seconds: float,
     relist_seconds: float,
     watch_timeout: int,
+    crash_recovery_seconds: float,
     log_format: str,
     log_level: str,
 ) -> None:
@@ -86,6 +94,7 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         resync_seconds=resync_seconds,
         relist_seconds=relist_seconds,
         watch_timeout=watch_timeout,
+        crash_recovery_seconds=crash_recovery_seconds,
     )
     try:
         import uvloop

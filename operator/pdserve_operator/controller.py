@@ -24,6 +24,7 @@ from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import RetryLaterError, reconcile
 from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
+from pdserve_operator.status import CRASH_RECOVERY_SECONDS
 from pdserve_operator.store import OwnerKey, Store
 
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
@@ -44,6 +45,7 @@ class Controller:
         is_leader: Callable[[], bool] = lambda: True,
         metrics: OperatorMetrics | None = None,
         applier: Executor | None = None,
+        crash_window: float = CRASH_RECOVERY_SECONDS,
     ) -> None:
         from pdserve_operator.workqueue import WorkQueue
 
@@ -57,6 +59,7 @@ class Controller:
         self.relist_seconds = relist_seconds
         self.namespaces = list(namespaces)  # empty: cluster-wide
         self.is_leader = is_leader
+        self.crash_window = crash_window
 
     # ------------------------------------------------------------------------------------------ event intake
 
@@ -151,7 +154,9 @@ class Controller:
         namespace, name = key
         started = time.perf_counter()
         try:
-            outcome = await asyncio.to_thread(reconcile, namespace, name, self.store, self.api, applier=self.applier)
+            outcome = await asyncio.to_thread(
+                reconcile, namespace, name, self.store, self.api, applier=self.applier, crash_window=self.crash_window
+            )
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)
             self.metrics.reconciles.labels("not_leader").inc()
@@ -171,6 +176,9 @@ class Controller:
         finally:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         self.queue.forget(key)
+        if outcome.requeue_after is not None:
+            # The status changes by itself then (a crash's recovery window ends): no event would trigger that pass.
+            self.queue.add_after(key, outcome.requeue_after)
         self.metrics.reconciles.labels(outcome.result).inc()
         if outcome.result not in ("noop", "gone"):
             log.info(

@@ -24,6 +24,7 @@ from pdserve_operator.kinds import PDSERVICE
 from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.leader import LeaseElector
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.status import CRASH_RECOVERY_SECONDS
 
 log = logging.getLogger("pdserve.operator")
 
@@ -48,6 +49,8 @@ class Options:
     watch_timeout: int = 270
     # Concurrent applies across all reconciles; the API server, not this pool, is the bottleneck.
     apply_threads: int = 8
+    # How long a crashed container must be running and ready again before it stops counting as crashed.
+    crash_recovery_seconds: float = CRASH_RECOVERY_SECONDS
 
 
 async def run(options: Options) -> None:
@@ -65,6 +68,7 @@ async def run(options: Options) -> None:
         is_leader=api_is_leader(lambda: elector),
         metrics=metrics,
         applier=applier,
+        crash_window=options.crash_recovery_seconds,
     )
     if options.leader_elect:
         # A separate KubeApi so lease traffic is not counted as reconcile traffic (`requests`, `writes`).
