@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import kopf
 import prometheus_client
+from kubernetes import client as k8s
 
 from pdserve.api.kubeclient import new_api_client
 from pdserve_operator import handlers
@@ -53,8 +54,22 @@ class Options:
     crash_recovery_seconds: float = CRASH_RECOVERY_SECONDS
 
 
+def connection_pool_size(options: Options) -> int:
+    """urllib3 connections the operator's one ApiClient may keep open: one per thread that can be in a request at
+    the same time (every reconcile worker, every apply thread, the Lease elector, a relist, the CRD wait) plus
+    headroom. The library's default (5 per CPU: 10 on two cores) is smaller than that, and a full pool does not
+    block: it opens a fresh TLS connection for the extra request and throws it away afterwards (urllib3 logs
+    "Connection pool is full, discarding connection"), a handshake per request exactly when the API is busiest."""
+    return options.workers + options.apply_threads + 4
+
+
+def api_client(options: Options) -> k8s.ApiClient:
+    """The process's one ApiClient (shared by the reconcilers, the apply pool and the Lease elector)."""
+    return new_api_client(options.kubeconfig, pool_size=connection_pool_size(options))
+
+
 async def run(options: Options) -> None:
-    client = new_api_client(options.kubeconfig)
+    client = api_client(options)
     metrics = OperatorMetrics(process_metrics=True)
     applier = ThreadPoolExecutor(max_workers=options.apply_threads, thread_name_prefix="pdserve-apply")
     elector: LeaseElector | None = None
