@@ -254,12 +254,24 @@ def _ready_since(pod: Mapping[str, Any], running: Mapping[str, Any]) -> datetime
     return max(known) if known else None
 
 
+def _unready_after(pod: Mapping[str, Any], running: Mapping[str, Any], window: float) -> bool:
+    """Whether a running container that is not ready now ran for the window after its restart before the pod
+    turned unready: that crash is over, the unreadiness is news of its own (Progressing shows it), and reporting
+    the old crash again would blame it on something days old."""
+    started = parse_time(running.get("startedAt"))
+    ready = _pod_condition(pod, "Ready")
+    turned = parse_time(ready.get("lastTransitionTime")) if ready and ready.get("status") != "True" else None
+    return started is not None and turned is not None and (turned - started).total_seconds() >= window
+
+
 def container_crashes(pods: Iterable[Mapping[str, Any]], now: datetime, window: float) -> list[Crash]:
     """Every container that crashed and has not recovered yet (see the module docstring), pods in name order.
 
     A container counts when it was restarted after a termination (`restartCount` > 0 and `lastState.terminated`)
     or is waiting in CrashLoopBackOff, until it is running, ready, and has been both for `window` seconds. A
-    running, ready container with no timestamps at all counts as recovered (nothing could ever clear it)."""
+    running, ready container with no timestamps at all counts as recovered (nothing could ever clear it), and so
+    does a running container whose pod turned unready at least `window` seconds after it started (it recovered
+    before; see `_unready_after`)."""
     found = []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         role = str((pod["metadata"].get("labels") or {}).get(ROLE_LABEL, ""))
@@ -277,6 +289,8 @@ def container_crashes(pods: Iterable[Mapping[str, Any]], now: datetime, window: 
                 if since is None or (now - since).total_seconds() >= window:
                     continue
                 recovers_at = since + timedelta(seconds=window)
+            elif running is not None and _unready_after(pod, running, window):
+                continue
             message = " ".join(str(last.get("message") or "").split())
             if len(message) > _MAX_TERMINATION_MESSAGE:
                 message = message[: _MAX_TERMINATION_MESSAGE - 3] + "..."

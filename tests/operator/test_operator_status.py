@@ -405,6 +405,17 @@ def test_the_window_counts_from_the_later_of_the_start_and_the_ready_transition(
     assert st.container_crashes([pod], st.parse_time(T0) or pytest.fail("T0"), 60) == []
 
 
+def test_an_old_crash_is_not_blamed_for_a_later_unreadiness() -> None:
+    """Restarted yesterday, ran fine, unready now (overloaded, a failing dependency): that is not a crash, and the
+    message must not report yesterday's exit as news. Unready within the window after the restart, it is."""
+    pod = crashed_pod("d-0", "starting")
+    pod["status"]["conditions"][0]["lastTransitionTime"] = T0  # turned unready at T0, long after its start
+    pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"] = "2025-12-31T00:00:00Z"
+    assert st.container_crashes([pod], st.parse_time(T1) or pytest.fail("T1"), 60) == []
+    pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"] = "2025-12-31T23:59:30Z"  # 30 s before
+    assert [c.pod for c in st.container_crashes([pod], st.parse_time(T1) or pytest.fail("T1"), 60)] == ["d-0"]
+
+
 def test_a_crash_loop_is_stalled_for_its_whole_length() -> None:
     """A container that crashes again is CrashLooping (Stalled) from its first back-off until it has been ready for
     the window, also while the kubelet's next restart runs it: the verdict does not flip every back-off."""
