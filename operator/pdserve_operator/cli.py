@@ -45,6 +45,13 @@ log = logging.getLogger("pdserve.operator")
     help="A node folder spec.model.uri may name (repeatable). Default: none, node paths are refused. "
     "Never / or a system path.",
 )
+@click.option(
+    "--crash-recovery-seconds",
+    type=click.FloatRange(min=0),
+    default=60.0,  # status.CRASH_RECOVERY_SECONDS (not imported here: the CLI loads the operator lazily)
+    show_default=True,
+    help="A crashed container counts (Degraded EngineCrashed/CrashLooping) until running and ready this long.",
+)
 @click.option("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def operator(  # noqa: PLR0917 - click passes every option as an argument
@@ -66,6 +73,7 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
     relist_seconds: float,
     watch_timeout: int,
     model_host_paths: tuple[str, ...],
+    crash_recovery_seconds: float,
     log_format: str,
     log_level: str,
 ) -> None:
@@ -102,6 +110,7 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         relist_seconds=relist_seconds,
         watch_timeout=watch_timeout,
         policy=policy,
+        crash_recovery_seconds=crash_recovery_seconds,
     )
     try:
         import uvloop

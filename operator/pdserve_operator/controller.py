@@ -25,6 +25,7 @@ from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import RetryLaterError, reconcile
 from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
+from pdserve_operator.status import CRASH_RECOVERY_SECONDS
 from pdserve_operator.store import OwnerKey, Store
 
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
@@ -46,6 +47,7 @@ class Controller:
         metrics: OperatorMetrics | None = None,
         applier: Executor | None = None,
         policy: Policy = DEFAULT_POLICY,
+        crash_window: float = CRASH_RECOVERY_SECONDS,
     ) -> None:
         from pdserve_operator.workqueue import WorkQueue
 
@@ -60,6 +62,7 @@ class Controller:
         self.namespaces = list(namespaces)  # empty: cluster-wide
         self.is_leader = is_leader
         self.policy = policy
+        self.crash_window = crash_window
 
     # ------------------------------------------------------------------------------------------ event intake
 
@@ -155,7 +158,14 @@ class Controller:
         started = time.perf_counter()
         try:
             outcome = await asyncio.to_thread(
-                reconcile, namespace, name, self.store, self.api, applier=self.applier, policy=self.policy
+                reconcile,
+                namespace,
+                name,
+                self.store,
+                self.api,
+                applier=self.applier,
+                policy=self.policy,
+                crash_window=self.crash_window,
             )
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)
@@ -176,6 +186,9 @@ class Controller:
         finally:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         self.queue.forget(key)
+        if outcome.requeue_after is not None:
+            # The status changes by itself then (a crash's recovery window ends): no event would trigger that pass.
+            self.queue.add_after(key, outcome.requeue_after)
         self.metrics.reconciles.labels(outcome.result).inc()
         if outcome.result not in ("noop", "gone"):
             log.info(

@@ -51,6 +51,9 @@ class Outcome:
     pruned: list[str] = field(default_factory=list)
     status_written: bool = False
     events: list[str] = field(default_factory=list)
+    # Run this PDService again after so many seconds even without an event: its status will change by then (a
+    # crashed container's recovery window ends). None: only events and the periodic resync re-run it.
+    requeue_after: float | None = None
 
 
 def _apply_one(api: KubeIO, item: planner.Apply) -> tuple[planner.Apply, dict[str, Any] | None, ApiError | None]:
@@ -102,10 +105,13 @@ def reconcile(
     *,
     applier: Executor | None = None,
     policy: Policy = DEFAULT_POLICY,
+    crash_window: float = status_mod.CRASH_RECOVERY_SECONDS,
 ) -> Outcome:
     """One pass for one PDService. Raises RetryLaterError (transient failure) or NotLeaderError (leadership lost).
 
-    `policy` is the administrator's (the operator's flags, e.g. which node paths may hold model weights)."""
+    `policy` is the administrator's (the operator's flags, e.g. which node paths may hold model weights).
+    `crash_window`: how long a crashed container must be running and ready again before it stops counting
+    (`status.CRASH_RECOVERY_SECONDS`)."""
     body = store.owner(namespace, name)
     if body is None:
         return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
@@ -114,7 +120,7 @@ def reconcile(
     # Parsed and checked once: the result carries the model and its effective spec to render and status.
     checked = validate(_spec_document(body), policy)
     if not checked.ok:
-        return _invalid(body=body, checked=checked, store=store, api=api, now=now)
+        return _invalid(body=body, checked=checked, store=store, api=api, now=now, crash_window=crash_window)
 
     pds, _ = checked.require()
     uid = body["metadata"]["uid"]
@@ -160,14 +166,17 @@ def reconcile(
     # Refused applies become Degraded/ApplyFailed; its Warning event is posted when the condition changes (below),
     # not on every pass, so a persistent refusal does not flood the namespace with events.
 
+    observed, moment = store.snapshot(namespace, name), now()
     new_status = status_mod.compute_status(
         body,
-        store.snapshot(namespace, name),
+        observed,
         pds=pds,
         apply_errors=apply_errors,
         applied=bool(outcome.applied or outcome.pruned),
-        now=now(),
+        now=moment,
+        crash_window=crash_window,
     )
+    outcome.requeue_after = status_mod.next_check_seconds(observed, moment, crash_window)
     _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)
     if transient:
         raise RetryLaterError("; ".join(transient))
@@ -181,6 +190,7 @@ def _invalid(
     store: Store,
     api: KubeIO,
     now: Callable[[], str],
+    crash_window: float,
 ) -> Outcome:
     meta = body["metadata"]
     problems = checked.problems
@@ -193,8 +203,10 @@ def _invalid(
         meta.get("generation"),
         "; ".join(map(str, problems)),
     )
-    snapshot = store.snapshot(meta.get("namespace", "default"), meta["name"])
-    new_status = status_mod.compute_status(body, snapshot, pds=checked.pds, problems=problems, now=now())
+    snapshot, moment = store.snapshot(meta.get("namespace", "default"), meta["name"]), now()
+    new_status = status_mod.compute_status(
+        body, snapshot, pds=checked.pds, problems=problems, now=moment, crash_window=crash_window
+    )
     outcome = Outcome("invalid")
     _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)
     return outcome

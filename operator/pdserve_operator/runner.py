@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import kopf
 import prometheus_client
+from kubernetes import client as k8s
 
 from pdserve.api.kubeclient import new_api_client
 from pdserve.api.policy import DEFAULT_POLICY, Policy
@@ -25,6 +26,7 @@ from pdserve_operator.kinds import PDSERVICE
 from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.leader import LeaseElector
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.status import CRASH_RECOVERY_SECONDS
 
 log = logging.getLogger("pdserve.operator")
 
@@ -50,10 +52,26 @@ class Options:
     # Concurrent applies across all reconciles; the API server, not this pool, is the bottleneck.
     apply_threads: int = 8
     policy: Policy = DEFAULT_POLICY
+    # How long a crashed container must be running and ready again before it stops counting as crashed.
+    crash_recovery_seconds: float = CRASH_RECOVERY_SECONDS
+
+
+def connection_pool_size(options: Options) -> int:
+    """urllib3 connections the operator's one ApiClient may keep open: one per thread that can be in a request at
+    the same time (every reconcile worker, every apply thread, the Lease elector, a relist, the CRD wait) plus
+    headroom. The library's default (5 per CPU: 10 on two cores) is smaller than that, and a full pool does not
+    block: it opens a fresh TLS connection for the extra request and throws it away afterwards (urllib3 logs
+    "Connection pool is full, discarding connection"), a handshake per request exactly when the API is busiest."""
+    return options.workers + options.apply_threads + 4
+
+
+def api_client(options: Options) -> k8s.ApiClient:
+    """The process's one ApiClient (shared by the reconcilers, the apply pool and the Lease elector)."""
+    return new_api_client(options.kubeconfig, pool_size=connection_pool_size(options))
 
 
 async def run(options: Options) -> None:
-    client = new_api_client(options.kubeconfig)
+    client = api_client(options)
     metrics = OperatorMetrics(process_metrics=True)
     applier = ThreadPoolExecutor(max_workers=options.apply_threads, thread_name_prefix="pdserve-apply")
     elector: LeaseElector | None = None
@@ -68,6 +86,7 @@ async def run(options: Options) -> None:
         metrics=metrics,
         applier=applier,
         policy=options.policy,
+        crash_window=options.crash_recovery_seconds,
     )
     if options.leader_elect:
         # A separate KubeApi so lease traffic is not counted as reconcile traffic (`requests`, `writes`).

@@ -11,16 +11,33 @@ Conditions (metav1.Condition shape, the Deployment convention):
   controllers have not observed the latest generation, or not all replicas are updated and ready). False/Complete
   once all of that is done, False/ApplyFailed instead when the API server refused a child (it runs the old spec).
 - Degraded: the first of InvalidSpec, ApplyFailed, PodsPending (the scheduler's own message), CrashLooping,
-  ImagePullFailed, RouterUnavailable (the router Deployment gave up: ProgressDeadlineExceeded/ReplicaFailure).
-  False/AsExpected otherwise. Not-yet-ready pods that are simply starting are Progressing, not Degraded.
+  EngineCrashed/RouterCrashed, ImagePullFailed, RouterUnavailable (the router Deployment gave up:
+  ProgressDeadlineExceeded/ReplicaFailure). False/AsExpected otherwise. Not-yet-ready pods that are simply starting
+  are Progressing, not Degraded.
+
+Crashed containers (the rules of `container_crashes`): a container of one of our pods that terminated and was
+restarted (`lastState.terminated`) is reported from the first crash, without waiting for the kubelet's
+CrashLoopBackOff (which a container that crashes once never reaches: the kubelet restarts it at once). The message
+names the pod and container, the exit code, the termination reason and time, and the restart count; it depends on
+nothing but the crash, so an unchanged crash never rewrites the status or posts another Event. A crash counts until
+the container has been running *and* ready for `crash_window` seconds (default `CRASH_RECOVERY_SECONDS`; the time is
+taken from the container's `startedAt` and the pod's Ready transition): a container that restarts, starts and
+fails its readiness probe again stays reported instead of flapping between Degraded and not. The reconcile asks to
+be re-run when that window ends (`next_check_seconds`): nothing else would trigger the pass that clears it.
+- EngineCrashed (RouterCrashed when only router pods crashed): a container crashed and is restarting or running
+  again. The kubelet is already restarting it and it may well recover by itself: kstatus Reconciling, not Stalled.
+- CrashLooping: a container is waiting in CrashLoopBackOff (it crashed again after a restart). It stays CrashLooping,
+  not EngineCrashed, while the kubelet's next restart runs it (the previous status is the memory), until the
+  container has been ready for the window: a crash loop is Stalled for its whole length, not every other minute.
 
 GitOps conditions (kstatus, the rules Flux, kpt and cli-utils apply; Argo CD's health check in gitops/ reads them
 too), derived from the three above so that exactly one of them is True at any time:
 - Ready: Available, nothing progressing, nothing degraded. kstatus reads Ready=True as Current.
 - Stalled: the operator cannot make progress without a human: InvalidSpec, ApplyFailed (the API server refused a
-  child), CrashLooping engines, RouterUnavailable (the router Deployment gave up). kstatus: Failed.
+  child), CrashLooping containers, RouterUnavailable (the router Deployment gave up). kstatus: Failed.
 - Reconciling: everything else that is not Ready: children being applied or rolling out, pods pending (a cluster
-  autoscaler may still add the GPU nodes), images being pulled, endpoints not ready yet. kstatus: InProgress.
+  autoscaler may still add the GPU nodes), images being pulled, a container that crashed once and is being
+  restarted (EngineCrashed/RouterCrashed), endpoints not ready yet. kstatus: InProgress.
 Together with `observedGeneration` (written on every status write; kstatus reports InProgress until it equals
 `metadata.generation`) this gives GitOps tools a verdict that never passes vacuously.
 
@@ -32,13 +49,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pdserve.api.defaults import EffectiveRouting, EffectiveSpec, effective
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
-from pdserve_operator.render.names import ENGINE_ROLES, EngineRole, child_name
+from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
 from pdserve_operator.render.router import router_endpoint
 
 AVAILABLE = "Available"
@@ -50,8 +68,14 @@ STALLED = "Stalled"
 CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED, READY, RECONCILING, STALLED)
 STALLED_REASONS = frozenset({"InvalidSpec", "ApplyFailed", "CrashLooping", "RouterUnavailable"})
 """Degraded reasons that need a human (kstatus' Stalled); other Degraded reasons resolve on their own."""
+CRASH_RECOVERY_SECONDS = 60.0
+"""How long a crashed container must have been running and ready again before it no longer counts as crashed.
+Long enough that a restarted engine that fails again right after becoming ready (a bad request, memory growth
+under its first load) is one episode, short enough that a single crash holds kstatus' Ready back for a minute."""
 # How many offending pods a condition message names before it says "and N more".
 _MAX_PODS_IN_MESSAGE = 3
+# Characters of a container's termination message quoted in a condition (it may be a whole stack trace).
+_MAX_TERMINATION_MESSAGE = 200
 
 
 @dataclass
@@ -179,6 +203,114 @@ def waiting_containers(pods: Iterable[Mapping[str, Any]], reasons: frozenset[str
     return found
 
 
+def parse_time(value: object) -> datetime | None:
+    """An RFC 3339 timestamp as the API server writes it (`2026-01-01T00:00:00Z`), or None."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Crash:
+    """One container of one of our pods that crashed and has not been running and ready for the window since."""
+
+    pod: str
+    container: str
+    role: str  # the pod's pdserve.io/role ("" when unlabelled)
+    exit_code: int | None  # None: in CrashLoopBackOff with no recorded termination
+    reason: str  # the termination reason: Error, OOMKilled, ...
+    finished_at: str
+    restarts: int
+    termination_message: str
+    backing_off: bool  # waiting in CrashLoopBackOff right now
+    recovers_at: datetime | None  # running and ready: when the window ends; None while not ready
+
+    def describe(self) -> str:
+        """`pod/container: exited with code 70 (Error) at T, 1 restart[: message]`; only facts of the crash, never
+        its current state, so the text stays the same from the crash to the recovery."""
+        restarts = f"{self.restarts} restart{'s' if self.restarts != 1 else ''}"
+        if self.exit_code is None:
+            return f"{self.pod}/{self.container}: CrashLoopBackOff ({restarts})"
+        text = f"{self.pod}/{self.container}: exited with code {self.exit_code} ({self.reason or 'Error'})"
+        if self.finished_at:
+            text += f" at {self.finished_at}"
+        text += f", {restarts}"
+        if self.termination_message:
+            text += f": {self.termination_message}"
+        return text
+
+
+def _ready_since(pod: Mapping[str, Any], running: Mapping[str, Any]) -> datetime | None:
+    """Since when a running, ready container has been so: the later of its start and the pod's Ready transition."""
+    times = [parse_time(running.get("startedAt"))]
+    ready = _pod_condition(pod, "Ready")
+    if ready is not None and ready.get("status") == "True":
+        times.append(parse_time(ready.get("lastTransitionTime")))
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
+
+
+def _unready_after(pod: Mapping[str, Any], running: Mapping[str, Any], window: float) -> bool:
+    """Whether a running container that is not ready now ran for the window after its restart before the pod
+    turned unready: that crash is over, the unreadiness is news of its own (Progressing shows it), and reporting
+    the old crash again would blame it on something days old."""
+    started = parse_time(running.get("startedAt"))
+    ready = _pod_condition(pod, "Ready")
+    turned = parse_time(ready.get("lastTransitionTime")) if ready and ready.get("status") != "True" else None
+    return started is not None and turned is not None and (turned - started).total_seconds() >= window
+
+
+def container_crashes(pods: Iterable[Mapping[str, Any]], now: datetime, window: float) -> list[Crash]:
+    """Every container that crashed and has not recovered yet (see the module docstring), pods in name order.
+
+    A container counts when it was restarted after a termination (`restartCount` > 0 and `lastState.terminated`)
+    or is waiting in CrashLoopBackOff, until it is running, ready, and has been both for `window` seconds. A
+    running, ready container with no timestamps at all counts as recovered (nothing could ever clear it), and so
+    does a running container whose pod turned unready at least `window` seconds after it started (it recovered
+    before; see `_unready_after`)."""
+    found = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        role = str((pod["metadata"].get("labels") or {}).get(ROLE_LABEL, ""))
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            state = container.get("state") or {}
+            last = (container.get("lastState") or {}).get("terminated") or {}
+            restarts = container.get("restartCount", 0)
+            backing_off = (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff"
+            if not backing_off and not (last and isinstance(restarts, int) and restarts > 0):
+                continue
+            recovers_at = None
+            running = state.get("running")
+            if running is not None and container.get("ready") is True:
+                since = _ready_since(pod, running)
+                if since is None or (now - since).total_seconds() >= window:
+                    continue
+                recovers_at = since + timedelta(seconds=window)
+            elif running is not None and _unready_after(pod, running, window):
+                continue
+            message = " ".join(str(last.get("message") or "").split())
+            if len(message) > _MAX_TERMINATION_MESSAGE:
+                message = message[: _MAX_TERMINATION_MESSAGE - 3] + "..."
+            found.append(
+                Crash(
+                    pod=pod["metadata"]["name"],
+                    container=str(container.get("name")),
+                    role=role,
+                    exit_code=last["exitCode"] if isinstance(last.get("exitCode"), int) else None,
+                    reason=str(last.get("reason") or ""),
+                    finished_at=str(last.get("finishedAt") or ""),
+                    restarts=restarts if isinstance(restarts, int) else 0,
+                    termination_message=message,
+                    backing_off=backing_off,
+                    recovers_at=recovers_at,
+                )
+            )
+    return found
+
+
 def _deployment_failure(deploy: Mapping[str, Any] | None) -> str | None:
     for condition in (deploy or {}).get("status", {}).get("conditions") or []:
         if condition.get("type") == "Progressing" and condition.get("status") == "False":
@@ -202,7 +334,7 @@ class Facts:
     fallback_to_decode: bool
     router_failure: str | None
     pending: list[str]
-    crashing: list[str]
+    crashes: list[Crash]
     pull_failures: list[str]
 
 
@@ -239,13 +371,19 @@ def progressing_condition(facts: Facts, applied: bool, apply_errors: Sequence[st
     return ConditionValue(PROGRESSING, "False", "Complete", "all children are up to date")
 
 
-def degraded_condition(facts: Facts, apply_errors: Sequence[str]) -> ConditionValue:
+def degraded_condition(facts: Facts, apply_errors: Sequence[str], previous_reason: str | None = None) -> ConditionValue:
+    """The first Degraded reason that applies. `previous_reason` is the Degraded reason of the current status: a
+    crash loop stays CrashLooping between the kubelet's back-offs (see the module docstring)."""
     if apply_errors:
         return ConditionValue(DEGRADED, "True", "ApplyFailed", _summarise(list(apply_errors)))
     if facts.pending:
         return ConditionValue(DEGRADED, "True", "PodsPending", _summarise(facts.pending))
-    if facts.crashing:
-        return ConditionValue(DEGRADED, "True", "CrashLooping", _summarise(facts.crashing))
+    if facts.crashes:
+        message = _summarise([crash.describe() for crash in facts.crashes])
+        if previous_reason == "CrashLooping" or any(crash.backing_off for crash in facts.crashes):
+            return ConditionValue(DEGRADED, "True", "CrashLooping", message)
+        engines = any(crash.role != "router" for crash in facts.crashes)
+        return ConditionValue(DEGRADED, "True", "EngineCrashed" if engines else "RouterCrashed", message)
     if facts.pull_failures:
         return ConditionValue(DEGRADED, "True", "ImagePullFailed", _summarise(facts.pull_failures))
     if facts.router_failure:
@@ -306,7 +444,9 @@ def merge_conditions(
 # ------------------------------------------------------------------------------------------------------- status
 
 
-def _facts(spec: EffectiveSpec | None, body: Mapping[str, Any], snapshot: Snapshot) -> Facts:
+def _facts(
+    spec: EffectiveSpec | None, body: Mapping[str, Any], snapshot: Snapshot, now: datetime, crash_window: float
+) -> Facts:
     namespace = body["metadata"].get("namespace", "default")
     name = body["metadata"]["name"]
     pools: dict[str, dict[str, int]] = {}
@@ -338,7 +478,7 @@ def _facts(spec: EffectiveSpec | None, body: Mapping[str, Any], snapshot: Snapsh
         ),
         router_failure=_deployment_failure(deploy),
         pending=unschedulable_pods(snapshot.pods),
-        crashing=waiting_containers(snapshot.pods, frozenset({"CrashLoopBackOff"})),
+        crashes=container_crashes(snapshot.pods, now, crash_window),
         pull_failures=waiting_containers(
             snapshot.pods, frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
         ),
@@ -364,12 +504,13 @@ def compute_status(
     apply_errors: Sequence[str] = (),
     applied: bool = False,
     now: str,
+    crash_window: float = CRASH_RECOVERY_SECONDS,
 ) -> dict[str, Any]:
     """The complete `.status` for a PDService (`pds` is None when the spec could not be parsed at all)."""
     old: Mapping[str, Any] = body.get("status") or {}
     generation = body["metadata"].get("generation")
     spec = effective(pds.spec) if pds is not None else None
-    facts = _facts(spec, body, snapshot)
+    facts = _facts(spec, body, snapshot, parse_time(now) or datetime.now(UTC), crash_window)
     available = available_condition(facts)
     if problems:
         message = "; ".join(str(problem) for problem in problems)
@@ -379,7 +520,10 @@ def compute_status(
         degraded = ConditionValue(DEGRADED, "True", "InvalidSpec", message)
     else:
         progressing = progressing_condition(facts, applied, apply_errors)
-        degraded = degraded_condition(facts, apply_errors)
+        previous: Mapping[str, Any] = next(
+            (c for c in old.get("conditions") or [] if c.get("type") == DEGRADED and c.get("status") == "True"), {}
+        )
+        degraded = degraded_condition(facts, apply_errors, previous.get("reason"))
     conditions = [available, progressing, degraded, *gitops_conditions(available, progressing, degraded)]
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -396,6 +540,19 @@ def compute_status(
             if old.get(key) is not None:
                 status[key] = old[key]
     return status
+
+
+def next_check_seconds(snapshot: Snapshot, now: str, crash_window: float = CRASH_RECOVERY_SECONDS) -> float | None:
+    """Seconds until the status would change with no event at all (a crashed container's recovery window ends),
+    or None: the reconcile re-queues itself for then. Rounded up to whole seconds plus one, because the API
+    server's timestamps (and `now`) have one-second resolution."""
+    moment = parse_time(now)
+    if moment is None:
+        return None
+    ends = [c.recovers_at for c in container_crashes(snapshot.pods, moment, crash_window) if c.recovers_at]
+    if not ends:
+        return None
+    return max(0.0, float(int((min(ends) - moment).total_seconds()) + 1))
 
 
 def status_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -35,9 +35,14 @@ class WorkQueue(Generic[K]):
             self._queue.put_nowait(key)
 
     def add_after(self, key: K, delay: float) -> None:
-        if key in self._timers:
-            return
+        """Add `key` in `delay` seconds. One timer per key: an earlier request replaces a later one, a later
+        request leaves an earlier one alone (that pass re-runs the key, which can ask again)."""
         loop = asyncio.get_running_loop()
+        timer = self._timers.get(key)
+        if timer is not None:
+            if timer.when() <= loop.time() + delay:
+                return
+            timer.cancel()
 
         def fire() -> None:
             self._timers.pop(key, None)

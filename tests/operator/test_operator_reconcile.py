@@ -317,3 +317,75 @@ def test_an_invalid_new_pdservice_creates_nothing(world: World) -> None:
     assert not [call for call in calls if call.verb in ("apply", "delete")]
     assert world.condition("Degraded")["reason"] == "InvalidSpec"
     assert len(world.warnings("InvalidSpec")) == 1
+
+
+# ---------------------------------------------------------------------------------------------- crashed engine
+
+
+def engine_pod(phase: str, *, ready_at: str = "") -> dict[str, Any]:
+    """llama-8b-decode-0 as its watch events show it after its engine exited with code 70 at 09:00:00: being
+    restarted (`restarting`), or running and ready since `ready_at` (`ready`)."""
+    ready = phase == "ready"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "llama-8b-decode-0",
+            "namespace": NAMESPACE,
+            "labels": {"app.kubernetes.io/instance": NAME, "pdserve.io/role": "decode"},
+        },
+        "status": {
+            "phase": "Running",
+            "conditions": [
+                {"type": "Ready", "status": str(ready), "lastTransitionTime": ready_at or "2026-01-01T09:00:00Z"}
+            ],
+            "containerStatuses": [
+                {
+                    "name": "vllm",
+                    "restartCount": 1,
+                    "ready": ready,
+                    "state": {"running": {"startedAt": "2026-01-01T09:00:01Z"}}
+                    if ready
+                    else {"waiting": {"reason": "ContainerCreating"}},
+                    "lastState": {
+                        "terminated": {"exitCode": 70, "reason": "Error", "finishedAt": "2026-01-01T09:00:00Z"}
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_a_crashed_engine_is_reported_once_and_recovers_after_the_window(world: World) -> None:
+    """The pass that sees a crashed engine says so (Degraded/EngineCrashed, one Warning event); the passes of its
+    restart write nothing; a pass asks to be re-run when the recovery window ends, and that pass recovers."""
+    world.converge()
+    window = 30.0
+
+    def run_at(clock: str) -> tuple[Outcome, list[Call]]:
+        mark = world.kube.mark()
+        outcome = reconcile(
+            NAMESPACE, NAME, world.store, world.kube, lambda: clock, applier=world.applier, crash_window=window
+        )
+        return outcome, world.kube.calls_since(mark)
+
+    world.watch([engine_pod("restarting")])
+    outcome, calls = run_at("2026-01-01T09:00:01Z")
+    assert verbs(calls) == [f"status PDService {NAME} ok", f"event Event {NAME} ok"]
+    assert outcome.requeue_after is None  # not ready yet: its readiness will come as a pod event
+    degraded = world.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "EngineCrashed")
+    assert "llama-8b-decode-0/vllm: exited with code 70 (Error)" in degraded["message"]
+    assert [e["message"] for e in world.warnings("EngineCrashed")] == [degraded["message"]]
+
+    # Ready again at 09:00:10: nothing to write, but the pass must run again once the window is over (09:00:40).
+    world.watch([engine_pod("ready", ready_at="2026-01-01T09:00:10Z")])
+    outcome, calls = run_at("2026-01-01T09:00:12Z")
+    assert calls == []
+    assert outcome.requeue_after == 29.0
+    outcome, calls = run_at("2026-01-01T09:00:40Z")
+    assert verbs(calls) == [f"status PDService {NAME} ok", f"event Event {NAME} ok"]
+    assert outcome.requeue_after is None
+    assert world.condition("Degraded")["status"] == "False"
+    assert world.kube.events[-1]["reason"] == "Recovered"
+    assert len(world.warnings("EngineCrashed")) == 1

@@ -119,6 +119,60 @@ def pulling_pod(name: str) -> dict[str, Any]:
     }
 
 
+CRASHED_AT, RESTARTED_AT, READY_AT = "2025-12-31T23:59:50Z", "2025-12-31T23:59:51Z", "2025-12-31T23:59:55Z"
+
+
+def crashed_pod(
+    name: str,
+    phase: str,
+    *,
+    role: str = "decode",
+    restarts: int = 1,
+    exit_code: int = 70,
+    reason: str = "Error",
+    ready_at: str = READY_AT,
+) -> dict[str, Any]:
+    """A pod whose container exited at CRASHED_AT and was restarted, seen at one `phase` of its restart:
+    `waiting` (being restarted), `backoff` (CrashLoopBackOff), `starting` (running, not ready yet), `ready`
+    (running and ready since `ready_at`)."""
+    state: dict[str, Any] = {
+        "waiting": {"waiting": {"reason": "ContainerCreating"}},
+        "backoff": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}},
+        "starting": {"running": {"startedAt": RESTARTED_AT}},
+        "ready": {"running": {"startedAt": RESTARTED_AT}},
+    }[phase]
+    ready = phase == "ready"
+    return {
+        "metadata": {"name": name, "labels": {"pdserve.io/role": role}},
+        "status": {
+            "phase": "Running",
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True" if ready else "False",
+                    "lastTransitionTime": ready_at if ready else T0,
+                }
+            ],
+            "containerStatuses": [
+                {
+                    "name": "vllm",
+                    "restartCount": restarts,
+                    "ready": ready,
+                    "state": state,
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": exit_code,
+                            "reason": reason,
+                            "startedAt": "2025-12-31T23:00:00Z",
+                            "finishedAt": CRASHED_AT,
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 
@@ -223,6 +277,35 @@ CASES: list[tuple[st.Snapshot, dict[str, tuple[str, str]]]] = [
         },
     ),
     (
+        snapshot(
+            sts("prefill", 2, 2), sts("decode", 4, 3), router(2), pods=[crashed_pod("llama-8b-decode-3", "starting")]
+        ),
+        {
+            "Available": ("True", "MinimumReplicasAvailable"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": ("True", "EngineCrashed"),
+            "Ready": ("False", "EngineCrashed"),
+            "Reconciling": ("True", "EngineCrashed"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+    (
+        snapshot(
+            sts("prefill", 2, 2),
+            sts("decode", 4, 4),
+            router(2),
+            pods=[crashed_pod("llama-8b-router-x", "ready", role="router")],
+        ),
+        {
+            "Available": ("True", "MinimumReplicasAvailable"),
+            "Progressing": ("False", "Complete"),
+            "Degraded": ("True", "RouterCrashed"),
+            "Ready": ("False", "RouterCrashed"),
+            "Reconciling": ("True", "RouterCrashed"),
+            "Stalled": ("False", "AsExpected"),
+        },
+    ),
+    (
         snapshot(sts("prefill", 2, 2), sts("decode", 4, 3), router(2), pods=[pulling_pod("llama-8b-decode-3")]),
         {
             "Available": ("True", "MinimumReplicasAvailable"),
@@ -257,6 +340,120 @@ def test_pods_pending_carries_the_scheduler_message() -> None:
         c for c in st.compute_status(body(), snap, pds=pds(), now=T0)["conditions"] if c["type"] == "Degraded"
     )
     assert degraded["message"] == f"p-0: {message}"
+
+
+def degraded_of(status: dict[str, Any]) -> dict[str, Any]:
+    return dict(next(c for c in status["conditions"] if c["type"] == "Degraded"))
+
+
+def test_a_single_crash_is_reported_with_what_a_human_needs() -> None:
+    """Item 8 of issue 13: one crash is Degraded at once, without waiting for CrashLoopBackOff, naming the pod, the
+    container, the exit code, the termination reason and time, and the restart count."""
+    pod = crashed_pod("llama-8b-decode-1", "waiting", exit_code=137, reason="OOMKilled")
+    pod["status"]["containerStatuses"][0]["lastState"]["terminated"]["message"] = "CUDA out of memory.\n  at step 7"
+    status = st.compute_status(
+        body(), snapshot(sts("prefill", 2, 2), sts("decode", 4, 3), router(2), pods=[pod]), pds=pds(), now=T0
+    )
+    assert degraded_of(status)["reason"] == "EngineCrashed"
+    assert degraded_of(status)["message"] == (
+        f"llama-8b-decode-1/vllm: exited with code 137 (OOMKilled) at {CRASHED_AT}, 1 restart: "
+        "CUDA out of memory. at step 7"
+    )
+
+
+def test_a_crash_keeps_one_status_through_its_restart_until_the_window_ends() -> None:
+    """From the crash to the end of the recovery window the status is one and the same (no write, no new Event,
+    no flapping), whatever phase of its restart the container is in; then it recovers."""
+    healthy_pools = (sts("prefill", 2, 2), sts("decode", 4, 4), router(2))
+    first = st.compute_status(body(), snapshot(*healthy_pools, pods=[crashed_pod("d-0", "waiting")]), pds=pds(), now=T0)
+    assert conditions(first)["Degraded"] == ("True", "EngineCrashed")
+    current = first
+    for phase in ("starting", "ready"):
+        snap = snapshot(*healthy_pools, pods=[crashed_pod("d-0", phase)])
+        again = st.compute_status(body(current), snap, pds=pds(), now=T0)
+        assert st.status_patch(current, again) is None, phase
+        current = again
+    # Ready since READY_AT (5 s before T0): the window (60 s) ends at 00:00:55; the reconcile asks to run again just
+    # after it (timestamps have one-second resolution), since no event will come.
+    ready = snapshot(*healthy_pools, pods=[crashed_pod("d-0", "ready")])
+    assert st.next_check_seconds(ready, T0) == 56
+    assert st.next_check_seconds(ready, T0, crash_window=10) == 6
+    assert st.next_check_seconds(snapshot(*healthy_pools, pods=[crashed_pod("d-0", "starting")]), T0) is None
+    assert st.next_check_seconds(healthy(), T0) is None
+    # One second before the end: still crashed. At the end: recovered, and nothing left to wait for.
+    assert conditions(st.compute_status(body(current), ready, pds=pds(), now="2026-01-01T00:00:54Z"))["Degraded"] == (
+        "True",
+        "EngineCrashed",
+    )
+    recovered = st.compute_status(body(current), ready, pds=pds(), now="2026-01-01T00:00:55Z")
+    assert conditions(recovered)["Degraded"] == ("False", "AsExpected")
+    assert conditions(recovered)["Ready"] == ("True", "AllReady")
+    assert st.next_check_seconds(ready, "2026-01-01T00:00:55Z") is None
+    # The window is the operator's --crash-recovery-seconds.
+    short = st.compute_status(body(current), ready, pds=pds(), now=T0, crash_window=5)
+    assert conditions(short)["Degraded"] == ("False", "AsExpected")
+
+
+def test_the_window_counts_from_the_later_of_the_start_and_the_ready_transition() -> None:
+    # Ready long ago by the pod condition, but the container (re)started 5 s ago: 5 s, not an hour.
+    pod = crashed_pod("d-0", "ready", ready_at="2025-12-31T20:00:00Z")
+    pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"] = READY_AT
+    assert st.next_check_seconds(snapshot(pods=[pod]), T0) == 56
+    # No timestamps at all on a running, ready container: nothing could ever clear it, so it counts as recovered.
+    del pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
+    del pod["status"]["conditions"][0]["lastTransitionTime"]
+    assert st.container_crashes([pod], st.parse_time(T0) or pytest.fail("T0"), 60) == []
+
+
+def test_an_old_crash_is_not_blamed_for_a_later_unreadiness() -> None:
+    """Restarted yesterday, ran fine, unready now (overloaded, a failing dependency): that is not a crash, and the
+    message must not report yesterday's exit as news. Unready within the window after the restart, it is."""
+    pod = crashed_pod("d-0", "starting")
+    pod["status"]["conditions"][0]["lastTransitionTime"] = T0  # turned unready at T0, long after its start
+    pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"] = "2025-12-31T00:00:00Z"
+    assert st.container_crashes([pod], st.parse_time(T1) or pytest.fail("T1"), 60) == []
+    pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"] = "2025-12-31T23:59:30Z"  # 30 s before
+    assert [c.pod for c in st.container_crashes([pod], st.parse_time(T1) or pytest.fail("T1"), 60)] == ["d-0"]
+
+
+def test_a_crash_loop_is_stalled_for_its_whole_length() -> None:
+    """A container that crashes again is CrashLooping (Stalled) from its first back-off until it has been ready for
+    the window, also while the kubelet's next restart runs it: the verdict does not flip every back-off."""
+    pools = (sts("prefill", 2, 2), sts("decode", 4, 3), router(2))
+    first = st.compute_status(body(), snapshot(*pools, pods=[crashed_pod("d-0", "starting")]), pds=pds(), now=T0)
+    assert conditions(first)["Stalled"] == ("False", "AsExpected")
+    loop = st.compute_status(
+        body(first), snapshot(*pools, pods=[crashed_pod("d-0", "backoff", restarts=2)]), pds=pds(), now=T1
+    )
+    assert conditions(loop)["Degraded"] == ("True", "CrashLooping")
+    assert conditions(loop)["Stalled"] == ("True", "CrashLooping")
+    assert degraded_of(loop)["message"] == f"d-0/vllm: exited with code 70 (Error) at {CRASHED_AT}, 2 restarts"
+    just_ready = "2026-01-01T00:04:58Z"
+    for phase in ("starting", "ready"):
+        pod = crashed_pod("d-0", phase, restarts=2, ready_at=just_ready)
+        again = st.compute_status(body(loop), snapshot(*pools, pods=[pod]), pds=pds(), now=T1)
+        assert st.status_patch(loop, again) is None, phase
+    # Ready for the window: recovered, and Stalled with it.
+    later = "2026-01-01T00:10:00Z"
+    done = st.compute_status(
+        body(loop),
+        snapshot(*pools, pods=[crashed_pod("d-0", "ready", restarts=2, ready_at=just_ready)]),
+        pds=pds(),
+        now=later,
+    )
+    assert conditions(done)["Degraded"] == ("False", "AsExpected")
+    assert conditions(done)["Stalled"] == ("False", "AsExpected")
+    # A second, unrelated crash later starts as a single crash again, not as the old loop.
+    fresh = st.compute_status(body(done), snapshot(*pools, pods=[crashed_pod("d-1", "starting")]), pds=pds(), now=later)
+    assert conditions(fresh)["Degraded"] == ("True", "EngineCrashed")
+
+
+def test_engine_crashes_outrank_router_crashes() -> None:
+    pods = [crashed_pod("r-0", "starting", role="router"), crashed_pod("d-0", "starting")]
+    status = st.compute_status(body(), snapshot(*healthy().children.values(), pods=pods), pds=pds(), now=T0)
+    assert degraded_of(status)["reason"] == "EngineCrashed"
+    assert degraded_of(status)["message"].startswith("d-0/vllm: exited with code 70")
+    assert "; r-0/vllm: exited with code 70" in degraded_of(status)["message"]
 
 
 def test_pool_status_router_endpoint_and_hash() -> None:

@@ -30,3 +30,16 @@ async def test_retry_backs_off_exponentially() -> None:
     assert await asyncio.wait_for(queue.get(), 1) == "k"
     queue.forget("k")
     assert queue.retry("k") == 0.01
+
+
+async def test_add_after_keeps_the_earliest_timer_of_a_key() -> None:
+    """A requeue at a recovery window's end (seconds) must not wait behind a long backoff timer, and a later request
+    must not push an earlier one back."""
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add_after("late-then-early", 30)
+    queue.add_after("late-then-early", 0.01)
+    queue.add_after("early-then-late", 0.02)
+    queue.add_after("early-then-late", 30)
+    got = {await asyncio.wait_for(queue.get(), 1), await asyncio.wait_for(queue.get(), 1)}
+    assert got == {"late-then-early", "early-then-late"}
+    assert len(queue) == 0

@@ -1,0 +1,82 @@
+"""The controller's event intake and work queue wiring, without a cluster (the IO layer is FakeKube).
+
+A pod's watch event must queue the PDService it belongs to (that is how a crashed engine reaches the status within
+one pass instead of one resync), and a pass that asks to run again later (a crash's recovery window) must be run
+again then, with no event at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, cast
+
+import yaml
+
+from pdserve_dev.testing.fake_kube import FakeKube
+from pdserve_operator.controller import Controller
+from pdserve_operator.kube import KubeApi
+from pdserve_operator.metrics import OperatorMetrics
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
+NAMESPACE, NAME = "default", "llama-8b"
+
+
+def controller(crash_window: float = 60.0) -> tuple[Controller, FakeKube]:
+    kube = FakeKube()
+    # FakeKube implements the writes a reconcile makes (KubeIO); the controller's relist, not used here, would
+    # need the real KubeApi.
+    return Controller(cast(KubeApi, kube), metrics=OperatorMetrics(), crash_window=crash_window), kube
+
+
+def pod(owner: str, *, ready_at: str | None = None) -> dict[str, Any]:
+    """An engine pod of `owner` whose container crashed once; running and ready since `ready_at` when given."""
+    ready = ready_at is not None
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{owner}-decode-0",
+            "namespace": NAMESPACE,
+            "resourceVersion": "7",
+            "labels": {"app.kubernetes.io/instance": owner, "pdserve.io/role": "decode"},
+        },
+        "status": {
+            "conditions": [{"type": "Ready", "status": str(ready), "lastTransitionTime": ready_at or ""}],
+            "containerStatuses": [
+                {
+                    "name": "vllm",
+                    "restartCount": 1,
+                    "ready": ready,
+                    "state": {"running": {"startedAt": ready_at or ""}},
+                    "lastState": {"terminated": {"exitCode": 70, "reason": "Error", "finishedAt": ready_at or ""}},
+                }
+            ],
+        },
+    }
+
+
+async def test_a_pod_event_queues_its_pdservice() -> None:
+    ctl, kube = controller()
+    ctl.on_owner_event({"type": "ADDED", "object": kube.add_owner(yaml.safe_load(EXAMPLE.read_text()))})
+    assert await asyncio.wait_for(ctl.queue.get(), 1) == (NAMESPACE, NAME)
+    ctl.queue.done((NAMESPACE, NAME))
+    ctl.on_child_event({"type": "MODIFIED", "object": pod(NAME)})
+    assert len(ctl.queue) == 1
+    assert await asyncio.wait_for(ctl.queue.get(), 1) == (NAMESPACE, NAME)
+    # A pod of a PDService the operator does not know (another namespace's, or deleted) queues nothing.
+    ctl.on_child_event({"type": "MODIFIED", "object": pod("unknown")})
+    assert len(ctl.queue) == 0
+
+
+async def test_a_pass_that_asks_to_run_again_is_run_again_without_an_event() -> None:
+    ctl, kube = controller(crash_window=1.0)
+    ctl.on_owner_event({"type": "ADDED", "object": kube.add_owner(yaml.safe_load(EXAMPLE.read_text()))})
+    key = await asyncio.wait_for(ctl.queue.get(), 1)
+    # The crashed engine is ready again as of now: the pass reports it and asks to run again when the window ends.
+    ctl.store.put(pod(NAME, ready_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")))
+    await ctl._process(key)
+    ctl.queue.done(key)
+    assert len(ctl.queue) == 0
+    assert await asyncio.wait_for(ctl.queue.get(), 10) == key
