@@ -6,10 +6,11 @@ the tests and the benchmark drive the same object. `config_from_spec` reads its 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from pdserve.api import defaults
-from pdserve.api.v1alpha1 import PDService, PoolSpec
+from pdserve.api.defaults import EffectivePool, effective
+from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.autoscaler.decision import Decision, Reason
 from pdserve_operator.autoscaler.model import H200_8B, EngineProfile, ModelConfig, ModelState, Slo, estimate
 from pdserve_operator.autoscaler.policy import PolicyConfig, PolicyState, PoolBounds, decide
@@ -23,7 +24,7 @@ class AutoscalerConfig:
     model: ModelConfig
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     #: Pods ready for less than this teach the capacity model nothing (the collector marks them unsettled).
-    warmup_s: float = float(defaults.AUTOSCALING_WARMUP_SECONDS)
+    warmup_s: float = 60.0
     #: Seconds between ticks.
     interval_s: float = 15.0
     #: The Prometheus rate/quantile window: one interval, so a jump in load shows in full at the next tick
@@ -63,76 +64,49 @@ def config_from_spec(
     prefill_profile: EngineProfile = H200_8B,
     decode_profile: EngineProfile = H200_8B,
 ) -> AutoscalerConfig:
-    """The autoscaler configuration a PDService asks for (defaults from `pdserve.api.defaults`)."""
-    spec = pds.spec
-    slo = spec.slo
-    percentile = (slo.percentile if slo else None) or defaults.SLO_PERCENTILE
-    ttft_ms = _target(spec.prefill, slo.ttft_milliseconds if slo else None)
-    itl_ms = _target(spec.decode, slo.itl_milliseconds if slo else None)
-    for role, pool, target, name in (
-        ("prefill", spec.prefill, ttft_ms, "ttftMilliseconds"),
-        ("decode", spec.decode, itl_ms, "itlMilliseconds"),
-    ):
-        if _bounds(pool).managed and target is None:
+    """The autoscaler configuration a PDService asks for, read from its effective view (defaults applied)."""
+    spec = effective(pds.spec)
+    for role, name in (("prefill", "ttftMilliseconds"), ("decode", "itlMilliseconds")):
+        pool = spec.pool(role)  # type: ignore[arg-type]
+        if _bounds(pool).managed and pool.autoscaling.target_milliseconds is None:
             raise NoSloTargetError(
                 f"spec.{role}.autoscaling is enabled but no target applies: set spec.slo.{name} or "
                 f"spec.{role}.autoscaling.targetMilliseconds"
             )
-    service = spec.autoscaling
-    ratio = service.prefill_to_decode_ratio if service else None
-    window = (
-        service.scale_down_stabilization_seconds
-        if service and service.scale_down_stabilization_seconds is not None
-        else defaults.AUTOSCALING_SCALE_DOWN_STABILIZATION_SECONDS
-    )
-    warmup = (
-        service.warmup_seconds
-        if service and service.warmup_seconds is not None
-        else defaults.AUTOSCALING_WARMUP_SECONDS
-    )
+    ratio = spec.autoscaling.prefill_to_decode_ratio
     model = ModelConfig(
         slo=Slo(
-            ttft_s=(ttft_ms or 0.0) / 1000.0 or float("inf"),
-            itl_s=(itl_ms or 0.0) / 1000.0 or float("inf"),
-            percentile=percentile,
+            ttft_s=_seconds(spec.prefill.autoscaling.target_milliseconds),
+            itl_s=_seconds(spec.decode.autoscaling.target_milliseconds),
+            percentile=spec.slo.percentile,
         ),
         prefill_profile=prefill_profile,
         decode_profile=decode_profile,
-        disaggregation_threshold=_threshold(pds),
+        disaggregation_threshold=spec.router.routing.disaggregation_threshold,
     )
     policy = PolicyConfig(
         prefill=_bounds(spec.prefill),
         decode=_bounds(spec.decode),
-        ratio_min=ratio.min if ratio else None,
-        ratio_max=ratio.max if ratio else None,
-        max_gpus=service.max_gpus if service else None,
-        scale_down_window_s=float(window),
+        ratio_min=ratio.min,
+        ratio_max=ratio.max,
+        max_gpus=spec.autoscaling.max_gpus,
+        scale_down_window_s=float(spec.autoscaling.scale_down_stabilization_seconds),
     )
-    return AutoscalerConfig(model=model, policy=policy, warmup_s=float(warmup))
+    return AutoscalerConfig(model=model, policy=policy, warmup_s=float(spec.autoscaling.warmup_seconds))
 
 
-def _target(pool: PoolSpec, service_ms: float | None) -> float | None:
+def _seconds(milliseconds: float | None) -> float:
+    # A pool without a target is not scaled by pdserve (checked above); its target is never compared.
+    return math.inf if milliseconds is None else milliseconds / 1000.0
+
+
+def _bounds(pool: EffectivePool) -> PoolBounds:
     scaling = pool.autoscaling
-    if scaling is not None and scaling.target_milliseconds is not None:
-        return scaling.target_milliseconds
-    return service_ms
-
-
-def _bounds(pool: PoolSpec) -> PoolBounds:
-    scaling = pool.autoscaling
-    gpus = max(pool.effective_gpus(), 1)
-    if scaling is None or not scaling.enabled:
+    gpus = max(pool.gpus_per_pod, 1)
+    if not scaling.enabled:
         return PoolBounds(gpus_per_replica=gpus, managed=False, unmanaged_reason=Reason.DISABLED)
-    low = defaults.AUTOSCALING_MIN if scaling.min_replicas is None else scaling.min_replicas
-    high = defaults.AUTOSCALING_MAX if scaling.max_replicas is None else scaling.max_replicas
-    mode = scaling.mode or defaults.AUTOSCALING_MODE
-    if mode == "external":
-        return PoolBounds(low, high, gpus, managed=False, unmanaged_reason=Reason.EXTERNAL)
-    return PoolBounds(low, high, gpus)
-
-
-def _threshold(pds: PDService) -> int:
-    router = pds.spec.router
-    routing = router.routing if router else None
-    value = routing.disaggregation_threshold if routing else None
-    return defaults.DISAGGREGATION_THRESHOLD if value is None else value
+    if scaling.mode == "external":
+        return PoolBounds(
+            scaling.min_replicas, scaling.max_replicas, gpus, managed=False, unmanaged_reason=Reason.EXTERNAL
+        )
+    return PoolBounds(scaling.min_replicas, scaling.max_replicas, gpus)

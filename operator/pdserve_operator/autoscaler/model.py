@@ -28,17 +28,19 @@ Algorithm, per pool and per tick:
    in charge, and a profile that is wrong for the hardware shows up as a larger S or k.
 4. Demand. Prefill: uncached prompt tokens computed per second (prefix hits discount prefill work) plus the
    growth of the queued prompts since the last tick (arrivals the pool did not serve; the queue's level is not
-   demand: queued prompts wait in the engines that hold them, and new replicas serve only new arrivals). Decode: tokens generated per second plus, for each request
-   waiting for a sequence slot or KV blocks, the rate it would generate at the target. Requests waiting on a KV
-   handoff (vLLM's "deferred") are not decode demand: their KV blocks inflate KV usage without load (llm-d's
-   finding), so KV usage never drives decode. A Holt filter (level + trend) predicts demand over the horizon
-   a new replica needs to become ready; upward trends count, downward ones wait for the policy's window. On
-   top comes headroom of a few typical surprises (`prefill_surprise`, `decode_surprise`): the filter's absolute one-tick error, which rises
-   at once with a jump and decays slowly, so a service that just jumped keeps a reserve for the next jump.
-5. Required replicas = predicted demand / (capacity at target_fraction x the SLO). The policy turns that into
-   a decision.
+   demand: queued prompts wait in the engines that hold them, and new replicas serve only new arrivals).
+   Decode: tokens generated per second plus, for each request waiting for a sequence slot or KV blocks, the rate
+   it would generate at the target. Requests waiting on a KV handoff (vLLM's "deferred") are not decode demand:
+   their KV blocks inflate KV usage without load (llm-d's finding), so KV usage never drives decode.
+   A Holt filter (level + trend) predicts demand over the horizon a new replica needs to become ready; a trend
+   adds at most `MAX_TREND` of the level (a burst's slope says little about the next minute). On top comes
+   headroom of a few typical surprises (`prefill_surprise`, `decode_surprise`): the filter's absolute one-tick
+   error, which rises at once with a jump and decays slowly, so a service that just jumped keeps a reserve for
+   the next one. Scaling up sizes for the larger of that prediction and the latest window; scaling down only
+   for the prediction (`steady_demand`), so one noisy window neither holds nor removes replicas.
+5. Required replicas = predicted demand / capacity per replica. The policy turns that into a decision.
 6. Attribution of a TTFT breach (client TTFT from the router over target): prefill's budget is the TTFT
-   target minus a nominal downstream (one KV transfer and one decode step at the ITL target). If the prefill
+   target minus a nominal downstream (one KV transfer and two decode steps at the ITL target). If the prefill
    engines' own TTFT is within that budget the breach is not prefill's: requests queueing for a decode slot
    make it decode's, a slow KV pull the transfer's (no pool fixes a slow network). Only a pool's own breach
    adds the "+1 beyond the model" correction to that pool.

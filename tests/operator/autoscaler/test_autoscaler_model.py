@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -239,9 +239,20 @@ def test_kv_usage_from_waiting_on_handoffs_does_not_scale_decode() -> None:
 # ---------------------------------------------------------------------------------------------- attribution
 
 
+@dataclass(frozen=True)
+class Attribution:
+    case: str
+    p: dict[str, Any]
+    d: dict[str, Any]
+    router: RouterSignals
+    cause: Cause
+    prefill_breach: bool
+    decode_breach: bool
+
+
 ATTRIBUTION = [
-    ("no breach", {}, {}, RouterSignals(ttft_s=0.3, ttft_pd_s=0.3, itl_s=0.02), Cause.NONE, False, False),
-    (
+    Attribution("no breach", {}, {}, RouterSignals(ttft_s=0.3, ttft_pd_s=0.3, itl_s=0.02), Cause.NONE, False, False),
+    Attribution(
         "prefill queueing",
         {"engine_ttft_s": 1.1},
         {},
@@ -250,7 +261,7 @@ ATTRIBUTION = [
         True,
         False,
     ),
-    (
+    Attribution(
         "waiting for a decode slot",
         {"engine_ttft_s": 0.2},
         {"waiting_capacity": 40.0, "queue_time_s": 0.9},
@@ -259,7 +270,7 @@ ATTRIBUTION = [
         False,
         True,
     ),
-    (
+    Attribution(
         "slow KV pulls",
         {"engine_ttft_s": 0.2},
         {"kv_transfer_s": 0.9},
@@ -268,7 +279,7 @@ ATTRIBUTION = [
         False,
         False,
     ),
-    (
+    Attribution(
         "slow decode steps",
         {"engine_ttft_s": 0.2},
         {"engine_itl_s": 0.06},
@@ -280,24 +291,12 @@ ATTRIBUTION = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("case", "p", "d", "router", "cause", "prefill_breach", "decode_breach"),
-    ATTRIBUTION,
-    ids=[c[0] for c in ATTRIBUTION],
-)
-def test_ttft_breach_attribution(
-    case: str,
-    p: dict[str, Any],
-    d: dict[str, Any],
-    router: RouterSignals,
-    cause: Cause,
-    prefill_breach: bool,
-    decode_breach: bool,
-) -> None:
-    _, est = run(signals(p=prefill(**p), d=decode(**d), router=router))
-    assert est.ttft_cause is cause
-    assert est.prefill.breach is prefill_breach
-    assert est.decode.breach is decode_breach
+@pytest.mark.parametrize("case", ATTRIBUTION, ids=[c.case for c in ATTRIBUTION])
+def test_ttft_breach_attribution(case: Attribution) -> None:
+    _, est = run(signals(p=prefill(**case.p), d=decode(**case.d), router=case.router))
+    assert est.ttft_cause is case.cause
+    assert est.prefill.breach is case.prefill_breach
+    assert est.decode.breach is case.decode_breach
 
 
 def test_a_decode_caused_ttft_breach_leaves_prefill_demand_alone() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -109,7 +110,7 @@ def test_breach_and_recovery() -> None:
     # need.
     assert sizes[9:13] == [8, 8, 8, 8]
     assert sizes[13:] == [2] * 9
-    changes = sum(1 for a, b in zip(sizes, sizes[1:], strict=False) if a != b)
+    changes = sum(1 for a, b in itertools.pairwise(sizes) if a != b)
     assert changes == 2
 
 
@@ -242,61 +243,72 @@ def test_unmanaged_pools_are_left_alone() -> None:
     assert decision.actions() == []
 
 
+@dataclass(frozen=True)
+class RatioCase:
+    p: float
+    d: float
+    low: float | None
+    high: float | None
+    p_max: int
+    expected: tuple[int, int]
+
+
 RATIO = [
-    # (prefill need, decode need, ratio min, ratio max, prefill max, expected (P, D))
-    (2.0, 6.0, 0.5, None, 20, (3, 6)),  # prefill raised to half of decode
-    (2.0, 6.0, 0.5, None, 2, (2, 4)),  # prefill at its max: decode lowered instead
-    (9.0, 2.0, None, 2.0, 20, (9, 5)),  # decode raised to half of prefill
-    (3.0, 3.0, 0.5, 2.0, 20, (3, 3)),  # within bounds: untouched
+    RatioCase(2.0, 6.0, 0.5, None, 20, (3, 6)),  # prefill raised to half of decode
+    RatioCase(2.0, 6.0, 0.5, None, 2, (2, 4)),  # prefill at its max: decode lowered instead
+    RatioCase(9.0, 2.0, None, 2.0, 20, (9, 5)),  # decode raised to half of prefill
+    RatioCase(3.0, 3.0, 0.5, 2.0, 20, (3, 3)),  # within bounds: untouched
 ]
 
 
-@pytest.mark.parametrize(("p", "d", "low", "high", "p_max", "expected"), RATIO)
-def test_ratio_bounds(
-    p: float, d: float, low: float | None, high: float | None, p_max: int, expected: tuple[int, int]
-) -> None:
-    config = replace(CONFIG, prefill=PoolBounds(1, p_max), ratio_min=low, ratio_max=high)
-    decision, _ = step(PolicyState(), 0.0, Tick(need=p, current=1), Tick(need=d, current=1), config=config)
-    assert (decision.prefill.desired, decision.decode.desired) == expected
-    low_ok = low is None or decision.prefill.desired >= low * decision.decode.desired - 1e-9
-    high_ok = high is None or decision.prefill.desired <= high * decision.decode.desired + 1e-9
-    assert low_ok and high_ok
+@pytest.mark.parametrize("case", RATIO)
+def test_ratio_bounds(case: RatioCase) -> None:
+    config = replace(CONFIG, prefill=PoolBounds(1, case.p_max), ratio_min=case.low, ratio_max=case.high)
+    decision, _ = step(PolicyState(), 0.0, Tick(need=case.p, current=1), Tick(need=case.d, current=1), config=config)
+    p, d = decision.prefill.desired, decision.decode.desired
+    assert (p, d) == case.expected
+    assert case.low is None or p >= case.low * d - 1e-9
+    assert case.high is None or p <= case.high * d + 1e-9
+
+
+@dataclass(frozen=True)
+class BudgetCase:
+    p: float
+    p_current: int
+    d: float
+    d_current: int
+    budget: int
+    gpus: tuple[int, int]
+    expected: tuple[int, int]
+    limited: bool
 
 
 BUDGET = [
-    # (prefill need, current, decode need, current, budget, GPUs per replica (P, D), expected (P, D), limited)
-    (8.0, 4, 4.0, 4, 10, (1, 1), (6, 4), True),  # prefill grows into what is left, decode keeps what it has
-    (9.0, 4, 2.0, 4, 10, (1, 1), (8, 2), True),  # decode shrinks, its GPUs go to prefill
-    (6.0, 2, 6.0, 2, 10, (1, 1), (5, 5), True),  # both grow: shared by shortfall
-    (4.0, 2, 4.0, 2, 9, (1, 2), (3, 3), True),  # GPUs per replica count
-    (5.0, 4, 4.0, 4, 10, (1, 1), (5, 4), False),  # fits: the budget changes nothing
+    BudgetCase(8.0, 4, 4.0, 4, 10, (1, 1), (6, 4), True),  # prefill grows into what is left, decode keeps its own
+    BudgetCase(9.0, 4, 2.0, 4, 10, (1, 1), (8, 2), True),  # decode shrinks, its GPUs go to prefill
+    BudgetCase(6.0, 2, 6.0, 2, 10, (1, 1), (5, 5), True),  # both grow: shared by shortfall
+    BudgetCase(4.0, 2, 4.0, 2, 9, (1, 2), (3, 3), True),  # GPUs per replica count
+    BudgetCase(5.0, 4, 4.0, 4, 10, (1, 1), (5, 4), False),  # fits: the budget changes nothing
 ]
 
 
-@pytest.mark.parametrize(("p", "pc", "d", "dc", "budget", "gpus", "expected", "limited"), BUDGET)
-def test_gpu_budget_is_never_exceeded(
-    p: float,
-    pc: int,
-    d: float,
-    dc: int,
-    budget: int,
-    gpus: tuple[int, int],
-    expected: tuple[int, int],
-    limited: bool,
-) -> None:
+@pytest.mark.parametrize("case", BUDGET)
+def test_gpu_budget_is_never_exceeded(case: BudgetCase) -> None:
     config = replace(
         CONFIG,
-        prefill=PoolBounds(1, 20, gpus_per_replica=gpus[0]),
-        decode=PoolBounds(1, 20, gpus_per_replica=gpus[1]),
-        max_gpus=budget,
+        prefill=PoolBounds(1, 20, gpus_per_replica=case.gpus[0]),
+        decode=PoolBounds(1, 20, gpus_per_replica=case.gpus[1]),
+        max_gpus=case.budget,
     )
-    state = PolicyState({"prefill": ((-100.0, pc),), "decode": ((-100.0, dc),)}, since=-100.0)
-    decision, _ = step(state, 0.0, Tick(need=p, current=pc), Tick(need=d, current=dc), config=config)
+    state = PolicyState({"prefill": ((-100.0, case.p_current),), "decode": ((-100.0, case.d_current),)}, since=-100.0)
+    decision, _ = step(
+        state, 0.0, Tick(need=case.p, current=case.p_current), Tick(need=case.d, current=case.d_current), config=config
+    )
     got = (decision.prefill.desired, decision.decode.desired)
-    assert got == expected
-    assert got[0] * gpus[0] + got[1] * gpus[1] <= budget
+    assert got == case.expected
+    assert got[0] * case.gpus[0] + got[1] * case.gpus[1] <= case.budget
     short = [pool.role for pool in decision.pools if Reason.BUDGET in pool.limits]
-    assert bool(short) is limited, "a pool the budget stopped says so, and only then"
+    assert bool(short) is case.limited, "a pool the budget stopped says so, and only then"
 
 
 # ------------------------------------------------------------------------------------------ explanations
