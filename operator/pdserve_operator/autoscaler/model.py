@@ -26,11 +26,14 @@ Algorithm, per pool and per tick:
    (so the learning survives a change of workload mix), weighted by how informative a sample is, blended with
    the prior at `prior_weight` pseudo-samples and clamped to [1/4, 4] x the prior: thin data leaves the prior
    in charge, and a profile that is wrong for the hardware shows up as a larger S or k.
-4. Demand. Prefill: uncached prompt tokens computed per second (prefix hits discount prefill work) plus the
-   growth of the queued prompts since the last tick (arrivals the pool did not serve; the queue's level is not
-   demand: queued prompts wait in the engines that hold them, and new replicas serve only new arrivals).
+4. Demand. Prefill: uncached prompt tokens computed per second (prefix hits discount prefill work), plus the
+   growth of the queued prompts since the last tick (arrivals the pool did not serve), plus the queue spread
+   over the horizon (queued prompts wait in the engines that hold them, which new replicas cannot take over,
+   and keep those engines busy until drained).
    Decode: tokens generated per second plus, for each request waiting for a sequence slot or KV blocks, the rate
-   it would generate at the target. Requests waiting on a KV handoff (vLLM's "deferred") are not decode demand:
+   it would generate at the target, and at least what prefill is being sent (decode's load is prefill's output a
+   moment later: sized from it, both pools move together on a jump instead of one after the other). Requests
+   waiting on a KV handoff (vLLM's "deferred") are not decode demand:
    their KV blocks inflate KV usage without load (llm-d's finding), so KV usage never drives decode.
    A Holt filter (level + trend) predicts demand over the horizon a new replica needs to become ready; a trend
    adds at most `MAX_TREND` of the level (a burst's slope says little about the next minute). On top comes
@@ -165,11 +168,10 @@ class ModelConfig:
     learn_half_life_s: float = 900.0
     #: How many informative samples the prior is worth.
     prior_weight: float = 8.0
-    #: Headroom for bursts, in typical one-tick surprises of the demand forecast, per pool. Prefill gets more:
-    #: a prefill shortfall queues whole prompts (TTFT climbs by seconds), a decode one only delays new
-    #: requests until a running one finishes and frees its slot.
+    #: Headroom for bursts, in typical one-tick surprises of the demand forecast, per pool (a shortfall of
+    #: either pool breaks TTFT: queued prompts in prefill, requests waiting for a sequence slot in decode).
     prefill_surprise: float = 1.0
-    decode_surprise: float = 0.0
+    decode_surprise: float = 1.0
     #: Holt filter gains for demand level and trend.
     level_gain: float = 0.5
     trend_gain: float = 0.3
@@ -341,6 +343,8 @@ class PoolEstimate:
     #: The same from the smoothed forecast only: what scaling down sizes for, so one noisy window neither
     #: holds nor removes replicas (None = unknown).
     steady_demand: float | None = None
+    #: Requests per second arriving at the pool, served or not (prefill: what decode will see next).
+    arrival_rate: float | None = None
 
     @property
     def steady_required(self) -> float | None:
@@ -381,7 +385,7 @@ def estimate(config: ModelConfig, state: ModelState, signals: ServiceSignals) ->
     """One tick of the model: learn from the signals, then size both pools and attribute any TTFT breach."""
     now = signals.at
     prefill_fit, prefill_demand, prefill_backlog, prefill = _prefill(config, state, signals, now)
-    decode_fit, decode_demand, decode = _decode(config, state, signals, now)
+    decode_fit, decode_demand, decode = _decode(config, state, signals, now, prefill)
     ttft = _first_known(signals.router.ttft_pd_s, signals.router.ttft_s)
     cause = _ttft_cause(config, signals, prefill, decode, ttft)
     if cause is Cause.DECODE_SLOT and not decode.breach:
@@ -428,18 +432,21 @@ def _prefill(
 
     load = pool.uncached_tokens_rate
     demand_now: float | None = None
+    arrivals: float | None = None
     backlog_now: tuple[float, float] | None = state.prefill_backlog
     if load is not None:
         # Computed tokens understate arrivals while the pool is short: what it did not serve piles up in the
-        # queues. The queue's growth since the last tick is that unserved arrival rate. Its level is not
-        # demand: queued prompts sit in the engines that hold them, and new replicas only serve new arrivals.
+        # queues, and the queue's growth since the last tick is that unserved arrival rate. The queue itself
+        # sits in the engines that hold it (new replicas cannot take it over) and keeps them busy until it has
+        # drained: over the horizon it takes backlog / horizon of the pool's capacity away from new arrivals.
         per_request = _ratio(pool.uncached_tokens_rate, pool.request_rate) or uncached_q
         backlog = (pool.waiting or 0.0) * per_request
         growth = 0.0
         if state.prefill_backlog is not None and now > state.prefill_backlog[0]:
             growth = max(0.0, backlog - state.prefill_backlog[1]) / (now - state.prefill_backlog[0])
-        demand_now = load + growth
+        demand_now = load + growth + backlog / config.horizon_s
         backlog_now = (now, backlog)
+        arrivals = (load + growth) / per_request
     forecast, demand, steady = _predict(config, state.prefill_demand, demand_now, now, config.prefill_surprise)
     latency = pool.engine_ttft_s
     estimate = PoolEstimate(
@@ -455,12 +462,13 @@ def _prefill(
         basis=_basis(fit, config.prior_weight),
         notes=tuple(notes),
         steady_demand=steady,
+        arrival_rate=arrivals,
     )
     return fit, forecast, backlog_now, estimate
 
 
 def _decode(
-    config: ModelConfig, state: ModelState, signals: ServiceSignals, now: float
+    config: ModelConfig, state: ModelState, signals: ServiceSignals, now: float, upstream: PoolEstimate
 ) -> tuple[CapacityFit, Forecast, PoolEstimate]:
     pool = signals.decode
     profile = config.decode_profile
@@ -489,6 +497,15 @@ def _decode(
         # A request waiting for a slot would generate at the target rate; one waiting on a KV handoff is not
         # decode demand (its blocks raise KV usage without load).
         demand_now = load + (pool.waiting_capacity or 0.0) / config.slo.itl_s
+        # Decode's load is prefill's output a moment later: when requests arrive faster at prefill than decode
+        # sees them (a jump, or prefill short of capacity), size decode for what is coming, not for what has
+        # come, so the two pools move together instead of one after the other.
+        if upstream.arrival_rate is not None and pool.request_rate is not None:
+            direct = max(0.0, pool.request_rate - (signals.prefill.request_rate or 0.0))
+            coming = (upstream.arrival_rate + direct) * output
+            if coming > demand_now:
+                demand_now = coming
+                notes.append(f"sized for the {upstream.arrival_rate:.0f} requests/s arriving at prefill")
         if (pool.waiting_deferred or 0.0) > 0 and (pool.kv_usage or 0.0) > 0.5:
             notes.append(
                 f"KV usage {pool.kv_usage:.0%} includes {pool.waiting_deferred:.0f} requests waiting on KV "

@@ -72,6 +72,8 @@ class PolicyConfig:
     min_completeness: float = 0.5
     #: Act on a recommendation beyond the in-progress size while replicas start (see module docstring, 5).
     scale_up_while_starting: bool = True
+    #: The most a pool sheds in one tick, as a share of its size (at least one replica).
+    scale_down_step: float = 1.0
 
     def bounds(self, role: Role) -> PoolBounds:
         return self.prefill if role == "prefill" else self.decode
@@ -198,8 +200,12 @@ def _pool(
         return _bounded(
             bounds, role, current, wanted=current, reason=Reason.STABILIZING, message=message, estimate=estimate
         ), state
+    # Shed at most a step per tick: traffic that just fell may come back, and a pool that walks down keeps
+    # spare capacity for a while at little cost.
+    step = max(1, math.ceil(current * config.scale_down_step))
+    wanted = max(stable, current - step)
     return _bounded(
-        bounds, role, current, wanted=stable, reason=Reason.SCALED_DOWN, message=why, estimate=estimate
+        bounds, role, current, wanted=wanted, reason=Reason.SCALED_DOWN, message=why, estimate=estimate
     ), state
 
 
