@@ -204,7 +204,7 @@ def test_a_burst_trend_adds_at_most_half_the_level() -> None:
     assert est.prefill.steady_demand <= 1.5 * level + headroom + 1e-6
 
 
-def test_a_growing_prefill_queue_is_demand_a_standing_one_is_not() -> None:
+def test_a_growing_prefill_queue_is_arriving_demand_a_standing_one_only_drains() -> None:
     # No smoothing and no headroom, so demand is exactly this tick's measurement.
     raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0)
     first = signals(at=100.0, p=prefill(waiting=0.0))
@@ -212,10 +212,12 @@ def test_a_growing_prefill_queue_is_demand_a_standing_one_is_not() -> None:
     standing = signals(at=130.0, p=prefill(waiting=300.0))
     _, grew = run(first, growing, config=raw)
     _, stood = run(first, growing, standing, config=raw)
-    # 300 queued 1000-token prompts in 15 s: 20k tokens/s of arrivals the pool did not serve.
-    assert grew.prefill.demand == pytest.approx(100_000.0 + 20_000.0)
-    # The same queue a tick later is not new demand: it sits in engines new replicas cannot take it from.
-    assert stood.prefill.demand == pytest.approx(100_000.0)
+    # 300 queued 1000-token prompts, 300k tokens: they appeared within 15 s (20k tokens/s of arrivals the pool
+    # did not serve), and they keep their engines busy for 300k / 45 s (the horizon) of its capacity.
+    drain = 300_000.0 / raw.horizon_s
+    assert grew.prefill.demand == pytest.approx(100_000.0 + 20_000.0 + drain)
+    # The same queue a tick later is no new arrival: it still has to drain, but nothing more.
+    assert stood.prefill.demand == pytest.approx(100_000.0 + drain)
 
 
 def test_requests_waiting_for_a_decode_slot_are_decode_demand() -> None:
@@ -317,3 +319,15 @@ def test_prefill_budget_leaves_room_for_the_handoff() -> None:
     kv = H200_8B.kv_transfer_s(2000.0)
     assert budget == pytest.approx(SLO.ttft_s - kv - 2 * SLO.itl_s)
     assert math.isclose(kv, 2000 * 131072 / 50e9)
+
+
+def test_decode_is_sized_for_what_prefill_is_being_sent() -> None:
+    # Prefill now receives 200 requests/s (1000 uncached tokens each) while decode still sees the 100 requests/s
+    # of before (200 output tokens each): decode's demand is what is coming, 200 x 200 tokens/s.
+    jump = prefill(uncached_tokens_rate=200_000.0, prompt_tokens_rate=200_000.0, request_rate=200.0)
+    raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0, decode_surprise=0.0)
+    _, est = run(signals(p=jump), config=raw)
+    assert est.decode.demand == pytest.approx(200 * 200.0)
+    assert any("arriving at prefill" in note for note in est.decode.notes)
+    _, calm = run(signals(), config=raw)
+    assert calm.decode.demand == pytest.approx(20_000.0)
