@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import pytest
 
 from pdserve.api.v1alpha1 import PDService
+from pdserve_operator.autoscaler.actuator import pod_states
 from pdserve_operator.autoscaler.core import Autoscaler, NoSloTargetError, config_from_spec
 from pdserve_operator.autoscaler.decision import Reason
 from pdserve_operator.autoscaler.signals import PodPhase, PodState, PoolSignals, ServiceSignals, count_pods
@@ -102,3 +104,33 @@ def test_count_pods_by_phase() -> None:
     ]
     assert count_pods(pods, "prefill") == (1, 1, 1)
     assert count_pods(pods, "decode") == (1, 0, 0)
+
+
+def _pod(name: str, role: str | None, **status: Any) -> dict[str, Any]:
+    labels = {"pdserve.io/role": role} if role else {}
+    pod: dict[str, Any] = {"metadata": {"name": name, "labels": labels}, "status": {"conditions": []}}
+    for kind, (state, extra) in status.items():
+        pod["status"]["conditions"].append({"type": kind, "status": state, **extra})
+    return pod
+
+
+def test_pod_states_from_pod_objects() -> None:
+    now = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+    terminating = _pod("p-3", "prefill", Ready=("True", {"lastTransitionTime": "2026-01-01T11:00:00Z"}))
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T11:59:59Z"
+    pods = [
+        _pod("p-0", "prefill", Ready=("True", {"lastTransitionTime": "2026-01-01T11:58:30Z"})),
+        _pod("p-1", "prefill", PodScheduled=("False", {"reason": "Unschedulable"})),
+        _pod("p-2", "prefill", PodScheduled=("True", {}), Ready=("False", {})),
+        terminating,
+        _pod("d-0", "decode", Ready=("True", {"lastTransitionTime": "2026-01-01T11:59:50Z"})),
+        _pod("r-0", "router", Ready=("True", {})),
+        _pod("other", None),
+    ]
+    states = {s.name: s for s in pod_states(pods, now)}
+    assert set(states) == {"p-0", "p-1", "p-2", "p-3", "d-0"}
+    assert (states["p-0"].phase, states["p-0"].ready_for_s) == (PodPhase.READY, 90.0)
+    assert states["p-1"].phase is PodPhase.PENDING
+    assert states["p-2"].phase is PodPhase.STARTING
+    assert states["p-3"].phase is PodPhase.TERMINATING
+    assert (states["d-0"].role, states["d-0"].ready_for_s) == ("decode", 10.0)
