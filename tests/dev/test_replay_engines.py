@@ -60,6 +60,7 @@ def replay(requests: list[Request], make: Callable[..., PrefillEngine | DecodeEn
 
     engine = make(schedule)
     jobs = [Job(r, route) for r in requests]
+
     def arrive(job: Job) -> Callable[[float], None]:
         return lambda now: engine.add(job, now)
 
