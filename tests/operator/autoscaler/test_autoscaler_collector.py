@@ -1,39 +1,35 @@
 """The collector's queries against a real Prometheus scraping real simulators and a real router.
 
-Two prefill and three decode simulators (one decode, the "ghost", stands for a pod that was deleted a moment
-ago: Prometheus still answers for its series, but it is not in the operator's pod list), a router in front of the
-live ones, and Prometheus (the binary pdserve's local cluster builds, `~/.cache/pdserve/prometheus/*/bin`) with
-static targets carrying the labels its kubernetes_sd relabelling gives pods (`namespace`, `pod`, `pool`,
-`pdservice`). The test drives PD and decode-only requests through the router, keeps streams open on the ghost,
-and reads the signals the way the operator's loop will: `Collector.collect` in a worker thread.
+The local cluster's Prometheus (`prometheus` fixture, `pdserve_dev.testing.prometheus`) scrapes two prefill and
+three decode simulators and a router in front of the live ones, added as static targets carrying the labels its
+kubernetes_sd relabelling gives pods (`namespace`, `pod`, `pool`, `pdservice`). One decode, the "ghost", stands for
+a pod that was deleted a moment ago: Prometheus still answers for its series, but it is not in the operator's pod
+list. The test drives PD and decode-only requests through the router, keeps streams open on the ghost, and reads
+the signals the way the operator's loop will: `Collector.collect` in a worker thread.
 
-Remaining when `pdserve_dev.testing.prometheus` lands on relayer: start Prometheus through it (this file's
-`_prometheus` is a stand-in with the same binary and labels) and add the kubernetes_sd end-to-end test on the
-local cluster (phase 2).
+The end-to-end version (engine pods discovered through the API server, the operator's loop) is phase 2's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from aiohttp import web
 
 from pdserve.api.router_config import RouterConfig
+from pdserve_dev.cluster.prometheus import TARGET_LABELS
 from pdserve_dev.testing.net import free_port
+from pdserve_dev.testing.prometheus import PrometheusHelper
 from pdserve_dev.testing.sim import SimHandle, sim_in_process
 from pdserve_dev.testing.wait import wait_for_async
-from pdserve_operator.autoscaler.collector import Collector, Target, connect
+from pdserve_operator.autoscaler.collector import Collector, SeriesLabels, Target, connect
 from pdserve_operator.autoscaler.core import Autoscaler, AutoscalerConfig
 from pdserve_operator.autoscaler.decision import Reason
 from pdserve_operator.autoscaler.model import ModelConfig, Slo
@@ -42,71 +38,30 @@ from pdserve_operator.autoscaler.signals import PodPhase, PodState, ServiceSigna
 from pdserve_sim.config import SimConfig
 from pdserve_sim.presets import CPU_TINY
 
-pytestmark = pytest.mark.timeout(180)
-
-NAMESPACE, SERVICE = "team-a", "chat"
+SERVICE = "chat"
 LONG = "The history of the river valley settlements began with small farms. " * 30  # ~360 tokens: pd route
 SHORT = "Say hi."  # decode-only route
-CACHE = Path.home() / ".cache" / "pdserve" / "prometheus"
 
 
-def _prometheus_binary() -> Path | None:
-    explicit = os.environ.get("PDSERVE_PROMETHEUS_BIN")
-    if explicit:
-        return Path(explicit)
-    found = sorted(CACHE.glob("*/bin/prometheus"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
-
-
-@pytest.fixture(scope="module")
-def prometheus_binary() -> Path:
-    binary = _prometheus_binary()
-    if binary is None or not binary.exists():
-        pytest.skip("no Prometheus binary: build it with `pdserve dev cluster build` (or set PDSERVE_PROMETHEUS_BIN)")
-    return binary
+def test_series_labels_are_the_ones_prometheus_is_configured_with() -> None:
+    labels = SeriesLabels()
+    assert {labels.namespace, labels.pod, labels.pool, labels.service} == set(TARGET_LABELS)
 
 
 @contextlib.contextmanager
-def _prometheus(binary: Path, workdir: Path, targets: dict[str, tuple[str, str]]) -> Iterator[str]:
-    """Prometheus on loopback scraping `targets` (pod name -> (pool, host:port)) every second; stopped by PID."""
-    port = free_port()
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
-        "scrape_configs": [
-            {
-                "job_name": "pdserve",
-                "static_configs": [
-                    {
-                        "targets": [address],
-                        "labels": {"namespace": NAMESPACE, "pdservice": SERVICE, "pool": pool, "pod": pod},
-                    }
-                    for pod, (pool, address) in targets.items()
-                ],
-            }
-        ],
-    }
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    process = subprocess.Popen(
-        [
-            str(binary),
-            f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(workdir / "prometheus.log").open("w"),
-        start_new_session=True,
-    )
+def _targets(prometheus: PrometheusHelper, namespace: str, targets: dict[str, tuple[str, str]]) -> Any:
+    """Scrape each (pool, host:port) as pod `name` of PDService `chat` in `namespace`; removed afterwards."""
+    jobs = []
     try:
-        yield f"http://127.0.0.1:{port}"
+        for name, (pool, address) in targets.items():
+            job = f"{namespace}-{name}"
+            labels = {"namespace": namespace, "pdservice": SERVICE, "pool": pool, "pod": name}
+            prometheus.add_target(job, address, labels)
+            jobs.append(job)
+        yield
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for job in jobs:
+            prometheus.remove_target(job)
 
 
 @contextlib.asynccontextmanager
@@ -140,13 +95,15 @@ def _pods(names: dict[str, str], ready_for_s: float = 120.0) -> list[PodState]:
     return [PodState(name, role, PodPhase.READY, ready_for_s) for name, role in names.items()]  # type: ignore[arg-type]
 
 
-async def _query(url: str, promql: str) -> list[dict[str, Any]]:
-    client = connect(url)
-    result: list[dict[str, Any]] = await asyncio.to_thread(client.custom_query, promql)
-    return result
+async def _query(prometheus: PrometheusHelper, promql: str) -> list[dict[str, Any]]:
+    # The helper's client is synchronous: off the event loop, which serves the simulators Prometheus scrapes.
+    return await asyncio.to_thread(prometheus.query, promql)
 
 
-async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus_binary: Path, tmp_path: Path) -> None:
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: PrometheusHelper) -> None:
+    namespace = f"collector-{uuid.uuid4().hex[:6]}"
     tiny = SimConfig(timing=CPU_TINY, fast=False)
     async with contextlib.AsyncExitStack() as stack:
         sims = {
@@ -166,12 +123,8 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus_binar
         )
         targets = {name: (roles[name], sim.url.removeprefix("http://")) for name, sim in sims.items()}
         targets["chat-router-0"] = ("router", router.removeprefix("http://"))
-        url = stack.enter_context(_prometheus(prometheus_binary, tmp_path, targets))
-
-        async def all_up() -> bool:
-            return len(await _query(url, 'up{job="pdserve"} == 1')) == len(targets)
-
-        await wait_for_async(all_up, within=60.0, interval=0.5, message="every target scraped")
+        stack.enter_context(_targets(prometheus, namespace, targets))
+        await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', len(targets))
 
         session = await stack.enter_async_context(aiohttp.ClientSession())
         routes = await asyncio.gather(
@@ -181,22 +134,21 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus_binar
         assert routes.count("pd") == 24 and routes.count("decode-only") == 12
         # The ghost keeps streams open while the collector reads: its running gauge must not count.
         ghost_streams = [asyncio.create_task(_complete(session, sims[ghost].url, SHORT, 2000)) for _ in range(3)]
+        ns = f'namespace="{namespace}"'
 
-        async def ghost_running() -> bool:
-            # The last scrape of every decode pod: the live ones idle (their requests all finished), the ghost busy.
-            busy = await _query(url, f'vllm:num_requests_running{{pod="{ghost}"}} > 0')
-            idle = await _query(url, 'vllm:num_requests_running{pod=~"chat-decode-0|chat-decode-1"} == 0')
-            return bool(busy) and len(idle) == 2
+        async def settled() -> bool:
+            # The last scrapes: every prefill finished, the live decodes idle again, the ghost busy.
+            finished = await _query(prometheus, f'sum(vllm:request_success_total{{{ns},pool="prefill"}})')
+            busy = await _query(prometheus, f'vllm:num_requests_running{{{ns},pod="{ghost}"}} > 0')
+            idle = await _query(
+                prometheus, f'vllm:num_requests_running{{{ns},pod=~"chat-decode-0|chat-decode-1"}} == 0'
+            )
+            return bool(finished) and float(finished[0]["value"][1]) >= 24 and bool(busy) and len(idle) == 2
 
-        async def scraped_after_load() -> bool:
-            finished = await _query(url, 'sum(vllm:request_success_total{pool="prefill"})')
-            return bool(finished) and float(finished[0]["value"][1]) >= 24
+        await wait_for_async(settled, within=60.0, interval=0.5, message="the load scraped, the ghost busy")
 
-        await wait_for_async(scraped_after_load, within=30.0, interval=0.5, message="the load scraped")
-        await wait_for_async(ghost_running, within=30.0, interval=0.5, message="live decodes idle, the ghost busy")
-
-        collector = Collector(connect(url), window_s=30.0, warmup_s=60.0)
-        target = Target(NAMESPACE, SERVICE, percentile=90, desired={"prefill": 2, "decode": 2})
+        collector = Collector(connect(prometheus.url), window_s=30.0, warmup_s=60.0)
+        target = Target(namespace, SERVICE, percentile=90, desired={"prefill": 2, "decode": 2})
         live = {name: role for name, role in roles.items() if name != ghost}
         now = time.time()
         signals: ServiceSignals = await asyncio.to_thread(
@@ -236,29 +188,27 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus_binar
     assert with_ghost.decode.completeness == 1.0 and len(with_ghost.decode.pods) == 3
 
 
-async def test_a_ready_pod_prometheus_has_not_scraped_lowers_completeness(
-    prometheus_binary: Path, tmp_path: Path
-) -> None:
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+async def test_a_ready_pod_prometheus_has_not_scraped_lowers_completeness(prometheus: PrometheusHelper) -> None:
+    namespace = f"collector-{uuid.uuid4().hex[:6]}"
     async with sim_in_process(role="prefill", engine_id="chat-prefill-0") as sim:
-        with _prometheus(prometheus_binary, tmp_path, {"chat-prefill-0": ("prefill", sim.url[7:])}) as url:
-
-            async def up() -> bool:
-                return len(await _query(url, "up == 1")) == 1
-
-            await wait_for_async(up, within=60.0, interval=0.5, message="the target scraped")
-            collector = Collector(connect(url), window_s=15.0)
+        with _targets(prometheus, namespace, {"chat-prefill-0": ("prefill", sim.url.removeprefix("http://"))}):
+            await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', 1)
+            collector = Collector(connect(prometheus.url), window_s=15.0)
             pods = _pods({"chat-prefill-0": "prefill", "chat-prefill-1": "prefill"}, ready_for_s=5.0)
-            signals = await asyncio.to_thread(collector.collect, Target(NAMESPACE, SERVICE, 90), pods, time.time())
+            signals = await asyncio.to_thread(collector.collect, Target(namespace, SERVICE, 90), pods, time.time())
     assert signals.prefill.completeness == 0.5
     assert [p.sample_age_s is None for p in signals.prefill.pods] == [False, True]
     assert not any(p.settled for p in signals.prefill.pods), "ready 5 s < 60 s warm-up"
 
 
+@pytest.mark.timeout(60)
 async def test_prometheus_down_holds_every_pool_and_says_why() -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     collector = Collector(connect(url, timeout_s=1.0))
     pods = _pods({"chat-prefill-0": "prefill", "chat-decode-0": "decode"})
-    target = Target(NAMESPACE, SERVICE, 90, desired={"prefill": 3, "decode": 4})
+    target = Target("team-a", SERVICE, 90, desired={"prefill": 3, "decode": 4})
     signals = await asyncio.to_thread(collector.collect, target, pods, time.time(), ("chat-router-0",))
     assert signals.errors and all("ConnectionError" in e for e in signals.errors)
     assert signals.prefill.uncached_tokens_rate is None and signals.decode.generated_tokens_rate is None
