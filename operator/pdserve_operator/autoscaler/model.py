@@ -21,11 +21,13 @@ Algorithm, per pool and per tick:
    the KV cache (mean context x batch). k starts at 1.
 3. Learning. Each settled replica (ready for the warm-up period; warm-up samples over-scaled Dynamo's decode)
    gives a (load, latency) pair. A lightly loaded pair measures S; a loaded one whose latency shows queueing
-   measures k = (T/S - 1)(1 - u)/u. mu stays the profile's: it is the engine's physical ceiling, and pairs far
-   from it say little about it. Both learned values are kept as decayed log-averages of their ratio to the prior
-   (so the learning survives a change of workload mix), weighted by how informative a sample is, blended with
-   the prior at `prior_weight` pseudo-samples and clamped to [1/4, 4] x the prior: thin data leaves the prior
-   in charge, and a profile that is wrong for the hardware shows up as a larger S or k.
+   measures k = (T/S - 1)(1 - u)/u; a pair far past the target (`OVERLOAD`) is an overload transient, whose
+   latency measures a queue rather than the curve, and is skipped. mu stays the profile's: it is the engine's
+   physical ceiling, and pairs far from it say little about it. Both learned values are kept as decayed
+   log-averages of their ratio to the prior (so the learning survives a change of workload mix), weighted by how
+   informative a sample is, blended with the prior at `prior_weight` pseudo-samples and clamped to [1/4, 4] x
+   the prior: thin data leaves the prior in charge, and a profile that is wrong for the hardware shows up as a
+   larger S or k.
 4. Demand. Prefill: uncached prompt tokens computed per second (prefix hits discount prefill work), plus the
    growth of the queued prompts since the last tick (arrivals the pool did not serve), plus the queue spread
    over the horizon (queued prompts wait in the engines that hold them, which new replicas cannot take over,
@@ -60,6 +62,8 @@ from pdserve_operator.autoscaler.signals import Role, ServiceSignals
 
 #: Learned ratios never leave [1/CLAMP, CLAMP] x the prior: a garbage sample burst cannot run away.
 CLAMP = 4.0
+#: A pair whose latency exceeds this many times the pool's target teaches nothing (an overload transient).
+OVERLOAD = 2.0
 #: Below this utilisation a (load, latency) pair measures the idle latency S; above it, the queueing factor k.
 LIGHT_LOAD = 0.3
 #: The most a trend may add to the demand level over the horizon, as a share of the level.
@@ -420,9 +424,9 @@ def _prefill(
         prompt_q = DEFAULT_PROMPT_TOKENS if mean is None else 2.0 * mean
     uncached_q = max(prompt_q * share, 1.0)
     prior = Curve(profile.prefill_latency_s(uncached_q), profile.prefill_saturation(), 1.0)
-    fit = _learn(state.prefill_fit.decayed(now, config.learn_half_life_s), pool.settled_pairs(), prior, config)
-    curve = _fitted(prior, fit, config)
     budget = prefill_budget_s(config, prompt_q)
+    fit = _learn(state.prefill_fit.decayed(now, config.learn_half_life_s), pool.settled_pairs(), prior, config, budget)
+    curve = _fitted(prior, fit, config)
     capacity = curve.capacity(budget * config.target_fraction, config.max_utilisation)
     if budget * config.target_fraction <= curve.base_s * 1.05:
         notes.append(
@@ -478,7 +482,9 @@ def _decode(
     local_prefill = _ratio(pool.uncached_tokens_rate, pool.request_rate) or 0.0
     context = prompt + output / 2.0
     prior = Curve(profile.decode_step_base_s(), 1.0 / profile.decode_per_token_s(context, output, local_prefill), 1.0)
-    fit = _learn(state.decode_fit.decayed(now, config.learn_half_life_s), pool.settled_pairs(), prior, config)
+    fit = _learn(
+        state.decode_fit.decayed(now, config.learn_half_life_s), pool.settled_pairs(), prior, config, config.slo.itl_s
+    )
     curve = _fitted(prior, fit, config)
     capacity = curve.capacity(config.slo.itl_s * config.target_fraction, config.max_utilisation)
     # A replica runs at most max_num_seqs sequences, and no more than its KV cache holds at the mean context.
@@ -564,7 +570,9 @@ def _fitted(prior: Curve, fit: CapacityFit, config: ModelConfig) -> Curve:
     )
 
 
-def _learn(fit: CapacityFit, pairs: Sequence[tuple[float, float]], prior: Curve, config: ModelConfig) -> CapacityFit:
+def _learn(
+    fit: CapacityFit, pairs: Sequence[tuple[float, float]], prior: Curve, config: ModelConfig, target_s: float
+) -> CapacityFit:
     """Fold settled replicas' (load, latency) pairs into the fit (module docstring, step 3)."""
     if not pairs:
         return fit
@@ -572,7 +580,9 @@ def _learn(fit: CapacityFit, pairs: Sequence[tuple[float, float]], prior: Curve,
     base_sum, base_weight = fit.base_log_sum, fit.base_weight
     queue_sum, queue_weight = fit.queueing_log_sum, fit.queueing_weight
     for load, latency in pairs:
-        if latency <= 0 or not math.isfinite(latency):
+        if latency <= 0 or not math.isfinite(latency) or latency > OVERLOAD * target_s:
+            # Far past the target the replica is in an overload transient (a queue that grows or drains):
+            # its latency says how long the queue is, not how the curve bends near the target.
             continue
         u = min(load / curve.saturation, 0.98)
         if u < LIGHT_LOAD:
