@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from pdserve.api.defaulting import default, derived, documented_defaults, fill, resolve, view
 from pdserve.api.v1alpha1 import (
     Attention,
+    AutoscalingMode,
     AutoscalingSpec,
     BlockSize,
     Colocation,
@@ -40,10 +41,12 @@ from pdserve.api.v1alpha1 import (
     PlacementSpec,
     PoolSpec,
     PullPolicy,
+    RatioBounds,
     RdmaPolicy,
     RdmaSpec,
     RouterSpec,
     RoutingSpec,
+    ServiceAutoscalingSpec,
     ServiceType,
     SloSpec,
     Toleration,
@@ -58,10 +61,12 @@ __all__ = [
     "EffectiveModel",
     "EffectivePlacement",
     "EffectivePool",
+    "EffectiveRatioBounds",
     "EffectiveRdma",
     "EffectiveResources",
     "EffectiveRouter",
     "EffectiveRouting",
+    "EffectiveServiceAutoscaling",
     "EffectiveSlo",
     "EffectiveSpec",
     "EffectiveUcx",
@@ -146,6 +151,7 @@ class EffectiveAutoscaling:
     target_milliseconds: float | None = derived(
         "spec.slo.ttftMilliseconds for prefill, spec.slo.itlMilliseconds for decode"
     )
+    mode: AutoscalingMode = default("pdserve")
 
     def clamp(self, replicas: int) -> int:
         """`replicas` kept inside [minReplicas, maxReplicas]: the one place the autoscaling bounds are applied
@@ -248,6 +254,22 @@ class EffectiveSlo:
     percentile: Percentile = default(90)
 
 
+@view(RatioBounds)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveRatioBounds:
+    min: float | None = default(None, doc="unbounded")
+    max: float | None = default(None, doc="unbounded")
+
+
+@view(ServiceAutoscalingSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveServiceAutoscaling:
+    max_gpus: int | None = default(None, doc="unlimited")
+    prefill_to_decode_ratio: EffectiveRatioBounds
+    warmup_seconds: int = default(60)
+    scale_down_stabilization_seconds: int = default(180)
+
+
 # -------------------------------------------------------------------------------------------------------- spec
 
 
@@ -261,6 +283,7 @@ class EffectiveSpec:
     placement: EffectivePlacement
     router: EffectiveRouter
     slo: EffectiveSlo
+    autoscaling: EffectiveServiceAutoscaling
 
     def pool(self, role: Literal["prefill", "decode"]) -> EffectivePool:
         return self.prefill if role == "prefill" else self.decode

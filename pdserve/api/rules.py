@@ -31,6 +31,7 @@ from pdserve.api.v1alpha1 import (
     ModelSpec,
     PDServiceSpec,
     PlacementSpec,
+    RatioBounds,
     Toleration,
 )
 
@@ -181,6 +182,14 @@ RULES: tuple[CrossFieldRule[Any], ...] = (
             "raise maxReplicas or lower minReplicas"
         ),
         field="minReplicas",
+    ),
+    CrossFieldRule(
+        name="ratio-min-le-max",
+        model=RatioBounds,
+        cel="!has(self.min) || !has(self.max) || self.min <= self.max",
+        holds=lambda ratio: ratio.min is None or ratio.max is None or ratio.min <= ratio.max,
+        message="min must be <= max; raise max or lower min",
+        field="min",
     ),
     CrossFieldRule(
         name="colocation-needs-topology-key",

@@ -68,6 +68,7 @@ RdmaPolicy = Literal["required", "preferred", "off"]
 Colocation = Literal["required", "preferred", "none"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 Percentile = Literal[50, 90, 95, 99]
+AutoscalingMode = Literal["pdserve", "external"]
 
 
 class ApiModel(BaseModel):
@@ -239,6 +240,14 @@ class AutoscalingSpec(ApiModel):
         gt=0,
         description="SLO target for this pool (TTFT for prefill, ITL for decode).",
     )
+    mode: AutoscalingMode | None = Field(
+        default=None,
+        description=(
+            "Who scales this pool when autoscaling is enabled. pdserve: the operator's SLO autoscaler. external: "
+            "another autoscaler (HPA, KEDA) owns the pool's /scale; pdserve neither scales it nor overwrites the "
+            "replicas that autoscaler set."
+        ),
+    )
 
 
 class PoolSpec(ApiModel):
@@ -369,6 +378,44 @@ class SloSpec(ApiModel):
     percentile: Percentile | None = Field(default=None, description="Percentile the targets apply to.")
 
 
+class RatioBounds(ApiModel):
+    """Bounds of the prefill:decode replica ratio the autoscaler keeps."""
+
+    min: float | None = Field(default=None, gt=0, description="Fewest prefill replicas per decode replica.")
+    max: float | None = Field(default=None, gt=0, description="Most prefill replicas per decode replica.")
+
+
+class ServiceAutoscalingSpec(ApiModel):
+    """Settings of the SLO autoscaler that span both pools (each pool's bounds are in its own autoscaling)."""
+
+    max_gpus: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "GPU budget of both engine pools together (replicas x gpusPerPod). The autoscaler never exceeds it: "
+            "it rebalances the pools or holds."
+        ),
+    )
+    prefill_to_decode_ratio: RatioBounds | None = Field(
+        default=None, description="Bounds of prefill replicas / decode replicas."
+    )
+    warmup_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=3600,
+        description=(
+            "A pod's latency samples teach the capacity model only after it has been ready this long (first "
+            "requests hit cold caches and compilation)."
+        ),
+    )
+    scale_down_stabilization_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=3600,
+        description="A pool shrinks only to the largest size recommended over this window.",
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------- spec
 
 
@@ -382,6 +429,9 @@ class PDServiceSpec(ApiModel):
     placement: PlacementSpec | None = Field(default=None, description="Node selection and topology.")
     router: RouterSpec | None = Field(default=None, description="The PD router.")
     slo: SloSpec | None = Field(default=None, description="Latency objectives for autoscaling.")
+    autoscaling: ServiceAutoscalingSpec | None = Field(
+        default=None, description="Autoscaler settings spanning both pools: GPU budget, P:D ratio, timing."
+    )
 
 
 # --------------------------------------------------------------------------------------------------------- status

@@ -278,6 +278,25 @@ def _policy(spec: PDServiceSpec, policy: Policy) -> Iterator[Problem]:
         )
 
 
+def _gpu_budget_covers_minimums(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    # Python-only: the floor depends on derived defaults (gpusPerPod from the parallelism), and a budget lowered
+    # below a running service's minimums must not make the stored object unreadable.
+    budget = view.autoscaling.max_gpus
+    if budget is None:
+        return
+    floor = sum(
+        (resolved.autoscaling.min_replicas if resolved.autoscaling.enabled else resolved.replicas)
+        * resolved.gpus_per_pod
+        for _, _, resolved in _pools(spec, view)
+    )
+    if floor > budget:
+        yield Problem(
+            "spec.autoscaling.maxGpus",
+            f"maxGpus {budget} is below the {floor} GPUs both pools need at their minimum (minReplicas, or replicas "
+            "when not autoscaled, x gpusPerPod); raise maxGpus or lower the minimums",
+        )
+
+
 _RULES: tuple[Callable[[PDServiceSpec, EffectiveSpec], Iterable[Problem]], ...] = (
     _hub_token_needs_hf,
     _gpus_cover_parallelism,
@@ -287,4 +306,5 @@ _RULES: tuple[Callable[[PDServiceSpec, EffectiveSpec], Iterable[Problem]], ...] 
     _ports_distinct,
     _rdma_consistent,
     _cpu_engines,
+    _gpu_budget_covers_minimums,
 )

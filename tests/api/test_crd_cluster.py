@@ -60,6 +60,7 @@ REJECTED = [
     ("spec.engine.kvConnector", "lmcache", "Unsupported value"),
     ("spec.engine.blockSize", 48, "Unsupported value"),
     ("spec.slo", {"ttftMilliseconds": 0}, "should be greater than 0"),
+    ("spec.decode.autoscaling", {"mode": "keda"}, "Unsupported value"),
     ("metadata.name", "x" * 41, "metadata.name"),
 ]
 

@@ -76,6 +76,8 @@ CASES = [
     Case("revision-on-hf", {"model.revision": "main"}),
     Case("bounds-equal", {"decode.autoscaling": {"minReplicas": 3, "maxReplicas": 3}}),
     Case("bounds-min-at-default-max", {"prefill.autoscaling": {"minReplicas": 8}}),
+    Case("ratio-equal", {"autoscaling": {"prefillToDecodeRatio": {"min": 0.5, "max": 0.5}}}),
+    Case("ratio-min-only", {"autoscaling": {"prefillToDecodeRatio": {"min": 2}}}),
     Case("colocation-none-without-key", {"placement": {"colocation": "none"}}),
     Case("colocation-default-without-key", {"placement": {"spreadKey": "topology.kubernetes.io/zone"}}),
     Case("colocation-required-with-key", {"placement": {"colocation": "required", "topologyKey": "pdserve.io/rack"}}),
@@ -155,6 +157,11 @@ CASES = [
         "bounds-min-above-default-max",
         {"prefill.autoscaling": {"minReplicas": 9}},
         breaks=(("autoscaling-min-le-max", "spec.prefill.autoscaling"),),
+    ),
+    Case(
+        "ratio-min-above-max",
+        {"autoscaling": {"prefillToDecodeRatio": {"min": 2, "max": 0.5}}},
+        breaks=(("ratio-min-le-max", "spec.autoscaling.prefillToDecodeRatio"),),
     ),
     Case(
         "colocation-required-without-key",

@@ -87,6 +87,11 @@ EXAMPLES: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         "spec.prefill.autoscaling",
         doc(prefill__autoscaling={"minReplicas": 8}),
     ),
+    "ratio-min-le-max": (
+        doc(autoscaling={"prefillToDecodeRatio": {"min": 2, "max": 0.5}}),
+        "spec.autoscaling.prefillToDecodeRatio",
+        doc(autoscaling={"prefillToDecodeRatio": {"min": 0.5, "max": 0.5}}),
+    ),
     "colocation-needs-topology-key": (
         doc(placement={"colocation": "preferred"}),
         "spec.placement",

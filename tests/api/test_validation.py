@@ -157,6 +157,29 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.decode.tolerations[0].operator",
         "empty key",
     ),
+    (
+        "ratio bounds reversed",
+        with_spec(autoscaling={"prefillToDecodeRatio": {"min": 2, "max": 0.5}}),
+        "spec.autoscaling.prefillToDecodeRatio.min",
+        "min must be <= max",
+    ),
+    (
+        "gpu budget below the minimums",
+        with_spec(
+            autoscaling={"maxGpus": 5},
+            prefill__autoscaling={"enabled": True, "minReplicas": 2},
+            decode__tensorParallelSize=2,
+            decode__autoscaling={"enabled": True, "minReplicas": 2},
+        ),
+        "spec.autoscaling.maxGpus",
+        "below the 6 GPUs",
+    ),
+    (
+        "unknown autoscaling mode",
+        with_spec(decode__autoscaling={"mode": "keda"}),
+        "spec.decode.autoscaling.mode",
+        "'pdserve' or 'external'",
+    ),
     ("unknown field", with_spec(decode__replica=2), "spec.decode.replica", "unknown field"),
     ("missing engine", {**base(), "spec": {"model": {"name": "m", "uri": "hf://o/m"}}}, "spec.engine", "missing"),
     ("bad uri", with_spec(model={"name": "m", "uri": "s3://bucket/x"}), "spec.model.uri", "pattern"),
@@ -289,3 +312,13 @@ def test_cpu_engines_with_a_cpu_buffer_and_a_multiple_of_32_pass(block_size: int
 def test_gpu_engines_with_a_host_kv_buffer_keep_block_size_16() -> None:
     # On GPUs the attention backend takes multiples of 16; a host (cpu) NIXL buffer does not change that.
     assert validate(with_spec(engine={"image": "i", "kvBufferDevice": "cpu", "blockSize": 16})).problems == ()
+
+
+def test_gpu_budget_that_covers_the_minimums_is_valid() -> None:
+    doc = with_spec(
+        autoscaling={"maxGpus": 6, "prefillToDecodeRatio": {"min": 0.5, "max": 0.5}},
+        prefill__autoscaling={"enabled": True, "minReplicas": 2},
+        decode__tensorParallelSize=2,
+        decode__autoscaling={"enabled": True, "minReplicas": 2, "mode": "external"},
+    )
+    assert validate(doc).problems == ()

@@ -1,0 +1,379 @@
+"""Benchmark: SLO attainment and GPU-seconds of pdserve's autoscaler against static, HPA-style and llm-d's SLO law.
+
+Run: ``.venv/bin/python bench/autoscaler_bench.py [--quick] [--json FILE] [--only chat,code,synthetic,large]``
+
+Every policy replays the same requests through the same simulated service (`pdserve_dev.replay`): a PD router,
+a prefill and a decode pool of engines stepping with the simulator's `h200-8b` cost model, pods that take
+`--startup` seconds to become ready, a control tick every 15 s. The policies (see `pdserve_dev.replay.scalers`):
+
+- ``static-peak``: fixed pools sized for the busiest minute with the engine profile's capacity at the SLO;
+- ``hpa-style``: HPA with its default behaviour on utilisation (prefill busy share, decode slot occupancy);
+- ``llm-d-slo``: llm-d's published SLO-aware KEDA law (p90 latency / target, up > 0.55, down < 0.40);
+- ``pdserve``: the product's autoscaler (`pdserve_operator.autoscaler`), configured with its defaults.
+
+Scenarios (the traces are the Azure LLM inference traces of the Splitwise paper, CC-BY 4.0, in
+../shared/traces): ``chat`` (azure-llm-2023-conv, the whole hour from minute 1: the sample's first minute ramps
+in from nothing, an artefact of how it was cut), ``code`` (azure-llm-2023-code, same slice), ``synthetic`` (a
+step, a ramp, a sine and a burst) and ``large`` (the chat trace's busiest 20 minutes at 6x the rate: pools of
+100+ replicas). Traces are rate-scaled by k: each request gets k - 1 companions spread over a minute with
+lengths drawn from requests within a minute of it (k times the users, `pdserve_dev.replay.trace.shape`), and
+replayed in real time (compression 1; `--compression` changes it). ``--quick`` replays the chat hour at half
+the rate and a shorter synthetic trace.
+
+Reported per policy: attainment (share of requests with TTFT <= target and mean time per output token <=
+target), GPU-seconds (replica lifetime from creation to removal, start-up and drain included, x GPUs per
+replica), the ratio of GPU-seconds to static-peak's, scaling actions, mean and peak replicas, p90 TTFT and
+TPOT. The floor (exit status 1 when missed), on the chat trace: pdserve attains >= 95% at <= 75% of
+static-peak's GPU-seconds, and is at least as good as hpa-style and llm-d-slo on both axes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve_dev.replay.cluster import Outcome, ReplayCluster, ReplayConfig, Scaler
+from pdserve_dev.replay.scalers import (
+    HpaScaler,
+    LlmdSloScaler,
+    PdserveScaler,
+    StaticScaler,
+    profile_from_timing,
+    static_peak,
+)
+from pdserve_dev.replay.trace import Request, load_azure, shape, synthetic
+from pdserve_operator.autoscaler.core import AutoscalerConfig
+from pdserve_operator.autoscaler.model import ModelConfig, Slo
+from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
+from pdserve_sim.presets import H200_8B
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ROOT.parent / "shared" / "traces"
+POLICIES = ("static-peak", "hpa-style", "llm-d-slo", "pdserve")
+#: The SLO of examples/pdservice.yaml: TTFT 800 ms and ITL 40 ms at p90.
+SLO = Slo(ttft_s=0.8, itl_s=0.040, percentile=90)
+INTERVAL_S = 15.0
+WINDOW_S = 15.0
+WARMUP_S = 60.0
+THRESHOLD = 256
+FLOOR_ATTAINMENT = 0.95
+FLOOR_RATIO = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One replay: which requests, and how they were shaped (reported with the results)."""
+
+    name: str
+    description: str
+    make: Callable[[], list[Request]]
+    trace: str
+    slice_s: tuple[float, float | None]
+    compression: float
+    rate_scale: float
+    floor: bool = False
+
+
+def _azure(
+    file: str, *, start_s: float, duration_s: float | None, compression: float, rate_scale: float
+) -> Callable[[], list[Request]]:
+    def make() -> list[Request]:
+        requests = load_azure(TRACES / file)
+        # Companions spread over a trace minute: the trace's per-minute shape stays, its per-second clumps
+        # (a property of a small sample) do not multiply by k.
+        return shape(
+            requests,
+            start_s=start_s,
+            duration_s=duration_s,
+            compression=compression,
+            rate_scale=rate_scale,
+            jitter_s=60.0 / compression,
+            mix_s=60.0,
+            seed=1,
+        )
+
+    return make
+
+
+def _synthetic(duration_s: float, base_rate: float) -> Callable[[], list[Request]]:
+    def make() -> list[Request]:
+        lengths = load_azure(TRACES / "azure-llm-2023-conv.csv")
+        return synthetic(duration_s=duration_s, base_rate=base_rate, lengths=lengths, seed=2)
+
+    return make
+
+
+def scenarios(quick: bool, compression: float) -> list[Scenario]:
+    """The replays of a run."""
+    c = compression
+    k = 24.0 if quick else 48.0
+    chat = Scenario(
+        "chat",
+        "Azure LLM inference trace, conversation",
+        _azure("azure-llm-2023-conv.csv", start_s=60.0, duration_s=None, compression=c, rate_scale=k),
+        "azure-llm-2023-conv.csv",
+        (60.0, None),
+        c,
+        k,
+        floor=True,
+    )
+    if quick:
+        return [
+            chat,
+            Scenario(
+                "synthetic",
+                "step, ramp, sine and burst (chat lengths)",
+                _synthetic(1200.0, 80.0),
+                "synthetic",
+                (0.0, 1200.0),
+                1.0,
+                1.0,
+            ),
+        ]
+    return [
+        chat,
+        Scenario(
+            "code",
+            "Azure LLM inference trace, code completion",
+            _azure("azure-llm-2023-code.csv", start_s=60.0, duration_s=None, compression=c, rate_scale=k),
+            "azure-llm-2023-code.csv",
+            (60.0, None),
+            c,
+            k,
+        ),
+        Scenario(
+            "synthetic",
+            "step, ramp, sine and burst (chat lengths)",
+            _synthetic(1800.0, 100.0),
+            "synthetic",
+            (0.0, 1800.0),
+            1.0,
+            1.0,
+        ),
+        Scenario(
+            "large",
+            "chat trace, busiest 20 minutes at 6x the chat run's rate (pools of 100+ replicas)",
+            _azure("azure-llm-2023-conv.csv", start_s=1200.0, duration_s=1200.0, compression=c, rate_scale=6 * k),
+            "azure-llm-2023-conv.csv",
+            (1200.0, 1200.0),
+            c,
+            6 * k,
+        ),
+    ]
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def run_scenario(scenario: Scenario, startup_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """Replay one scenario under every policy; the result dict of the JSON output."""
+    requests = scenario.make()
+    profile = profile_from_timing(H200_8B)
+    model = ModelConfig(
+        slo=SLO,
+        prefill_profile=profile,
+        decode_profile=profile,
+        interval_s=INTERVAL_S,
+        horizon_s=startup_s + INTERVAL_S,
+        disaggregation_threshold=THRESHOLD,
+    )
+    minute = 60.0 / scenario.compression
+    peak_p, peak_d, peak_at = static_peak(model, requests, minute, THRESHOLD)
+    bounds = PolicyConfig(
+        prefill=PoolBounds(max(1, math.ceil(peak_p / 4)), 2 * peak_p),
+        decode=PoolBounds(max(1, math.ceil(peak_d / 4)), 2 * peak_d),
+    )
+    first_p, first_d, _ = static_peak(model, [r for r in requests if r.arrival < 2 * minute], minute, THRESHOLD)
+    initial = (bounds.prefill.clamp(first_p), bounds.decode.clamp(first_d))
+    log(
+        f"\n== {scenario.name}: {scenario.description}\n"
+        f"   {len(requests)} requests over {requests[-1].arrival:.0f} s; trace {scenario.trace}, slice "
+        f"{_slice_text(scenario.slice_s)}, time compression {scenario.compression:g}, "
+        f"rate scale {scenario.rate_scale:g}"
+        f"\n   static-peak {peak_p} prefill + {peak_d} decode (busiest minute at {peak_at:.0f} s); autoscalers "
+        f"start at {initial[0]} + {initial[1]}, bounds prefill {bounds.prefill.min_replicas}-"
+        f"{bounds.prefill.max_replicas}, decode {bounds.decode.min_replicas}-{bounds.decode.max_replicas}"
+    )
+    results: list[dict[str, Any]] = []
+    static_gpu = 0.0
+    pdserve_events: list[str] = []
+    for name in POLICIES:
+        scaler: Scaler
+        start = initial
+        if name == "static-peak":
+            scaler, start = StaticScaler(peak_p, peak_d), (peak_p, peak_d)
+        elif name == "hpa-style":
+            scaler = HpaScaler(bounds)
+        elif name == "llm-d-slo":
+            scaler = LlmdSloScaler(bounds, SLO.ttft_s, SLO.itl_s)
+        else:
+            pdserve = PdserveScaler(AutoscalerConfig(model=model, policy=bounds, warmup_s=WARMUP_S))
+            scaler = pdserve
+        config = ReplayConfig(
+            H200_8B,
+            H200_8B,
+            SLO,
+            start,
+            startup_s=startup_s,
+            interval_s=INTERVAL_S,
+            window_s=WINDOW_S,
+            warmup_s=WARMUP_S,
+            disaggregation_threshold=THRESHOLD,
+        )
+        began = time.perf_counter()
+        outcome = ReplayCluster(config, requests, scaler).run()
+        elapsed = time.perf_counter() - began
+        if name == "static-peak":
+            static_gpu = outcome.gpu_seconds
+        if name == "pdserve":
+            pdserve_events = [event for d in pdserve.decisions[:4] for event in d.events()]
+        results.append(_policy_result(name, outcome, static_gpu, elapsed))
+    _print_table(results, log)
+    for event in pdserve_events[:4]:
+        log(f"   pdserve event at start: {event}")
+    return {
+        "name": scenario.name,
+        "description": scenario.description,
+        "trace": scenario.trace,
+        "slice_s": list(scenario.slice_s),
+        "time_compression": scenario.compression,
+        "rate_scale": scenario.rate_scale,
+        "requests": len(requests),
+        "static_peak": {"prefill": peak_p, "decode": peak_d},
+        "bounds": {
+            "prefill": [bounds.prefill.min_replicas, bounds.prefill.max_replicas],
+            "decode": [bounds.decode.min_replicas, bounds.decode.max_replicas],
+        },
+        "initial": {"prefill": initial[0], "decode": initial[1]},
+        "policies": results,
+    }
+
+
+def _slice_text(slice_s: tuple[float, float | None]) -> str:
+    start, length = slice_s
+    return f"{start:.0f} s to the end" if length is None else f"{start:.0f}-{start + length:.0f} s"
+
+
+def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: float) -> dict[str, Any]:
+    timeline = outcome.timeline
+    ttft = [job.first_token - job.arrival for job in outcome.jobs if job.first_token is not None]
+    tpot = [job.tpot for job in outcome.jobs if job.output > 1]
+    return {
+        "name": name,
+        "attainment": round(outcome.attainment(SLO), 5),
+        "gpu_seconds": round(outcome.gpu_seconds, 1),
+        "ratio_to_static": round(outcome.gpu_seconds / static_gpu, 4) if static_gpu else None,
+        "actions": outcome.actions,
+        "mean_replicas": {
+            "prefill": round(sum(t[1] for t in timeline) / max(len(timeline), 1), 2),
+            "decode": round(sum(t[2] for t in timeline) / max(len(timeline), 1), 2),
+        },
+        "max_replicas": {
+            "prefill": max((t[1] for t in timeline), default=0),
+            "decode": max((t[2] for t in timeline), default=0),
+        },
+        "ttft_p90_s": round(_quantile(ttft, 0.9), 4),
+        "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
+        "kv_overflow_steps": outcome.kv_overflows,
+        "replay_seconds": round(elapsed, 1),
+    }
+
+
+def _print_table(results: list[dict[str, Any]], log: Callable[[str], None]) -> None:
+    log(
+        f"   {'policy':<12} {'attainment':>10} {'GPU-s':>10} {'vs static':>9} {'actions':>7} "
+        f"{'mean P/D':>11} {'max P/D':>9} {'p90 TTFT':>9} {'p90 TPOT':>9}"
+    )
+    for r in results:
+        mean = f"{r['mean_replicas']['prefill']:.1f}/{r['mean_replicas']['decode']:.1f}"
+        peak = f"{r['max_replicas']['prefill']}/{r['max_replicas']['decode']}"
+        log(
+            f"   {r['name']:<12} {r['attainment']:>10.2%} {r['gpu_seconds']:>10.0f} {r['ratio_to_static']:>9.3f} "
+            f"{r['actions']:>7} {mean:>11} {peak:>9} {r['ttft_p90_s'] * 1000:>7.0f}ms "
+            f"{r['tpot_p90_s'] * 1000:>7.1f}ms"
+        )
+
+
+def check_floor(result: dict[str, Any]) -> list[str]:
+    """The floor's verdicts on one scenario (issue 10): every line starts with PASS or FAIL."""
+    by_name = {p["name"]: p for p in result["policies"]}
+    ours = by_name["pdserve"]
+    checks = [
+        (ours["attainment"] >= FLOOR_ATTAINMENT, f"pdserve attainment {ours['attainment']:.2%} >= 95%"),
+        (ours["ratio_to_static"] <= FLOOR_RATIO, f"pdserve GPU-seconds {ours['ratio_to_static']:.3f} x static <= 0.75"),
+    ]
+    for peer in ("hpa-style", "llm-d-slo"):
+        other = by_name[peer]
+        checks.append(
+            (
+                ours["attainment"] >= other["attainment"],
+                f"attainment {ours['attainment']:.2%} >= {peer} {other['attainment']:.2%}",
+            )
+        )
+        checks.append(
+            (
+                ours["gpu_seconds"] <= other["gpu_seconds"],
+                f"GPU-seconds {ours['gpu_seconds']:.0f} <= {peer} {other['gpu_seconds']:.0f}",
+            )
+        )
+    return [("PASS " if ok else "FAIL ") + text for ok, text in checks]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the chat hour at half the rate, a short synthetic")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--only", help="comma-separated scenario names (chat, code, synthetic, large)")
+    parser.add_argument("--startup", type=float, default=30.0, help="seconds from pod creation to ready")
+    parser.add_argument("--compression", type=float, default=1.0, help="time compression of the Azure traces")
+    args = parser.parse_args(argv)
+
+    chosen = scenarios(args.quick, args.compression)
+    if args.only:
+        wanted = set(args.only.split(","))
+        chosen = [s for s in chosen if s.name in wanted]
+    print(
+        f"autoscaler bench ({'quick' if args.quick else 'full'}): engine h200-8b (pdserve_sim cost model), SLO "
+        f"TTFT {SLO.ttft_s * 1000:.0f} ms / ITL {SLO.itl_s * 1000:.0f} ms at p{SLO.percentile}, pods ready "
+        f"{args.startup:.0f} s after creation, tick {INTERVAL_S:.0f} s, rate window {WINDOW_S:.0f} s"
+    )
+    began = time.perf_counter()
+    results = [run_scenario(s, args.startup, print) for s in chosen]
+    floor_lines: list[str] = []
+    for result, scenario in zip(results, chosen, strict=True):
+        if scenario.floor:
+            floor_lines += [f"{scenario.name}: {line}" for line in check_floor(result)]
+    print()
+    for line in floor_lines:
+        print(line)
+    passed = all(line.split(": ", 1)[1].startswith("PASS") for line in floor_lines)
+    print(f"\nfloor {'PASS' if passed else 'FAIL'}; {time.perf_counter() - began:.0f} s")
+    if args.json:
+        main_policies = next((r["policies"] for r in results if r["name"] == "chat"), results[0]["policies"])
+        document = {
+            "bench": "autoscaler",
+            "mode": "quick" if args.quick else "full",
+            "engine": "h200-8b",
+            "slo": {"ttft_s": SLO.ttft_s, "itl_s": SLO.itl_s, "percentile": SLO.percentile},
+            "startup_s": args.startup,
+            "interval_s": INTERVAL_S,
+            "window_s": WINDOW_S,
+            "policies": main_policies,
+            "scenarios": results,
+            "floor": {"passed": passed, "checks": floor_lines},
+        }
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The replayed service: a router in front of a prefill pool and a decode pool, under one scaling policy.
+
+Event loop: a heap of (time, sequence, callback) in virtual seconds. Arrivals, engine steps, KV pulls, replicas
+becoming ready and control ticks are all events; nothing runs in wall-clock time.
+
+- Router: a prompt of at least `disaggregation_threshold` tokens goes prefill -> decode ("pd"), a shorter one
+  straight to decode ("decode-only"), as pdserve's router does without prefix hits; within a pool the
+  replica with the least outstanding work gets it (prompt tokens for prefill, requests for decode). Draining
+  and starting replicas get nothing new. With no ready prefill replica a long prompt falls back to decode.
+- Replicas: a new replica holds its GPUs from the moment it is created and serves `startup_s` later. A removed
+  replica that is still starting goes at once; a ready one drains (no new requests, in-flight ones finish) and
+  goes when idle. GPU-seconds count from creation to going, drain included.
+- Control: every `interval_s` the observer builds the tick's signals and the scaler answers the replicas it
+  wants per pool; a changed pool is one scaling action.
+- Outcome: per request TTFT (router arrival to first token) and TPOT, so attainment is the share of requests
+  with TTFT <= target and TPOT <= target.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve_dev.replay.engines import DecodeEngine, Job, PrefillEngine
+from pdserve_dev.replay.observe import Observation, Observer
+from pdserve_dev.replay.trace import Request
+from pdserve_operator.autoscaler.model import Slo
+from pdserve_operator.autoscaler.signals import Role
+from pdserve_sim.presets import TimingParams
+
+
+class Scaler(Protocol):
+    """A scaling policy under test."""
+
+    name: str
+
+    def tick(self, observation: Observation) -> tuple[int, int]:
+        """Replicas wanted for (prefill, decode)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """The service and the control loop being replayed."""
+
+    prefill_timing: TimingParams
+    decode_timing: TimingParams
+    slo: Slo
+    #: Replicas of each pool at time 0, ready.
+    initial: tuple[int, int]
+    startup_s: float = 30.0
+    interval_s: float = 15.0
+    window_s: float = 30.0
+    warmup_s: float = 60.0
+    disaggregation_threshold: int = 256
+    gpus_per_replica: tuple[int, int] = (1, 1)
+
+
+class Replica:
+    """One engine pod."""
+
+    __slots__ = ("created", "engine", "name", "ready_at", "removed_at", "role", "state")
+
+    def __init__(self, name: str, role: Role, engine: PrefillEngine | DecodeEngine, created: float) -> None:
+        self.name = name
+        self.role: Role = role
+        self.engine = engine
+        self.created = created
+        self.ready_at = created
+        #: starting | ready | draining | gone
+        self.state = "starting"
+        self.removed_at: float | None = None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one replay produced."""
+
+    policy: str
+    jobs: list[Job]
+    gpu_seconds: float
+    actions: int
+    #: (time, prefill wanted, decode wanted, prefill ready, decode ready) per tick.
+    timeline: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    end_s: float = 0.0
+    kv_overflows: int = 0
+
+    def attainment(self, slo: Slo) -> float:
+        """Share of requests meeting both TTFT and TPOT targets."""
+        if not self.jobs:
+            return 1.0
+        good = sum(
+            1
+            for job in self.jobs
+            if job.first_token is not None and job.first_token - job.arrival <= slo.ttft_s and job.tpot <= slo.itl_s
+        )
+        return good / len(self.jobs)
+
+
+class ReplayCluster:
+    """Replays `requests` through the service under `scaler`."""
+
+    def __init__(self, config: ReplayConfig, requests: Sequence[Request], scaler: Scaler) -> None:
+        self.config = config
+        self.requests = requests
+        self.scaler = scaler
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+        self._names = itertools.count()
+        self.replicas: dict[Role, list[Replica]] = {"prefill": [], "decode": []}
+        self.gone: list[Replica] = []
+        self.jobs: list[Job] = []
+        self.observer = Observer(config, self)
+        self.actions = 0
+        self.timeline: list[tuple[float, int, int, int, int]] = []
+        self._unfinished = 0
+        self._next_request = 0
+
+    # --------------------------------------------------------------------------------------------- events
+
+    def schedule(self, at: float, callback: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (at, next(self._seq), callback))
+
+    def run(self) -> Outcome:
+        """Replay every request to completion."""
+        p0, d0 = self.config.initial
+        for role, count in (("prefill", p0), ("decode", d0)):
+            for _ in range(count):
+                self._add_replica(role, 0.0, startup=0.0)  # type: ignore[arg-type]
+        self._unfinished = len(self.requests)
+        if self.requests:
+            self.schedule(self.requests[0].arrival, self._arrive)
+        self.schedule(self.config.interval_s, self._tick)
+        events = self._events
+        while events and self._unfinished > 0:
+            at, _, callback = heapq.heappop(events)
+            self.now = at
+            callback(at)
+        end = self.now
+        gpu = 0.0
+        gpus = dict(zip(("prefill", "decode"), self.config.gpus_per_replica, strict=True))
+        for replica in [*self.gone, *self.replicas["prefill"], *self.replicas["decode"]]:
+            until = replica.removed_at if replica.removed_at is not None else end
+            gpu += (until - replica.created) * gpus[replica.role]
+        overflows = sum(
+            r.engine.kv_overflows for r in [*self.gone, *self.replicas["decode"]] if isinstance(r.engine, DecodeEngine)
+        )
+        return Outcome(self.scaler.name, self.jobs, gpu, self.actions, self.timeline, end, overflows)
+
+    # --------------------------------------------------------------------------------------------- router
+
+    def _arrive(self, now: float) -> None:
+        request = self.requests[self._next_request]
+        self._next_request += 1
+        if self._next_request < len(self.requests):
+            self.schedule(self.requests[self._next_request].arrival, self._arrive)
+        prefill = self._pick("prefill")
+        if request.prompt >= self.config.disaggregation_threshold and prefill is not None:
+            job = Job(request, "pd")
+            self.jobs.append(job)
+            engine = prefill.engine
+            assert isinstance(engine, PrefillEngine)
+            engine.add(job, now)
+            return
+        job = Job(request, "decode-only" if request.prompt < self.config.disaggregation_threshold else "fallback")
+        self.jobs.append(job)
+        self._to_decode(job, now)
+
+    def _pick(self, role: Role) -> Replica | None:
+        best: Replica | None = None
+        best_load = 0
+        for replica in self.replicas[role]:
+            if replica.state != "ready":
+                continue
+            engine = replica.engine
+            load = engine.outstanding_tokens if isinstance(engine, PrefillEngine) else engine.load
+            if best is None or load < best_load:
+                best, best_load = replica, load
+        return best
+
+    def _prefilled(self, job: Job, now: float) -> None:
+        self._to_decode(job, now)
+
+    def _to_decode(self, job: Job, now: float) -> None:
+        replica = self._pick("decode")
+        if replica is None:
+            # Every decode replica is draining or starting: the least loaded draining one still serves.
+            candidates = [r for r in self.replicas["decode"] if r.state == "draining"]
+            replica = min(candidates, key=lambda r: r.engine.load if isinstance(r.engine, DecodeEngine) else 0)
+        engine = replica.engine
+        assert isinstance(engine, DecodeEngine)
+        engine.add(job, now)
+
+    def _first_token(self, job: Job, now: float) -> None:
+        self.observer.router_ttft(job, now - job.arrival)
+
+    def _finished(self, job: Job, now: float) -> None:
+        self._unfinished -= 1
+        self.observer.router_finished(job)
+
+    # ------------------------------------------------------------------------------------------- replicas
+
+    def _add_replica(self, role: Role, now: float, startup: float) -> Replica:
+        name = f"{role}-{next(self._names)}"
+        timing = self.config.prefill_timing if role == "prefill" else self.config.decode_timing
+        engine: PrefillEngine | DecodeEngine
+        if role == "prefill":
+            engine = PrefillEngine(timing, self.schedule, self._prefilled)
+        else:
+            engine = DecodeEngine(timing, self.schedule, self._finished, self._first_token, self.observer.router_itl)
+        replica = Replica(name, role, engine, now)
+        replica.ready_at = now + startup
+        self.replicas[role].append(replica)
+        if startup <= 0:
+            replica.state = "ready"
+        else:
+
+            def ready(at: float) -> None:
+                if replica.state == "starting":
+                    replica.state = "ready"
+
+            self.schedule(replica.ready_at, ready)
+        return replica
+
+    def active(self, role: Role) -> list[Replica]:
+        """Replicas that count toward the pool's size (starting or ready, not draining)."""
+        return [r for r in self.replicas[role] if r.state in ("starting", "ready")]
+
+    def scale(self, role: Role, desired: int, now: float) -> None:
+        """Make the pool `desired` replicas: start new ones, or cancel starting ones then drain the idlest."""
+        active = self.active(role)
+        if desired > len(active):
+            for _ in range(desired - len(active)):
+                self._add_replica(role, now, self.config.startup_s)
+            return
+        surplus = len(active) - desired
+        starting = [r for r in active if r.state == "starting"]
+        for replica in reversed(starting[:surplus]):
+            self._remove(replica, now)
+        surplus -= min(surplus, len(starting))
+        if surplus:
+            ready = sorted(
+                (r for r in active if r.state == "ready"),
+                key=lambda r: r.engine.outstanding_tokens if isinstance(r.engine, PrefillEngine) else r.engine.load,
+            )
+            for replica in ready[:surplus]:
+                self._drain(replica, now)
+
+    def _drain(self, replica: Replica, now: float) -> None:
+        replica.state = "draining"
+        if replica.engine.idle:
+            self._remove(replica, now)
+            return
+
+        def idle(at: float) -> None:
+            if replica.state == "draining":
+                self._remove(replica, at)
+
+        replica.engine.on_idle = idle
+
+    def _remove(self, replica: Replica, now: float) -> None:
+        replica.state = "gone"
+        replica.removed_at = now
+        self.replicas[replica.role].remove(replica)
+        self.gone.append(replica)
+        self.observer.forget(replica)
+
+    # ---------------------------------------------------------------------------------------------- ticks
+
+    def _tick(self, now: float) -> None:
+        observation = self.observer.tick(now)
+        prefill, decode = self.scaler.tick(observation)
+        for role, wanted in (("prefill", prefill), ("decode", decode)):
+            if wanted != len(self.active(role)):  # type: ignore[arg-type]
+                self.actions += 1
+                self.scale(role, wanted, now)  # type: ignore[arg-type]
+        self.timeline.append(
+            (
+                now,
+                len(self.active("prefill")),
+                len(self.active("decode")),
+                sum(r.state == "ready" for r in self.replicas["prefill"]),
+                sum(r.state == "ready" for r in self.replicas["decode"]),
+            )
+        )
+        self.schedule(now + self.config.interval_s, self._tick)

@@ -1,0 +1,291 @@
+"""The collector (IO): PromQL (`queries.py`) through `prometheus-api-client` -> `ServiceSignals`.
+
+`Collector.collect(target, pods, now)` evaluates every query at the instant `now` (all of a tick's queries see
+the same moment), restricted to the pods that exist now (`pods`, from the operator's cache), and folds the
+answers into typed signals. It never raises for Prometheus: a failed or refused query leaves the signals it feeds
+at None and is listed in `ServiceSignals.errors`, which the policy turns into a fail-static hold. Freshness is the
+age of each ready pod's last successful scrape (`timestamp(up == 1)`), completeness the share of ready pods
+scraped at all.
+
+The client is synchronous (requests); the operator's loop calls `collect` in a worker thread. Retries are the
+loop's business (the next tick), so the client is built without its own retry adapter, with a short timeout,
+and with POST queries (a pod regex of hundreds of pods outgrows a URL).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from prometheus_api_client import PrometheusConnect
+from urllib3.util.retry import Retry
+
+from pdserve_operator.autoscaler.queries import BY_NAME, Query, Scope, render
+from pdserve_operator.autoscaler.signals import (
+    ROLES,
+    PodPhase,
+    PodSample,
+    PodState,
+    PoolSignals,
+    Role,
+    RouterSignals,
+    ServiceSignals,
+    count_pods,
+)
+
+
+class PromQL(Protocol):
+    """The part of `PrometheusConnect` the collector uses."""
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]: ...
+
+
+def connect(url: str, timeout_s: float = 5.0) -> PrometheusConnect:
+    """A client for the collector: no retries of its own (the next tick is the retry), POST queries."""
+    return PrometheusConnect(
+        url=url.rstrip("/"),
+        retry=Retry(total=0, connect=0, read=0, status=0),
+        timeout=timeout_s,
+        method="POST",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SeriesLabels:
+    """Names of the target labels the scrape configuration puts on pdserve's engine and router series."""
+
+    namespace: str = "namespace"
+    pod: str = "pod"
+    #: The pool: prefill, decode or router (the pod's pdserve.io/role label).
+    pool: str = "pool"
+    #: The PDService the pod belongs to (app.kubernetes.io/instance).
+    service: str = "pdservice"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The PDService to observe: where it is, its SLO percentile, and the replicas each pool is asked for."""
+
+    namespace: str
+    name: str
+    percentile: int
+    #: Each pool's StatefulSet spec.replicas.
+    desired: Mapping[Role, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Tick:
+    """What every query of one tick shares."""
+
+    now: float
+    quantile: float
+    errors: list[str]
+
+
+@dataclass
+class _Answers:
+    """One tick's query results for one scope (a pool or the routers)."""
+
+    values: dict[str, list[dict[str, Any]] | None] = field(default_factory=dict)
+
+    def by_pod(self, name: str) -> dict[str, float] | None:
+        result = self.values.get(name)
+        if result is None:
+            return None
+        out: dict[str, float] = {}
+        for series in result:
+            value = _number(series)
+            pod = series.get("metric", {}).get("pod")
+            if value is not None and pod is not None:
+                out[pod] = value
+        return out
+
+    def scalar(self, name: str) -> float | None:
+        result = self.values.get(name)
+        if not result:
+            return None
+        return _number(result[0])
+
+    def by_label(self, name: str, label: str) -> dict[str, float] | None:
+        result = self.values.get(name)
+        if result is None:
+            return None
+        out: dict[str, float] = {}
+        for series in result:
+            value = _number(series)
+            key = series.get("metric", {}).get(label)
+            if value is not None and key is not None:
+                out[key] = value
+        return out
+
+
+def _number(series: Mapping[str, Any]) -> float | None:
+    try:
+        value = float(series["value"][1])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+ENGINE_QUERIES = tuple(query for query in BY_NAME.values() if query.scope is Scope.ENGINE)
+ROUTER_QUERIES = tuple(query for query in BY_NAME.values() if query.scope is Scope.ROUTER)
+
+
+class Collector:
+    """Reads one PDService's signals from Prometheus."""
+
+    def __init__(
+        self,
+        client: PromQL,
+        *,
+        labels: SeriesLabels | None = None,
+        window_s: float = 15.0,
+        warmup_s: float = 60.0,
+    ) -> None:
+        self.client = client
+        self.labels = labels or SeriesLabels()
+        self.window_s = window_s
+        self.warmup_s = warmup_s
+
+    def collect(
+        self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
+    ) -> ServiceSignals:
+        """The signals of `target` at `now` (Unix seconds), counting only the series of the engine `pods` and
+        the router pods named in `routers` that exist now."""
+        tick = _Tick(now, target.percentile / 100.0, [])
+        pools = {role: self._pool(target, role, pods, tick) for role in ROLES}
+        router = self._router(target, routers, tick)
+        return ServiceSignals(
+            at=now,
+            window_s=self.window_s,
+            percentile=target.percentile,
+            prefill=pools["prefill"],
+            decode=pools["decode"],
+            router=router,
+            errors=tuple(tick.errors),
+        )
+
+    # ---------------------------------------------------------------------------------------------- queries
+
+    def selector(self, target: Target, pool: str, pod_names: Sequence[str]) -> str:
+        """The label selector of one pool's live pods."""
+        names = "|".join(_regex_literal(name) for name in sorted(pod_names))
+        lab = self.labels
+        return (
+            f'{lab.namespace}="{target.namespace}",{lab.service}="{target.name}",{lab.pool}="{pool}",'
+            f'{lab.pod}=~"{names}"'
+        )
+
+    def _ask(self, queries: Sequence[Query], selector: str, tick: _Tick, scope: str) -> _Answers:
+        answers = _Answers()
+        for query in queries:
+            promql = render(query, selector=selector, window_s=self.window_s, quantile=tick.quantile)
+            try:
+                answers.values[query.name] = self.client.custom_query(promql, params={"time": tick.now})
+            except Exception as exc:  # a failing dependency is reported, never raised: the policy holds
+                answers.values[query.name] = None
+                tick.errors.append(f"{scope} {query.name}: {type(exc).__name__}: {exc}"[:300])
+        return answers
+
+    # ------------------------------------------------------------------------------------------------ pools
+
+    def _pool(self, target: Target, role: Role, pods: Sequence[PodState], tick: _Tick) -> PoolSignals:
+        now = tick.now
+        ready, starting, pending = count_pods(pods, role)
+        desired = target.desired.get(role, ready + starting + pending)
+        live = [pod for pod in pods if pod.role == role]
+        if not live:
+            return PoolSignals(role=role, desired=desired, ready=ready, starting=starting, pending=pending)
+        answers = self._ask(ENGINE_QUERIES, self.selector(target, role, [p.name for p in live]), tick, role)
+        scraped = answers.by_pod("last_scrape")
+        load_query = "uncached_tokens" if role == "prefill" else "generated_tokens"
+        latency_query = "engine_ttft_by_pod" if role == "prefill" else "engine_itl_by_pod"
+        loads = answers.by_pod(load_query) or {}
+        latencies = answers.by_pod(latency_query) or {}
+        running = answers.by_pod("running")
+        waiting = answers.by_pod("waiting")
+        kv = answers.by_pod("kv_usage")
+        samples: list[PodSample] = []
+        ages: list[float] = []
+        for pod in live:
+            if pod.phase is not PodPhase.READY:
+                continue
+            age = None if scraped is None or pod.name not in scraped else max(0.0, now - scraped[pod.name])
+            if age is not None:
+                ages.append(age)
+            samples.append(
+                PodSample(
+                    pod=pod.name,
+                    load=loads.get(pod.name),
+                    latency_s=latencies.get(pod.name),
+                    running=None if running is None else running.get(pod.name),
+                    waiting=None if waiting is None else waiting.get(pod.name),
+                    kv_usage=None if kv is None else kv.get(pod.name),
+                    sample_age_s=age,
+                    settled=pod.ready_for_s is not None and pod.ready_for_s >= self.warmup_s,
+                )
+            )
+        reasons = answers.by_label("waiting_by_reason", "reason")
+        return PoolSignals(
+            role=role,
+            desired=desired,
+            ready=ready,
+            starting=starting,
+            pending=pending,
+            pods=tuple(samples),
+            request_rate=_total(answers.by_pod("requests")),
+            prompt_tokens_rate=_total(answers.by_pod("prompt_tokens")),
+            uncached_tokens_rate=_total(answers.by_pod("uncached_tokens")),
+            generated_tokens_rate=_total(answers.by_pod("generated_tokens")),
+            prompt_tokens_quantile=answers.scalar("prompt_length"),
+            running=_total(running),
+            waiting=_total(waiting),
+            waiting_capacity=None if reasons is None else reasons.get("capacity", 0.0),
+            waiting_deferred=None if reasons is None else reasons.get("deferred", 0.0),
+            kv_usage=(sum(kv.values()) / len(kv)) if kv else None,
+            engine_ttft_s=answers.scalar("engine_ttft"),
+            engine_itl_s=answers.scalar("engine_itl"),
+            queue_time_s=answers.scalar("queue_time"),
+            kv_transfer_s=answers.scalar("kv_transfer") if role == "decode" else None,
+            freshness_s=max(ages) if ages else None,
+            completeness=(len(ages) / ready) if ready else 0.0,
+        )
+
+    def _router(self, target: Target, routers: Sequence[str], tick: _Tick) -> RouterSignals:
+        if not routers:
+            return RouterSignals()
+        now = tick.now
+        answers = self._ask(ROUTER_QUERIES, self.selector(target, "router", routers), tick, "router")
+        scraped = answers.by_pod("router_last_scrape")
+        return RouterSignals(
+            ttft_s=answers.scalar("router_ttft"),
+            ttft_pd_s=answers.scalar("router_ttft_pd"),
+            itl_s=answers.scalar("router_itl"),
+            request_rate=answers.scalar("router_requests"),
+            freshness_s=max((max(0.0, now - t) for t in scraped.values()), default=None) if scraped else None,
+        )
+
+
+def _regex_literal(name: str) -> str:
+    """A pod name as a regex matching only itself, written inside a PromQL string literal.
+
+    Pod names are DNS-1123 subdomains ([a-z0-9] . -): only the dot means anything to a regex, and its escaping
+    backslash must itself be escaped in PromQL's double-quoted string (Python's re.escape also escapes "-",
+    which PromQL rejects as an unknown escape sequence).
+    """
+    if not _DNS_NAME.fullmatch(name):
+        raise ValueError(f"not a Kubernetes object name: {name!r}")
+    return name.replace(".", "\\\\.")
+
+
+_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
+def _total(values: Mapping[str, float] | None) -> float | None:
+    """Sum over live pods; None when the query failed, 0 when it answered with no series (no traffic)."""
+    if values is None:
+        return None
+    return float(sum(values.values()))

@@ -1,0 +1,112 @@
+"""The autoscaler of one PDService: model and policy with the state they carry from tick to tick.
+
+`Autoscaler.step(signals) -> Decision` is the whole brain; it does no IO, so the operator's loop (phase 2),
+the tests and the benchmark drive the same object. `config_from_spec` reads its configuration from a PDService.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdserve.api.defaults import EffectivePool, effective
+from pdserve.api.v1alpha1 import PDService
+from pdserve_operator.autoscaler.decision import Decision, Reason
+from pdserve_operator.autoscaler.model import H200_8B, EngineProfile, ModelConfig, ModelState, Slo, estimate
+from pdserve_operator.autoscaler.policy import PolicyConfig, PolicyState, PoolBounds, decide
+from pdserve_operator.autoscaler.signals import ServiceSignals
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalerConfig:
+    """Everything one service's autoscaler is configured with."""
+
+    model: ModelConfig
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    #: Pods ready for less than this teach the capacity model nothing (the collector marks them unsettled).
+    warmup_s: float = 60.0
+    #: Seconds between ticks.
+    interval_s: float = 15.0
+    #: The Prometheus rate/quantile window: one interval, so a jump in load shows in full at the next tick
+    #: (a longer window hides half of it). Needs a scrape interval of at most a third of it (5 s).
+    window_s: float = 15.0
+
+
+class Autoscaler:
+    """Model + policy + their state for one service."""
+
+    def __init__(self, config: AutoscalerConfig) -> None:
+        self.config = config
+        self.model_state = ModelState()
+        self.policy_state = PolicyState()
+        self.last: Decision | None = None
+
+    def reconfigure(self, config: AutoscalerConfig) -> None:
+        """Take a new configuration (the spec changed) and keep what was learned."""
+        self.config = config
+
+    def step(self, signals: ServiceSignals) -> Decision:
+        """One tick: signals in, decision out; the learned capacity and the history move forward."""
+        model_state, estimates = estimate(self.config.model, self.model_state, signals)
+        decision, policy_state = decide(
+            self.config.policy, self.config.model.slo, self.policy_state, signals, estimates
+        )
+        self.model_state, self.policy_state, self.last = model_state, policy_state, decision
+        return decision
+
+
+class NoSloTargetError(ValueError):
+    """Autoscaling is on for a pool but no latency target applies to it."""
+
+
+def config_from_spec(
+    pds: PDService,
+    prefill_profile: EngineProfile = H200_8B,
+    decode_profile: EngineProfile = H200_8B,
+) -> AutoscalerConfig:
+    """The autoscaler configuration a PDService asks for, read from its effective view (defaults applied)."""
+    spec = effective(pds.spec)
+    for role, name in (("prefill", "ttftMilliseconds"), ("decode", "itlMilliseconds")):
+        pool = spec.pool(role)  # type: ignore[arg-type]
+        if _bounds(pool).managed and pool.autoscaling.target_milliseconds is None:
+            raise NoSloTargetError(
+                f"spec.{role}.autoscaling is enabled but no target applies: set spec.slo.{name} or "
+                f"spec.{role}.autoscaling.targetMilliseconds"
+            )
+    ratio = spec.autoscaling.prefill_to_decode_ratio
+    model = ModelConfig(
+        slo=Slo(
+            ttft_s=_seconds(spec.prefill.autoscaling.target_milliseconds),
+            itl_s=_seconds(spec.decode.autoscaling.target_milliseconds),
+            percentile=spec.slo.percentile,
+        ),
+        prefill_profile=prefill_profile,
+        decode_profile=decode_profile,
+        disaggregation_threshold=spec.router.routing.disaggregation_threshold,
+    )
+    policy = PolicyConfig(
+        prefill=_bounds(spec.prefill),
+        decode=_bounds(spec.decode),
+        ratio_min=ratio.min,
+        ratio_max=ratio.max,
+        max_gpus=spec.autoscaling.max_gpus,
+        scale_down_window_s=float(spec.autoscaling.scale_down_stabilization_seconds),
+    )
+    return AutoscalerConfig(model=model, policy=policy, warmup_s=float(spec.autoscaling.warmup_seconds))
+
+
+def _seconds(milliseconds: float | None) -> float:
+    # A pool without a target is not scaled by pdserve (checked above); its target is never compared.
+    return math.inf if milliseconds is None else milliseconds / 1000.0
+
+
+def _bounds(pool: EffectivePool) -> PoolBounds:
+    scaling = pool.autoscaling
+    gpus = max(pool.gpus_per_pod, 1)
+    if not scaling.enabled:
+        return PoolBounds(gpus_per_replica=gpus, managed=False, unmanaged_reason=Reason.DISABLED)
+    if scaling.mode == "external":
+        return PoolBounds(
+            scaling.min_replicas, scaling.max_replicas, gpus, managed=False, unmanaged_reason=Reason.EXTERNAL
+        )
+    return PoolBounds(scaling.min_replicas, scaling.max_replicas, gpus)

@@ -1,0 +1,140 @@
+"""The replayed service: routing, replica lifecycle and GPU-seconds, and each policy of the benchmark at work."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve_dev.replay.cluster import ReplayCluster, ReplayConfig
+from pdserve_dev.replay.observe import Observation
+from pdserve_dev.replay.scalers import (
+    HpaBehavior,
+    HpaScaler,
+    LlmdSloScaler,
+    PdserveScaler,
+    StaticScaler,
+    _HpaState,
+    profile_from_timing,
+    static_peak,
+)
+from pdserve_dev.replay.trace import Request
+from pdserve_operator.autoscaler.core import AutoscalerConfig
+from pdserve_operator.autoscaler.model import H200_8B as PROFILE
+from pdserve_operator.autoscaler.model import ModelConfig, Slo
+from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
+from pdserve_sim.presets import H200_8B
+
+SLO = Slo(ttft_s=0.8, itl_s=0.04, percentile=90)
+
+
+def steady(rate: float, seconds: float, seed: int = 1, start: float = 0.0) -> list[Request]:
+    rng = random.Random(seed)
+    out: list[Request] = []
+    at = start
+    while True:
+        at += rng.expovariate(rate)
+        if at >= start + seconds:
+            return out
+        out.append(Request(at, rng.choice([100, 600, 1200, 3000]), rng.randint(20, 300)))
+
+
+def config(initial: tuple[int, int], **changes: float) -> ReplayConfig:
+    return ReplayConfig(H200_8B, H200_8B, SLO, initial, **changes)  # type: ignore[arg-type]
+
+
+class Script:
+    """A scaler that asks for given sizes from given times on (to test the cluster, not a policy)."""
+
+    name = "script"
+
+    def __init__(self, plan: list[tuple[float, tuple[int, int]]]) -> None:
+        self.plan = plan
+        self.seen: list[Observation] = []
+
+    def tick(self, observation: Observation) -> tuple[int, int]:
+        self.seen.append(observation)
+        size = self.plan[0][1]
+        for at, wanted in self.plan:
+            if observation.at >= at:
+                size = wanted
+        return size
+
+
+def test_profile_matches_the_simulator_preset() -> None:
+    # The operator cannot import the simulator; this keeps its built-in prior and the preset in step.
+    assert profile_from_timing(H200_8B) == PROFILE
+
+
+def test_static_service_serves_everything_and_pays_for_every_second() -> None:
+    requests = steady(40.0, 120.0)
+    outcome = ReplayCluster(config((3, 2)), requests, StaticScaler(3, 2)).run()
+    assert all(job.finished is not None for job in outcome.jobs)
+    assert outcome.gpu_seconds == pytest.approx(5 * outcome.end_s)
+    assert outcome.attainment(SLO) > 0.99
+    routes = {job.route for job in outcome.jobs}
+    assert routes == {"pd", "decode-only"}, "short prompts go straight to decode"
+
+
+def test_new_replicas_cost_from_creation_and_drained_ones_until_idle() -> None:
+    requests = steady(40.0, 240.0)
+    script = Script([(0.0, (2, 2)), (60.0, (6, 2)), (150.0, (2, 2))])
+    outcome = ReplayCluster(config((2, 2), startup_s=30.0), requests, script).run()
+    assert all(job.finished is not None for job in outcome.jobs), "scale-down loses no request"
+    assert outcome.actions == 2
+    # 4 extra prefill replicas from t=60 (starting 30 s, then serving) until drained at or after t=150.
+    base = 4 * outcome.end_s
+    assert 4 * 90 - 1e-6 <= outcome.gpu_seconds - base <= 4 * 100
+    ready_after_start = [t for t in outcome.timeline if 60 < t[0] < 90]
+    assert all(row[3] == 2 for row in ready_after_start), "new replicas serve only after start-up"
+    assert any(row[3] == 6 for row in outcome.timeline if 90 <= row[0] < 150)
+
+
+def test_signals_are_the_autoscalers_own_types() -> None:
+    script = Script([(0.0, (2, 2))])
+    ReplayCluster(config((2, 2), window_s=15.0, warmup_s=30.0), steady(40.0, 90.0), script).run()
+    late = script.seen[4].signals  # t = 75 s
+    assert late.prefill.ready == 2 and late.decode.ready == 2
+    assert late.prefill.uncached_tokens_rate and late.decode.generated_tokens_rate
+    assert late.router.ttft_s is not None and late.router.itl_s is not None
+    assert all(pod.settled for pod in late.prefill.pods), "ready 75 s > 30 s warm-up"
+    assert not any(pod.settled for pod in script.seen[0].signals.decode.pods), "ready 15 s < 30 s warm-up"
+
+
+def test_hpa_behavior_stabilizes_and_rate_limits() -> None:
+    state = _HpaState(HpaBehavior())
+    assert state.desired(0.0, 20, 2) == 6  # up: max(+100%, +4 pods) per 15 s
+    assert state.desired(15.0, 3, 6) == 6  # down: the highest recommendation of the last 300 s
+    assert state.desired(330.0, 3, 6) == 3
+    llmd = _HpaState(HpaBehavior(down_window_s=0.0, down_percent=0.0, down_pods=1, down_period_s=120.0))
+    assert llmd.desired(0.0, 1, 6) == 5
+    assert llmd.desired(60.0, 1, 5) == 5, "one pod per 120 s"
+    assert llmd.desired(121.0, 1, 5) == 4
+
+
+def test_every_policy_runs_a_step_of_load() -> None:
+    requests = steady(30.0, 200.0) + steady(90.0, 250.0, seed=2, start=200.0)
+    requests.sort(key=lambda r: r.arrival)
+    profile = profile_from_timing(H200_8B)
+    model = ModelConfig(slo=SLO, prefill_profile=profile, decode_profile=profile, horizon_s=45.0)
+    peak = static_peak(model, requests, 60.0, 256)
+    assert peak[0] >= 3 and peak[2] >= 180.0
+    bounds = PolicyConfig(prefill=PoolBounds(1, 4 * peak[0]), decode=PoolBounds(1, 4 * peak[1]))
+    results = {}
+    for scaler in (
+        HpaScaler(bounds),
+        LlmdSloScaler(bounds, SLO.ttft_s, SLO.itl_s),
+        PdserveScaler(AutoscalerConfig(model=model, policy=bounds)),
+    ):
+        outcome = ReplayCluster(config((1, 1)), requests, scaler).run()
+        assert all(job.finished is not None for job in outcome.jobs)
+        assert max(row[1] for row in outcome.timeline) > 1, f"{scaler.name} never scaled prefill up"
+        results[scaler.name] = outcome
+    pdserve = results["pdserve"]
+    # The step at 200 s triples the load: pdserve scales up on the first tick that sees it, and once the new
+    # replicas serve (30 s start-up) requests meet the SLO again.
+    sizes = {row[0]: row[1] + row[2] for row in pdserve.timeline}
+    assert sizes[210.0] > sizes[195.0]
+    late = [job for job in pdserve.jobs if job.arrival > 300.0]
+    good = [j for j in late if j.first_token is not None and j.first_token - j.arrival <= SLO.ttft_s]
+    assert len(good) / len(late) > 0.95

@@ -1,0 +1,342 @@
+"""The scaling model: capacity prior and learning, demand prediction, and which pool a breach belongs to."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+
+from pdserve_operator.autoscaler.model import (
+    H200_8B,
+    Cause,
+    Curve,
+    Estimates,
+    ModelConfig,
+    ModelState,
+    Slo,
+    estimate,
+    prefill_budget_s,
+)
+from pdserve_operator.autoscaler.signals import PodSample, PoolSignals, RouterSignals, ServiceSignals
+
+SLO = Slo(ttft_s=0.8, itl_s=0.04, percentile=90)
+CONFIG = ModelConfig(slo=SLO, horizon_s=45.0)
+
+
+def prefill(**changes: Any) -> PoolSignals:
+    """A healthy prefill pool of 4 replicas at ~100k uncached prompt tokens/s (1000-token prompts)."""
+    base = PoolSignals(
+        role="prefill",
+        desired=4,
+        ready=4,
+        request_rate=100.0,
+        prompt_tokens_rate=100_000.0,
+        uncached_tokens_rate=100_000.0,
+        generated_tokens_rate=100.0,
+        prompt_tokens_quantile=2000.0,
+        running=4.0,
+        waiting=0.0,
+        engine_ttft_s=0.15,
+        freshness_s=5.0,
+        completeness=1.0,
+    )
+    return replace(base, **changes)
+
+
+def decode(**changes: Any) -> PoolSignals:
+    """A healthy decode pool of 4 replicas generating 20k tokens/s (200-token outputs)."""
+    base = PoolSignals(
+        role="decode",
+        desired=4,
+        ready=4,
+        request_rate=100.0,
+        prompt_tokens_rate=100_000.0,
+        uncached_tokens_rate=100.0,
+        generated_tokens_rate=20_000.0,
+        running=400.0,
+        waiting=0.0,
+        waiting_capacity=0.0,
+        waiting_deferred=0.0,
+        kv_usage=0.3,
+        engine_itl_s=0.02,
+        queue_time_s=0.0,
+        kv_transfer_s=0.005,
+        freshness_s=5.0,
+        completeness=1.0,
+    )
+    return replace(base, **changes)
+
+
+def signals(
+    at: float = 100.0,
+    p: PoolSignals | None = None,
+    d: PoolSignals | None = None,
+    router: RouterSignals | None = None,
+) -> ServiceSignals:
+    return ServiceSignals(
+        at=at,
+        window_s=15.0,
+        percentile=90,
+        prefill=p or prefill(),
+        decode=d or decode(),
+        router=router or RouterSignals(ttft_s=0.3, ttft_pd_s=0.3, itl_s=0.02, request_rate=100.0),
+    )
+
+
+def run(*ticks: ServiceSignals, config: ModelConfig = CONFIG) -> tuple[ModelState, Estimates]:
+    state = ModelState()
+    result: Estimates | None = None
+    for tick in ticks:
+        state, result = estimate(config, state, tick)
+    assert result is not None
+    return state, result
+
+
+def pods(count: int, load: float, latency: float, *, settled: bool = True) -> tuple[PodSample, ...]:
+    return tuple(PodSample(f"p-{i}", load=load, latency_s=latency, settled=settled) for i in range(count))
+
+
+# ------------------------------------------------------------------------------------------------- capacity
+
+
+def test_prior_capacity_follows_the_engine_profile() -> None:
+    _, est = run(signals())
+    mu = H200_8B.prefill_saturation()
+    assert est.prefill.curve.saturation == pytest.approx(mu)
+    # Idle latency of a p90 prompt (2000 tokens) on the profile.
+    assert est.prefill.curve.base_s == pytest.approx(H200_8B.prefill_latency_s(2000.0))
+    budget = prefill_budget_s(CONFIG, 2000.0)
+    expected = est.prefill.curve.capacity(budget * CONFIG.target_fraction, CONFIG.max_utilisation)
+    assert est.prefill.capacity_per_replica == pytest.approx(expected)
+    assert est.prefill.capacity_per_replica <= CONFIG.max_utilisation * mu
+    assert est.prefill.basis == est.decode.basis == "prior"
+    # Decode at an ITL target of 40 ms is bound by its sequence slots, and says so.
+    assert any("max_num_seqs" in note for note in est.decode.notes)
+
+
+@pytest.mark.parametrize(
+    ("target", "utilisation"),
+    [
+        (0.2, 0.5),  # T/S = 2 with k = 1: u* = 1 / 2
+        (0.4, 0.75),  # T/S = 4: u* = 3 / 4
+        (10.0, 0.9),  # capped at max_utilisation
+        (0.1, 0.25),  # even an idle replica misses: keep replicas lightly loaded
+    ],
+)
+def test_curve_capacity(target: float, utilisation: float) -> None:
+    curve = Curve(base_s=0.1, saturation=1000.0, queueing=1.0)
+    assert curve.capacity(target, 0.9) == pytest.approx(1000.0 * utilisation)
+    if utilisation < 0.9 and target > 0.1:
+        assert curve.latency(curve.capacity(target, 0.9)) == pytest.approx(target)
+
+
+def test_required_scales_with_demand() -> None:
+    _, low = run(signals())
+    _, high = run(signals(p=prefill(uncached_tokens_rate=200_000.0, request_rate=200.0)))
+    assert low.prefill.required is not None and high.prefill.required is not None
+    assert high.prefill.required == pytest.approx(2 * low.prefill.required, rel=0.01)
+
+
+def test_slow_settled_replicas_teach_a_lower_capacity() -> None:
+    # Loaded replicas (u ~ 0.6) whose TTFT is far above what the prior curve predicts: more queueing than
+    # M/M/1, so the same replica carries less load at the target.
+    slow = prefill(pods=pods(4, load=18_000.0, latency=1.2))
+    _, prior = run(signals())
+    _, learned = run(*(signals(at=100.0 + 15 * i, p=slow) for i in range(20)))
+    assert learned.prefill.curve.queueing > 2.0
+    assert learned.prefill.capacity_per_replica < 0.8 * prior.prefill.capacity_per_replica
+    assert learned.prefill.basis == "learned"
+
+
+def test_fast_lightly_loaded_replicas_teach_a_lower_idle_latency() -> None:
+    fast = prefill(pods=pods(4, load=1000.0, latency=0.05))
+    _, learned = run(*(signals(at=100.0 + 15 * i, p=fast) for i in range(20)))
+    # The prior says 77 ms for a 2000-token prompt; these replicas answer in 50 ms.
+    assert learned.prefill.curve.base_s == pytest.approx(0.05, rel=0.1)
+
+
+def test_warm_up_samples_teach_nothing() -> None:
+    # The same terrible latencies from pods still inside their warm-up period (first requests, compilation)
+    # leave the prior in charge: Dynamo over-scaled decode on exactly such samples.
+    warming = decode(pods=pods(4, load=5000.0, latency=0.5, settled=False))
+    _, prior = run(signals())
+    _, after = run(*(signals(at=100.0 + 15 * i, d=warming) for i in range(20)))
+    assert after.decode.capacity_per_replica == pytest.approx(prior.decode.capacity_per_replica)
+    assert after.decode.basis == "prior"
+
+
+def test_learning_is_clamped() -> None:
+    # k implied by these pairs is ~8 (u = 0.67, T/S = 17): the fit stops at 4 x the prior.
+    steep = prefill(pods=pods(4, load=20_000.0, latency=1.3))
+    _, est = run(*(signals(at=100.0 + 15 * i, p=steep) for i in range(200)))
+    assert 3.0 < est.prefill.curve.queueing <= 4.0
+    assert est.prefill.capacity_per_replica > 0
+
+
+def test_overload_transients_teach_nothing() -> None:
+    # A queue stuck on replicas after a burst: latency measures the queue, not the curve near the target.
+    stuck = prefill(pods=pods(4, load=29_000.0, latency=40.0))
+    _, prior = run(signals())
+    _, after = run(*(signals(at=100.0 + 15 * i, p=stuck) for i in range(20)))
+    assert after.prefill.curve == prior.prefill.curve
+
+
+# --------------------------------------------------------------------------------------------------- demand
+
+
+def test_missing_load_is_unknown_not_zero() -> None:
+    _, est = run(signals(p=prefill(uncached_tokens_rate=None), d=decode(generated_tokens_rate=None)))
+    assert est.prefill.required is None and est.prefill.demand is None
+    assert est.decode.required is None
+
+
+def test_rising_demand_is_predicted_ahead() -> None:
+    ticks = [
+        signals(at=100.0 + 15 * i, p=prefill(uncached_tokens_rate=100_000.0 + 10_000.0 * i, request_rate=100.0))
+        for i in range(6)
+    ]
+    _, est = run(*ticks)
+    now = 150_000.0
+    assert est.prefill.demand is not None
+    assert est.prefill.demand > now * 1.05
+
+
+def test_a_burst_trend_adds_at_most_half_the_level() -> None:
+    ticks = [signals(at=100.0, p=prefill(uncached_tokens_rate=1000.0))]
+    ticks.append(signals(at=115.0, p=prefill(uncached_tokens_rate=400_000.0)))
+    state, est = run(*ticks)
+    assert est.prefill.steady_demand is not None
+    level = state.prefill_demand.level
+    headroom = CONFIG.prefill_surprise * state.prefill_demand.deviation
+    assert est.prefill.steady_demand <= 1.5 * level + headroom + 1e-6
+
+
+def test_a_growing_prefill_queue_is_arriving_demand_a_standing_one_only_drains() -> None:
+    # No smoothing and no headroom, so demand is exactly this tick's measurement.
+    raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0)
+    first = signals(at=100.0, p=prefill(waiting=0.0))
+    growing = signals(at=115.0, p=prefill(waiting=300.0))
+    standing = signals(at=130.0, p=prefill(waiting=300.0))
+    _, grew = run(first, growing, config=raw)
+    _, stood = run(first, growing, standing, config=raw)
+    # 300 queued 1000-token prompts, 300k tokens: they appeared within 15 s (20k tokens/s of arrivals the pool
+    # did not serve), and they keep their engines busy for 300k / 45 s (the horizon) of its capacity.
+    drain = 300_000.0 / raw.horizon_s
+    assert grew.prefill.demand == pytest.approx(100_000.0 + 20_000.0 + drain)
+    # The same queue a tick later is no new arrival: it still has to drain, but nothing more.
+    assert stood.prefill.demand == pytest.approx(100_000.0 + drain)
+
+
+def test_requests_waiting_for_a_decode_slot_are_decode_demand() -> None:
+    _, calm = run(signals())
+    _, queued = run(signals(d=decode(waiting_capacity=80.0, waiting=80.0)))
+    assert calm.decode.demand is not None and queued.decode.demand is not None
+    # Each would generate at the ITL target: 80 / 40 ms = 2000 tokens/s.
+    assert queued.decode.demand - calm.decode.demand == pytest.approx(2000.0)
+
+
+def test_kv_usage_from_waiting_on_handoffs_does_not_scale_decode() -> None:
+    # llm-d's finding: decode KV usage read 0.72-0.98 while decode only waited on KV handoffs.
+    idle = decode(generated_tokens_rate=2000.0, kv_usage=0.95, waiting_deferred=60.0, waiting=60.0)
+    _, est = run(signals(d=idle))
+    _, low = run(signals(d=decode(generated_tokens_rate=2000.0, kv_usage=0.1)))
+    assert est.decode.required == pytest.approx(low.decode.required)
+    assert est.decode.required is not None and est.decode.required < 1.0
+    assert any("KV handoffs" in note for note in est.decode.notes)
+
+
+# ---------------------------------------------------------------------------------------------- attribution
+
+
+@dataclass(frozen=True)
+class Attribution:
+    case: str
+    p: dict[str, Any]
+    d: dict[str, Any]
+    router: RouterSignals
+    cause: Cause
+    prefill_breach: bool
+    decode_breach: bool
+
+
+ATTRIBUTION = [
+    Attribution("no breach", {}, {}, RouterSignals(ttft_s=0.3, ttft_pd_s=0.3, itl_s=0.02), Cause.NONE, False, False),
+    Attribution(
+        "prefill queueing",
+        {"engine_ttft_s": 1.1},
+        {},
+        RouterSignals(ttft_s=1.2, ttft_pd_s=1.2, itl_s=0.02),
+        Cause.PREFILL,
+        True,
+        False,
+    ),
+    Attribution(
+        "waiting for a decode slot",
+        {"engine_ttft_s": 0.2},
+        {"waiting_capacity": 40.0, "queue_time_s": 0.9},
+        RouterSignals(ttft_s=1.2, ttft_pd_s=1.2, itl_s=0.03),
+        Cause.DECODE_SLOT,
+        False,
+        True,
+    ),
+    Attribution(
+        "slow KV pulls",
+        {"engine_ttft_s": 0.2},
+        {"kv_transfer_s": 0.9},
+        RouterSignals(ttft_s=1.2, ttft_pd_s=1.2, itl_s=0.02),
+        Cause.KV_TRANSFER,
+        False,
+        False,
+    ),
+    Attribution(
+        "slow decode steps",
+        {"engine_ttft_s": 0.2},
+        {"engine_itl_s": 0.06},
+        RouterSignals(ttft_s=1.0, ttft_pd_s=1.0, itl_s=0.06),
+        Cause.DECODE_ITL,
+        False,
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", ATTRIBUTION, ids=[c.case for c in ATTRIBUTION])
+def test_ttft_breach_attribution(case: Attribution) -> None:
+    _, est = run(signals(p=prefill(**case.p), d=decode(**case.d), router=case.router))
+    assert est.ttft_cause is case.cause
+    assert est.prefill.breach is case.prefill_breach
+    assert est.decode.breach is case.decode_breach
+
+
+def test_a_decode_caused_ttft_breach_leaves_prefill_demand_alone() -> None:
+    calm = signals()
+    breach = signals(
+        d=decode(waiting_capacity=40.0, queue_time_s=0.9),
+        router=RouterSignals(ttft_s=2.0, ttft_pd_s=2.0, itl_s=0.03),
+    )
+    _, before = run(calm)
+    _, after = run(breach)
+    assert after.ttft_cause is Cause.DECODE_SLOT
+    assert after.prefill.required == pytest.approx(before.prefill.required)
+    assert not after.prefill.breach
+
+
+def test_prefill_budget_leaves_room_for_the_handoff() -> None:
+    budget = prefill_budget_s(CONFIG, 2000.0)
+    kv = H200_8B.kv_transfer_s(2000.0)
+    assert budget == pytest.approx(SLO.ttft_s - kv - 2 * SLO.itl_s)
+    assert math.isclose(kv, 2000 * 131072 / 50e9)
+
+
+def test_decode_is_sized_for_what_prefill_is_being_sent() -> None:
+    # Prefill now receives 200 requests/s (1000 uncached tokens each) while decode still sees the 100 requests/s
+    # of before (200 output tokens each): decode's demand is what is coming, 200 x 200 tokens/s.
+    jump = prefill(uncached_tokens_rate=200_000.0, prompt_tokens_rate=200_000.0, request_rate=200.0)
+    raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0, decode_surprise=0.0)
+    _, est = run(signals(p=jump), config=raw)
+    assert est.decode.demand == pytest.approx(200 * 200.0)
+    assert any("arriving at prefill" in note for note in est.decode.notes)
+    _, calm = run(signals(), config=raw)
+    assert calm.decode.demand == pytest.approx(20_000.0)
