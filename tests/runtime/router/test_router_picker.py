@@ -14,7 +14,7 @@ from pdserve_runtime.router.policy.filter_available import AvailableFilter
 from pdserve_runtime.router.policy.picker_max import MaxScorePicker
 from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight_requests
 from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
-from pdserve_runtime.router.tokens import PromptInfo
+from pdserve_runtime.router.tokens import Held, PromptInfo
 
 StateFactory = Callable[..., EndpointState]
 
@@ -57,7 +57,7 @@ def test_profile_combines_weighted_scores(
         picker=MaxScorePicker(random.Random(0)),
     )
     states = [make_state("idle", in_flight=0), make_state("warm", in_flight=4), make_state("down", ejected=True)]
-    ctx = PickContext(prompt=PromptInfo(tokens=64, block_hashes=(1, 2, 3, 4), block_size=16), prefix_blocks={"warm": 4})
+    ctx = PickContext(prompt=PromptInfo(key=b"t" + b"x" * 639, block_size=16), held={"warm": Held(640, None)})
     picked = profile.pick(ctx, states)
     assert picked is not None
     assert picked.url == winner
@@ -65,5 +65,5 @@ def test_profile_combines_weighted_scores(
 
 def test_profile_returns_none_when_filters_leave_nothing(make_state: StateFactory) -> None:
     profile = Profile(filters=(AvailableFilter(),), scorers=(), picker=MaxScorePicker())
-    ctx = PickContext(prompt=PromptInfo(tokens=1, block_hashes=(), block_size=16))
+    ctx = PickContext(prompt=PromptInfo(key=b"tx", block_size=16))
     assert profile.pick(ctx, [make_state("a", ready=False)]) is None

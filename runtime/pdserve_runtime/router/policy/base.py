@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve_runtime.router.endpoints import EndpointState
-from pdserve_runtime.router.tokens import PromptInfo
+from pdserve_runtime.router.tokens import Held, PromptInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,8 +20,8 @@ class PickContext:
     """Everything a plugin may look at besides the candidates."""
 
     prompt: PromptInfo
-    # Leading prompt blocks each engine URL is believed to hold (prefix tracker), absent = none.
-    prefix_blocks: Mapping[str, int] = field(default_factory=dict)
+    # What each engine URL is believed to hold of the prompt (prefix tracker); absent = nothing.
+    held: Mapping[str, Held] = field(default_factory=dict)
     # The endpoint already chosen on the other side (the decode engine when picking prefill, or the prefill
     # engine holding the KV when re-picking decode): pairing filters and topology scorers use it.
     peer: EndpointState | None = None
