@@ -131,3 +131,13 @@ def test_engine_reported_kv_usage_steers_decode_choice() -> None:
     full.kv_cache_usage, full.kv_cache_usage_at = 0.95, time.monotonic()
     empty.kv_cache_usage, empty.kv_cache_usage_at = 0.05, time.monotonic()
     assert {sched.plan(prompt(2), now=0.0).decode.url for _ in range(10)} == {"http://d2"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("weight", "steered"), [(0.5, True), (0.0, False)])
+def test_the_kv_headroom_weight_is_a_policy_setting(weight: float, steered: bool) -> None:
+    sched, table, _ = scheduler([p("p1")], [d("d1"), d("d2")], kv_headroom_weight=weight)
+    full, empty = table.states("decode")
+    full.kv_cache_usage, full.kv_cache_usage_at = 0.95, time.monotonic()
+    empty.kv_cache_usage, empty.kv_cache_usage_at = 0.05, time.monotonic()
+    picks = {sched.plan(prompt(2), now=0.0).decode.url for _ in range(40)}  # type: ignore[union-attr]
+    assert (picks == {"http://d2"}) is steered
