@@ -52,6 +52,8 @@ Handler = Callable[["Request", "Responder"], Awaitable[None]]
 _MAX_QUEUED = 8
 # Below this size a chunk is copied into one write with its framing; above it is written without a copy.
 _COPY_BELOW = 16 * 1024
+# Bodies with a Content-Length above this are received into one preallocated buffer.
+_PREALLOCATE_ABOVE = 256 * 1024
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
 
@@ -112,7 +114,7 @@ class Request:
     path: str
     query: str
     headers: dict[str, str]
-    body: bytes
+    body: bytes | bytearray
     client: str
     keep_alive: bool = True
     reserved: int = 0
@@ -263,6 +265,9 @@ class _Message:
     headers: dict[str, str] = field(default_factory=dict)
     header_bytes: int = 0
     body: list[bytes] = field(default_factory=list)
+    # With a Content-Length the body is received straight into one buffer of that size (no join at the end, which
+    # for a body of megabytes would stall the event loop in one copy).
+    buffer: bytearray | None = None
     body_bytes: int = 0
     reserved: int = 0
     chunked: bool = False
@@ -421,6 +426,8 @@ class _Connection(asyncio.Protocol):
                 self._stop(_RefusedError(413, f"request body is larger than the router's limit of "
                                         f"{self.limits.max_body_bytes} bytes"))  # fmt: skip
             self._reserve(message, size)
+            if size > _PREALLOCATE_ABOVE:
+                message.buffer = bytearray(size)
         if expect is not None and self.transport is not None and (length is None or int(length) > 0):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if self.current is None and not self.queue:
@@ -435,7 +442,12 @@ class _Connection(asyncio.Protocol):
                                     f"{self.limits.max_body_bytes} bytes"))  # fmt: skip
         if message.chunked:
             self._reserve(message, len(body))
-        message.body.append(body)
+        buffer = message.buffer
+        if buffer is not None:
+            end = message.body_bytes
+            memoryview(buffer)[end - len(body) : end] = body
+        else:
+            message.body.append(body)
 
     def on_message_complete(self) -> None:
         message = self.message
@@ -446,7 +458,11 @@ class _Connection(asyncio.Protocol):
         parser = self.parser
         url = bytes(message.url)
         path, _, query = url.partition(b"?")
-        body = message.body[0] if len(message.body) == 1 else b"".join(message.body)
+        body: bytes | bytearray
+        if message.buffer is not None:
+            body = message.buffer
+        else:
+            body = message.body[0] if len(message.body) == 1 else b"".join(message.body)
         request = Request(
             method=parser.get_method().decode("latin-1"),
             path=path.decode("latin-1"),

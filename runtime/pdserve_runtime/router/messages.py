@@ -54,10 +54,10 @@ _MAX_NESTING = 254
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 _WHITESPACE = b" \t\r\n"
 
-Body = list[bytes | memoryview]
+Body = list[bytes | bytearray | memoryview]
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes | bytearray) -> dict[str, Any]:
     """The request's JSON object, or ValueError with a client-readable reason."""
     try:
         payload = orjson.loads(raw)
@@ -91,7 +91,7 @@ def sanitize(payload: dict[str, Any]) -> bool:
     return removed
 
 
-def _splice(raw: bytes, members: bytes, empty: bool) -> Body:
+def _splice(raw: bytes | bytearray, members: bytes, empty: bool) -> Body:
     """`raw` (a JSON object) with `members` added before its closing brace, as buffers (no copy of `raw`)."""
     end = len(raw) - 1
     while end > 0 and raw[end] in _WHITESPACE:
@@ -101,12 +101,12 @@ def _splice(raw: bytes, members: bytes, empty: bool) -> Body:
     return [memoryview(raw)[:end], b"," + members + b"}"]
 
 
-def prefill_body(raw: bytes, payload: Mapping[str, Any], chat: bool) -> Body:
+def prefill_body(raw: bytes | bytearray, payload: Mapping[str, Any], chat: bool) -> Body:
     """Step 1: the client's request cut to one token, not streamed, asking the engine to keep the KV."""
     return _splice(raw, _CHAT_PREFILL_MEMBERS if chat else _PREFILL_MEMBERS, not payload)
 
 
-def decode_body(raw: bytes, payload: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> Body:
+def decode_body(raw: bytes | bytearray, payload: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> Body:
     """Step 3: the client's original request plus the prefill engine's kv_transfer_params."""
     return _splice(raw, b'"kv_transfer_params":' + orjson.dumps(kv_transfer_params), not payload)
 

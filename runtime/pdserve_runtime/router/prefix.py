@@ -10,7 +10,10 @@ Per engine the keys are kept sorted, so the longest common prefix of a new key w
 its common prefixes with its two neighbours in that order: two binary searches (bisect on bytes, then on the
 common length with memcmp over memoryview slices), no work per token or per block, whatever the prompt's length.
 A new key makes a recorded key that is a prefix of it redundant (an earlier turn of the same chat), so that one is
-dropped.
+dropped. A key longer than a sixteenth of the memory bound is kept cut at that length and marked with a 0xff byte
+(never part of UTF-8 text; a partial 8-byte id for token-id keys): a huge prompt must not flush every other
+prompt out of the tracker, and a match never reaches past the cut (what follows it is unknown, so the boundary
+is treated as inside a word).
 
 Engines evict cached blocks under memory pressure without telling the router, so the tracker forgets in two
 ways: entries older than `ttl_seconds` are dropped, and the total is bounded by `max_blocks` (estimated from the
@@ -28,6 +31,7 @@ from pdserve_runtime.router.tokens import Held
 
 #: Bytes of prompt per token assumed when the memory bound (in blocks of `block_size` tokens) is applied.
 BYTES_PER_BLOCK_TOKEN = 4
+_CUT = b"\xff"
 
 
 def common_prefix_length(a: bytes, b: bytes) -> int:
@@ -51,6 +55,8 @@ class PrefixTracker:
 
     def __init__(self, *, max_blocks: int = 200_000, ttl_seconds: float = 600.0, block_size: int = 16) -> None:
         self._max_bytes = max_blocks * block_size * BYTES_PER_BLOCK_TOKEN
+        # A multiple of 8 bytes after the tag: a cut token-id key ends on a whole id.
+        self._max_key = 1 + max(64, self._max_bytes // 16) // 8 * 8
         self._ttl = ttl_seconds
         self._sorted: dict[str, list[bytes]] = {}
         # (url, key) -> when it was last recorded, oldest first; doubles as the LRU order.
@@ -69,6 +75,8 @@ class PrefixTracker:
     def record(self, url: str, key: bytes, now: float) -> None:
         """Note that the engine at `url` now holds the prompt `key`."""
         self._expire(now)
+        if len(key) > self._max_key:
+            key = key[: self._max_key] + _CUT
         entry = (url, key)
         if entry in self._seen:
             self._seen[entry] = now

@@ -67,6 +67,8 @@ from pdserve_runtime.router.validate import problem
 
 log = logging.getLogger("pdserve.router")
 
+# Request bodies above this size are analysed in steps, with the event loop free between them.
+_YIELD_ABOVE = 256 * 1024
 # Largest engine error body read (to log it) before an engine failure is retried.
 _ERROR_BODY_LIMIT = 64 * 1024
 # Engine answer headers passed to the client: what the body is, nothing about the engine.
@@ -93,7 +95,7 @@ class _Flow:
     started: float
     rid: str  # the client's id (or one made for it): logs and the answer header
     engine_rid: str  # the base of the ids engines see
-    raw: bytes = b""  # the body forwarded to engines: the client's bytes, or their re-encoding once stripped
+    raw: bytes | bytearray = b""  # the body forwarded to engines: the client's bytes, or their re-encoding
     payload: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     prompt: PromptInfo | None = None
@@ -234,11 +236,16 @@ class Proxy:
 
     async def _serve(self, flow: _Flow) -> None:
         raw = flow.request.body
+        # A body of megabytes costs tens of milliseconds in each C step below (parse, encode): let the event loop
+        # serve everyone else between the steps, so no one step's stall adds up with the next.
+        big = len(raw) > _YIELD_ABOVE
         try:
             payload = parse_body(raw)
         except ValueError as exc:
             self._error(flow, 400, str(exc))
             return
+        if big:
+            await asyncio.sleep(0)
         found = problem(payload, flow.chat)
         if found is not None:
             self._error(flow, 400, found[0], param=found[1])
@@ -254,6 +261,10 @@ class Proxy:
         decided = perf_counter()
         prompt = describe_prompt(payload, flow.chat, self.config.policy.block_size_tokens)
         flow.prompt = prompt
+        if big:
+            deciding = perf_counter() - decided
+            await asyncio.sleep(0)
+            decided = perf_counter() - deciding
         plan = self.scheduler.plan(prompt, monotonic())
         self.metrics.decision.observe(perf_counter() - decided)
         flow.held = dict(plan.held)
@@ -342,11 +353,11 @@ class Proxy:
             with state.lease(flow.uncached):
                 deadline = asyncio.get_running_loop().time() + config.first_byte_timeout_seconds
                 exchange = await self.client.send(state.url, "POST", flow.request.path, flow.engine_headers(), body)
-                status = await exchange.head(deadline)
-                if status >= 500:
-                    detail = await _error_detail(exchange, deadline)
-                    return UpstreamError(STATUS, f"prefill engine answered {status}: {detail}", status)
                 data = await exchange.read_all(config.max_prefill_answer_bytes, deadline)
+                status = exchange.status
+                if status >= 500:
+                    detail = data[:300].decode("utf-8", "replace")
+                    return UpstreamError(STATUS, f"prefill engine answered {status}: {detail}", status)
                 passed = _passed_down(exchange.headers)
         except UpstreamError as failure:
             return failure
@@ -438,11 +449,11 @@ class Proxy:
                     # A stream's first chunk must come in time; a whole answer only within the request deadline.
                     deadline = loop.time() + config.first_byte_timeout_seconds if flow.stream else None
                     exchange = await self.client.send(state.url, "POST", flow.request.path, flow.engine_headers(), body)
-                    status = await exchange.head(deadline)
-                    if status >= 500:
-                        detail = await _error_detail(exchange, deadline)
-                        raise UpstreamError(STATUS, f"decode engine answered {status}: {detail}", status)
                     first = await exchange.first_chunk(deadline)
+                    status = exchange.status
+                    if status >= 500:
+                        detail = await _error_detail(exchange, first, deadline)
+                        raise UpstreamError(STATUS, f"decode engine answered {status}: {detail}", status)
                     if flow.stream and status < 400 and first.startswith(b'data: {"error"'):
                         raise UpstreamError(STREAM, f"decode engine streamed an error first: {first[:200]!r}")
                 except UpstreamError as failure:
@@ -509,10 +520,10 @@ def _passed_down(headers: dict[str, str]) -> list[tuple[str, str]]:
     return [(name, headers[name]) for name in _PASSED_DOWN if name in headers]
 
 
-async def _error_detail(exchange: Exchange, deadline: float | None) -> str:
+async def _error_detail(exchange: Exchange, first: bytes, deadline: float | None) -> str:
     """The start of an engine's error body, for the log (never for the client)."""
     try:
-        data = await exchange.read_all(_ERROR_BODY_LIMIT, deadline)
+        data = first + await exchange.read_all(_ERROR_BODY_LIMIT, deadline)
     except UpstreamError:
-        return "(unreadable body)"
+        data = first
     return data[:300].decode("utf-8", "replace")

@@ -32,12 +32,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
+# What a waiting task needs: the head, some of the body, the end (or an error, or a body past read_all's bound).
+_HEAD, _BODY, _DONE = 1, 2, 3
+
 # Kinds of UpstreamError, also the `kind` label of pdserve_router_endpoint_errors_total.
 CONNECT, TIMEOUT, STATUS, PROTOCOL, STREAM = "connect", "timeout", "status", "protocol", "stream"
 
 
 # A request body as buffers written with one writelines (the client's bytes are never copied into one).
-Parts: TypeAlias = Sequence[bytes | memoryview]
+Parts: TypeAlias = Sequence[bytes | bytearray | memoryview]
 
 
 class UpstreamError(Exception):
@@ -90,8 +93,10 @@ class _Connection(asyncio.Protocol):
         self.received_any = False
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.wanted = _HEAD  # what the waiting task needs before it is worth waking it
         self.sink: Callable[[bytes], None] | None = None
         self.last_activity = 0.0
+        self.limit = 1 << 62  # read_all's bound: buffering past it wakes the reader to refuse the answer
         self.framed = False  # the answer has Content-Length or chunked framing (else it ends at close)
 
     # -- protocol ----------------------------------------------------------------------------------------
@@ -111,7 +116,7 @@ class _Connection(asyncio.Protocol):
                 self.complete = True  # an answer delimited by the close itself
             else:
                 self.error = UpstreamError(STREAM, "the engine closed the connection before the answer ended")
-        self._wake()
+        self._wake(_DONE)
 
     def data_received(self, data: bytes) -> None:
         self.received_any = True
@@ -121,7 +126,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if self.error is None:
                 self.error = UpstreamError(PROTOCOL, f"the engine's answer is not valid HTTP ({exc})")
-            self._wake()
+            self._wake(_DONE)
             if self.transport is not None:
                 self.transport.abort()
 
@@ -133,7 +138,7 @@ class _Connection(asyncio.Protocol):
         self.head_done = True
         headers = self.headers
         self.framed = "content-length" in headers or "transfer-encoding" in headers
-        self._wake()
+        self._wake(_HEAD)
 
     def on_body(self, body: bytes) -> None:
         sink = self.sink
@@ -142,20 +147,23 @@ class _Connection(asyncio.Protocol):
             return
         self.chunks.append(body)
         self.buffered += len(body)
-        self._wake()
+        self._wake(_DONE if self.buffered > self.limit else _BODY)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
         self.complete = True
-        self._wake()
+        self._wake(_DONE)
 
-    def _wake(self) -> None:
+    def _wake(self, level: int) -> None:
+        """Wake the waiting task if this news is what it waits for: each wake-up is a task switch, and a prefill
+        answer or a stream's first event often arrives in more than one piece."""
         waiter = self.waiter
-        if waiter is not None and not waiter.done():
+        if waiter is not None and level >= self.wanted and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self, deadline: float | None) -> None:
-        """Until the protocol has news (head, a chunk, the end, an error)."""
+    async def wait(self, deadline: float | None, wanted: int = 0) -> None:
+        """Until the protocol has news of at least `wanted` (_HEAD, _BODY, _DONE; errors always count)."""
+        self.wanted = wanted
         waiter = self.waiter = self.loop.create_future()
         try:
             if deadline is None:
@@ -203,29 +211,39 @@ class Exchange:
                 raise error
             if conn.lost:  # pragma: no cover (connection_lost always sets an error while the head is missing)
                 raise UpstreamError(STREAM, "the engine closed the connection before answering")
-            await self._wait(deadline, "the engine sent no answer in time")
+            await self._wait(deadline, "the engine sent no answer in time", _HEAD)
         return conn.status
 
     async def first_chunk(self, deadline: float | None) -> bytes:
-        """The first piece of the body (b"" when the body is empty)."""
-        await self.head(deadline)
+        """The first piece of the body (b"" when the body is empty), with the status and headers before it."""
         conn = self._conn
         while not conn.chunks and not conn.complete:
-            if conn.error is not None:
-                raise conn.error
-            await self._wait(deadline, "the engine sent no data in time")
+            error = conn.error
+            if error is not None:
+                if not conn.head_done:
+                    await self.head(deadline)  # raises, or sends again when a pooled connection was stale
+                    conn = self._conn
+                    continue
+                raise error
+            await self._wait(deadline, "the engine sent no data in time", _BODY)
         return self._take()
 
     async def read_all(self, limit: int, deadline: float | None) -> bytes:
         """The whole body; UpstreamError(protocol) when it is larger than `limit` bytes."""
-        await self.head(deadline)
         conn = self._conn
+        conn.limit = limit
         while not conn.complete:
-            if conn.error is not None:
-                raise conn.error
+            error = conn.error
+            if error is not None:
+                if not conn.head_done:
+                    await self.head(deadline)  # raises, or sends again when a pooled connection was stale
+                    conn = self._conn
+                    conn.limit = limit
+                    continue
+                raise error
             if conn.buffered > limit:
                 raise UpstreamError(PROTOCOL, f"the engine's answer is larger than {limit} bytes")
-            await self._wait(deadline, "the engine's answer did not arrive in time")
+            await self._wait(deadline, "the engine's answer did not arrive in time", _DONE)
         if conn.buffered > limit:
             raise UpstreamError(PROTOCOL, f"the engine's answer is larger than {limit} bytes")
         return self._take()
@@ -246,13 +264,13 @@ class Exchange:
                 if conn.error is not None:
                     raise conn.error
                 if idle_timeout is None:
-                    await conn.wait(None)
+                    await conn.wait(None, _DONE)
                     continue
                 quiet_until = conn.last_activity + idle_timeout
                 if conn.loop.time() >= quiet_until:
                     raise UpstreamError(TIMEOUT, f"the engine sent nothing for {idle_timeout:g} s mid-answer")
                 with contextlib.suppress(TimeoutError):
-                    await conn.wait(quiet_until)
+                    await conn.wait(quiet_until, _DONE)
             if conn.error is not None:
                 raise conn.error
         finally:
@@ -287,9 +305,9 @@ class Exchange:
         conn.buffered = 0
         return data
 
-    async def _wait(self, deadline: float | None, what: str) -> None:
+    async def _wait(self, deadline: float | None, what: str, wanted: int) -> None:
         try:
-            await self._conn.wait(deadline)
+            await self._conn.wait(deadline, wanted)
         except TimeoutError:
             raise UpstreamError(TIMEOUT, what) from None
 

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from pdserve_runtime.router.messages import (
+    Body,
     PREFILL_KV_TRANSFER_PARAMS,
     decode_body,
     engine_kv_params,
@@ -58,7 +59,7 @@ def test_engine_internal_fields_are_found_in_every_spelling() -> None:
     assert payload == {"prompt": "x"}
 
 
-def _joined(parts: list[bytes | memoryview]) -> bytes:
+def _joined(parts: Body) -> bytes:
     return b"".join(bytes(part) for part in parts)
 
 

@@ -101,3 +101,16 @@ def test_matching_a_huge_prompt_compares_bytes_not_tokens() -> None:
     big = b"t" + system + b"1999" + os.urandom(6 << 20)
     held = tracker.match(big, now=0.0)
     assert held["a"].common == 1 + len(system) + 4
+
+
+def test_a_huge_prompt_is_remembered_cut_and_never_flushes_the_others() -> None:
+    tracker = PrefixTracker(max_blocks=1000, block_size=16)  # 64 kB of prompts
+    tracker.record("a", b"t" + b"small prompt " * 10, now=0.0)
+    huge = b"t" + b"word " * 200_000  # 1 MB
+    tracker.record("a", huge, now=1.0)
+    tracker.record("b", huge, now=1.0)
+    assert tracker.remembered_bytes < 64_000
+    assert set(tracker.match(b"t" + b"small prompt " * 10, now=2.0)) == {"a"}
+    held = tracker.match(huge + b"more", now=2.0)
+    cut = held["a"].common
+    assert 1_000 < cut < 8_000 and held["a"].stored_next == 0xFF  # a word continues past the cut, as far as is known
