@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from pdserve_runtime.router.messages import (
-    Body,
     PREFILL_KV_TRANSFER_PARAMS,
+    Body,
     decode_body,
     engine_kv_params,
     parse_body,
