@@ -162,7 +162,7 @@ def error_body(status: int, message: str) -> bytes:
 class Responder:
     """Writes one answer on a connection: whole (`send`) or streamed (`start`, `write`..., `end`)."""
 
-    __slots__ = ("_conn", "_head_only", "_http10", "_on_pause", "_on_resume", "finished", "started", "status")
+    __slots__ = ("_conn", "_head", "_head_only", "_http10", "_on_pause", "_on_resume", "finished", "started", "status")
 
     def __init__(self, conn: _Connection, head_only: bool, http10: bool) -> None:
         self._conn = conn
@@ -171,6 +171,7 @@ class Responder:
         self.started = False
         self.finished = False
         self.status = 0
+        self._head = b""  # a streamed answer's head, sent with its first piece (one write, one segment)
         self._on_pause: Callable[[], None] | None = None
         self._on_resume: Callable[[], None] | None = None
 
@@ -217,19 +218,23 @@ class Responder:
             extra = b"transfer-encoding: chunked\r\n"
             if conn.closing_after_response:
                 extra += b"connection: close\r\n"
-        conn.write(_head(status, headers, extra))
+        self._head = _head(status, headers, extra)
 
     def write(self, data: bytes) -> None:
         """One piece of a streamed answer, written now (the transport buffers what the client has not read)."""
-        if not data or self.finished or self._head_only:
+        if not data or self.finished:
             return
+        head, self._head = self._head, b""
         conn = self._conn
-        if self._http10:
-            conn.write(data)
+        if self._head_only:
+            if head:
+                conn.write(head)
+        elif self._http10:
+            conn.write(head + data)
         elif len(data) < _COPY_BELOW:
-            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            conn.write(b"%b%x\r\n%b\r\n" % (head, len(data), data))
         else:
-            conn.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+            conn.writelines((b"%b%x\r\n" % (head, len(data)), data, b"\r\n"))
 
     def end(self, last: bytes = b"") -> None:
         """Finish a streamed answer (optionally with a last piece)."""
@@ -238,8 +243,12 @@ class Responder:
         if last:
             self.write(last)
         self.finished = True
-        if not self._http10 and not self._head_only:
-            self._conn.write(b"0\r\n\r\n")
+        head, self._head = self._head, b""
+        if self._http10 or self._head_only:
+            if head:
+                self._conn.write(head)
+        else:
+            self._conn.write(head + b"0\r\n\r\n")
         self._conn.response_done(self.status)
 
     def flow_control(self, pause: Callable[[], None] | None, resume: Callable[[], None] | None) -> None:
