@@ -148,10 +148,10 @@ class RouterApp:
         responder.error(503, "no decode engine is available", self._retry_after())
 
     async def prometheus(self, _request: Request, responder: Responder) -> None:
-        responder.send(200, generate_latest(self.metrics.registry), [("content-type", CONTENT_TYPE_LATEST)])
+        responder.send(200, generate_latest(self.metrics.registry), [("Content-Type", CONTENT_TYPE_LATEST)])
 
     def _retry_after(self) -> list[tuple[str, str]]:
-        return [("retry-after", str(self.config.retry_after_seconds))]
+        return [("Retry-After", str(self.config.retry_after_seconds))]
 
     # -- probing ejected engines ----------------------------------------------------------------------------
 

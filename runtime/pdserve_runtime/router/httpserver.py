@@ -147,7 +147,7 @@ class _DateHeader:
 
 
 def _head(status: int, headers: Iterable[tuple[str, str]], extra: bytes) -> bytes:
-    lines = [b"HTTP/1.1 %d %s\r\ndate: %s\r\n" % (status, _REASONS.get(status, b"Unknown"), _DateHeader.now())]
+    lines = [b"HTTP/1.1 %d %s\r\nDate: %s\r\n" % (status, _REASONS.get(status, b"Unknown"), _DateHeader.now())]
     for name, value in headers:
         lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
     lines.append(extra)
@@ -186,11 +186,11 @@ class Responder:
         self.started = self.finished = True
         self.status = status
         conn = self._conn
-        extra = b"content-length: %d\r\n" % len(body)
+        extra = b"Content-Length: %d\r\n" % len(body)
         if not any(name.lower() == "content-type" for name, _ in headers):
-            extra += b"content-type: application/json\r\n"
+            extra += b"Content-Type: application/json\r\n"
         if conn.closing_after_response:
-            extra += b"connection: close\r\n"
+            extra += b"Connection: close\r\n"
         head = _head(status, headers, extra)
         if self._head_only:
             conn.write(head)
@@ -213,11 +213,11 @@ class Responder:
         conn = self._conn
         if self._http10:
             conn.closing_after_response = True
-            extra = b"connection: close\r\n"
+            extra = b"Connection: close\r\n"
         else:
-            extra = b"transfer-encoding: chunked\r\n"
+            extra = b"Transfer-Encoding: chunked\r\n"
             if conn.closing_after_response:
-                extra += b"connection: close\r\n"
+                extra += b"Connection: close\r\n"
         self._head = _head(status, headers, extra)
 
     def write(self, data: bytes) -> None:
@@ -329,7 +329,7 @@ class _Connection(asyncio.Protocol):
                         self.limits.max_connections)  # fmt: skip
             self.closing_after_response = True
             self._answer_and_close(503, "the router is serving its maximum number of connections",
-                                   (("retry-after", "1"),))  # fmt: skip
+                                   (("Retry-After", "1"),))  # fmt: skip
             return
         # The first request's headers must come within the header timeout, like every later one's.
         self._arm(self.limits.header_timeout, self._header_timeout)
@@ -497,9 +497,9 @@ class _Connection(asyncio.Protocol):
         if refused is not None:
             if refused == 429:
                 self._stop(_RefusedError(429, "this client has too many request bytes in flight; retry later",
-                                   (("retry-after", "1"),)))  # fmt: skip
+                                   (("Retry-After", "1"),)))  # fmt: skip
             self._stop(_RefusedError(503, "the router is holding its maximum of request bytes; retry later",
-                               (("retry-after", "1"),)))  # fmt: skip
+                               (("Retry-After", "1"),)))  # fmt: skip
         message.reserved += size
 
     def _next(self) -> None:
@@ -594,7 +594,7 @@ class _Connection(asyncio.Protocol):
 
     def _answer_and_close(self, status: int, message: str, headers: Iterable[tuple[str, str]] = ()) -> None:
         body = error_body(status, message)
-        extra = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
+        extra = b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n" % len(body)
         self.write(_head(status, headers, extra) + body)
         self._disarm()
         self._release_message()
@@ -696,7 +696,7 @@ class HttpServer:
         handler = methods.get(request.method)
         if handler is None:
             responder.error(405, f"method {request.method} is not allowed here",
-                            (("allow", ", ".join(sorted(methods))),))  # fmt: skip
+                            (("Allow", ", ".join(sorted(methods))),))  # fmt: skip
             return
         await handler(request, responder)
 

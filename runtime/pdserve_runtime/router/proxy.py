@@ -72,7 +72,7 @@ _YIELD_ABOVE = 256 * 1024
 # Largest engine error body read (to log it) before an engine failure is retried.
 _ERROR_BODY_LIMIT = 64 * 1024
 # Engine answer headers passed to the client: what the body is, nothing about the engine.
-_PASSED_DOWN = ("content-type", "content-encoding")
+_PASSED_DOWN = {"content-type": "Content-Type", "content-encoding": "Content-Encoding"}
 _EVENT_END = b"\n\n"
 _EVENT_END_CRLF = b"\r\n\r\n"
 _EVENT_ENDS = (_EVENT_END, _EVENT_END_CRLF)
@@ -115,7 +115,7 @@ class _Flow:
         return self.headers + b"x-request-id: %s-%d\r\n" % (self.engine_rid.encode(), self.attempt)
 
     def answer_headers(self) -> list[tuple[str, str]]:
-        return [("x-request-id", self.rid), ("x-pdserve-route", self.route)]
+        return [("X-Request-Id", self.rid), ("X-Pdserve-Route", self.route)]
 
 
 class _Relay:
@@ -185,7 +185,7 @@ class Proxy:
         self.retry_policy = RetryPolicy(
             policy.max_prefill_attempts, policy.max_decode_attempts, policy.fallback_to_decode
         )
-        self._retry_after = (("retry-after", str(config.retry_after_seconds)),)
+        self._retry_after = (("Retry-After", str(config.retry_after_seconds)),)
         self._kv_ports = frozenset(config.kv_side_channel_ports)
 
     # -- handlers -------------------------------------------------------------------------------------------
@@ -517,7 +517,7 @@ class Proxy:
 
 
 def _passed_down(headers: dict[str, str]) -> list[tuple[str, str]]:
-    return [(name, headers[name]) for name in _PASSED_DOWN if name in headers]
+    return [(canonical, headers[name]) for name, canonical in _PASSED_DOWN.items() if name in headers]
 
 
 async def _error_detail(exchange: Exchange, first: bytes, deadline: float | None) -> str:

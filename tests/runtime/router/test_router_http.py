@@ -247,7 +247,7 @@ async def test_keep_alive_pipelining_expect_head_and_http10(
         async with connection(url) as (reader, writer):
             writer.write(b"HEAD /health HTTP/1.1\r\nHost: r\r\n\r\n")
             head = await reader.readuntil(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 200") and b"content-length: 15" in head
+            assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: 15" in head
             writer.write(b"GET /health HTTP/1.0\r\n\r\n")
             status, headers, body_10 = await read_response(reader)
             assert status == 200 and body_10 == b'{"status":"ok"}'
@@ -262,3 +262,18 @@ async def test_unknown_paths_and_methods(router_server: Any, make_config: Callab
         status, headers, body = await send(url, b"DELETE /v1/completions HTTP/1.1\r\nHost: r\r\n\r\n")
         assert_openai_error(status, headers, body, 405)
         assert headers["allow"] == "POST"
+
+
+async def test_header_names_are_written_in_their_usual_spelling(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    """Header names are case-insensitive, but clients that read headers into a plain dict (urllib's response
+    headers in `dict()`) look them up by their usual spelling."""
+    async with sim_in_process(role="decode") as d, router_server(make_config([], [d.url])) as (url, _):
+        body = orjson.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 2, "stream": True})
+        async with connection(url) as (reader, writer):
+            writer.write(POST + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    for line in (b"X-Pdserve-Route: decode-only", b"Content-Type: text/event-stream", b"Transfer-Encoding: chunked"):
+        assert b"\r\n" + line in head, head
+    assert b"\r\nX-Request-Id: " in head
