@@ -74,7 +74,7 @@ class RouterApp:
             open_seconds=breaker.open_seconds,
             success_threshold=breaker.success_threshold,
             max_ejected_percent=breaker.max_ejected_percent,
-            on_removed=self.tracker.forget,
+            on_removed=self._forget,
         )
         self.scheduler = Scheduler(self.table, self.tracker, policy, config.topology_labels)
         self.metrics = RouterMetrics(self.table)
@@ -93,6 +93,11 @@ class RouterApp:
         self._scraper = EngineMetricsScraper(self.table, interval) if interval else None
         self._created = int(time.time())
         self.port = 0
+
+    def _forget(self, url: str) -> None:
+        """An engine left discovery: a replacement at the same address starts cold and with new connections."""
+        self.tracker.forget(url)
+        self.client.forget(url)
 
     async def start(self, host: str | None = None, port: int | None = None, *, reuse_port: bool = False) -> int:
         """Discover engines, start the background tasks and listen; returns the bound port."""

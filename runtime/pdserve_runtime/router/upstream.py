@@ -386,6 +386,13 @@ class EngineClient:
         conn.idle_since = conn.loop.time()
         idle.append(conn)
 
+    def forget(self, base_url: str) -> None:
+        """An engine left the table: close its idle connections and drop what was kept for it."""
+        origin = self._origins.pop(base_url, None)
+        for conn in self._idle.pop(origin, []) if origin is not None else []:
+            if conn.transport is not None:
+                conn.transport.close()
+
     async def close(self) -> None:
         self._closed = True
         for idle in self._idle.values():

@@ -137,3 +137,22 @@ async def test_a_refused_connection_is_a_connect_failure() -> None:
         await client.send("http://127.0.0.1:9", "POST", "/", b"", [b"{}"])
     assert caught.value.kind == "connect"
     await client.close()
+
+
+async def test_a_forgotten_engine_gets_fresh_connections() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    client = EngineClient(connect_timeout=1.0)
+    async with raw_engine(script) as (url, connections):
+        for forget in (False, True, False):
+            if forget:
+                client.forget(url)  # the pod at this address was replaced
+            exchange = await client.send(url, "POST", "/", b"", [b"{}"])
+            assert await exchange.read_all(64, deadline(5)) == b"ok"
+            exchange.close()
+        assert len(connections) == 2  # reused once, then a new connection after forget
+    await client.close()
