@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -141,10 +142,11 @@ async def test_a_refused_connection_is_a_connect_failure() -> None:
 
 async def test_a_forgotten_engine_gets_fresh_connections() -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _n: int) -> None:
-        while True:
-            await read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:  # keep-alive until the client closes the connection
+                await read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
 
     client = EngineClient(connect_timeout=1.0)
     async with raw_engine(script) as (url, connections):
