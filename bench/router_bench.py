@@ -2,6 +2,11 @@
 
 Run: ``.venv/bin/python bench/router_bench.py [--seconds 4] [--rounds 2] [--levels 1,64,256] [--max-tokens 64]``
 
+Scenarios (``--scenario``): ``sim`` (this module, below; the default), ``pd-long`` (long unique prompts against
+fast mock engines, side by side with vllm-router, a 7 MB prompt against /health: ``router_pd_long.py``, issue 12)
+and ``prefix-accuracy`` (the router's selective-PD decisions against the simulator's real prefix cache:
+``router_prefix_accuracy.py``). Run the heavy ones under ``flock /tmp/pdserve-heavy.lock`` on a shared machine.
+
 One prefill and one decode ``pdserve sim`` process are the backends, first with ``--fast`` (no modelled time: the
 machine saturates, which measures throughput and CPU cost), then with ``--preset h200-8b`` (streams paced like an
 8B model on an H200, so TTFT is not just CPU queueing). In the same run, against the same backends, with the
@@ -65,11 +70,52 @@ def _percentile(values: list[float], q: float) -> float:
 # Load generator (runs in its own process: `router_bench.py loadgen ...`)
 
 
+class PromptMaker:
+    """Unique prompts of about `tokens` tokens under the router's token model (one token per word: every word
+    has at most 6 letters), cut at random places out of one pool of random words so that building a prompt costs
+    the load generator a slice, not a loop. The request's own tag comes first: no two prompts share a prefix."""
+
+    WORD_TEXT = """the of and to in is was for on that with as by at from his her they this are be it an had not or
+        have which one you were all their has been more when can there would who will so about into than its them
+        some could only other new time first two may then these like over any such after most also what made well
+        where many before must through back years much being way under world"""
+    WORDS = WORD_TEXT.split()
+
+    def __init__(self, tokens: int, seed: int = 7) -> None:
+        import random
+
+        rng = random.Random(seed)
+        count = max(tokens, 1) + 50_000
+        words = [rng.choice(self.WORDS) for _ in range(count)]
+        self.pool = " ".join(words)
+        self.starts: list[int] = []
+        offset = 0
+        for word in words:
+            self.starts.append(offset)
+            offset += len(word) + 1
+        self.starts.append(offset)
+        self.tokens = tokens
+        self.rng = rng
+
+    def make(self, tag: str) -> str:
+        """`tag` (one or two tokens) then random words, about `tokens` tokens in all."""
+        n = max(1, self.tokens - 2)
+        first = self.rng.randrange(0, len(self.starts) - n - 1)
+        return f"{tag} {self.pool[self.starts[first] : self.starts[first + n] - 1]}"
+
+
 async def _loadgen(  # noqa: PLR0917 (mirrors the loadgen command line)
-    url: str, concurrency: int, seconds: float, max_tokens: int, warmup: float, prefill: str | None
+    url: str,
+    concurrency: int,
+    seconds: float,
+    max_tokens: int,
+    warmup: float,
+    prefill: str | None,
+    prompt_tokens: int = 0,
 ) -> dict[str, Any]:
     """Closed-loop streaming load. With `prefill`, the client itself runs the PD flow (step 1 on `prefill`,
-    step 3 on `url`): the no-router baseline for routers in PD mode."""
+    step 3 on `url`): the no-router baseline for routers in PD mode. With `prompt_tokens`, every prompt is
+    unique and about that long; otherwise prompts are short and repetitive (the original scenario)."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -78,6 +124,8 @@ async def _loadgen(  # noqa: PLR0917 (mirrors the loadgen command line)
     chunks = 0
     requests = 0
     errors = 0
+    routes: dict[str, int] = {}
+    maker = PromptMaker(prompt_tokens) if prompt_tokens else None
     clock = time.perf_counter  # loop.time() is millisecond-grained on uvloop: too coarse for TTFT
     start = clock()
     measure_from = start + warmup
@@ -90,7 +138,10 @@ async def _loadgen(  # noqa: PLR0917 (mirrors the loadgen command line)
             i = 0
             while clock() < stop_at:
                 i += 1
-                prompt = f"bench worker {worker_id} request {i}. " + FILLER * 2
+                if maker is not None:
+                    prompt = maker.make(f"w{worker_id}r{i}")
+                else:
+                    prompt = f"bench worker {worker_id} request {i}. " + FILLER * 2
                 body = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
                 sent = clock()
                 first: float | None = None
@@ -105,6 +156,9 @@ async def _loadgen(  # noqa: PLR0917 (mirrors the loadgen command line)
                             await response.read()
                             errors += 1
                             continue
+                        route = response.headers.get("X-Pdserve-Route", "")
+                        if route and measure_from <= sent:
+                            routes[route] = routes.get(route, 0) + 1
                         async for chunk in response.content.iter_any():
                             now = clock()
                             if first is None:
@@ -135,13 +189,18 @@ async def _loadgen(  # noqa: PLR0917 (mirrors the loadgen command line)
         "ttft_p50_ms": _percentile(ttfts, 50) * 1000,
         "ttft_p90_ms": _percentile(ttfts, 90) * 1000,
         "ttft_p99_ms": _percentile(ttfts, 99) * 1000,
+        "routes": routes,
     }
 
 
 def run_loadgen(args: argparse.Namespace) -> None:
     import uvloop
 
-    result = uvloop.run(_loadgen(args.url, args.concurrency, args.seconds, args.max_tokens, args.warmup, args.prefill))
+    result = uvloop.run(
+        _loadgen(
+            args.url, args.concurrency, args.seconds, args.max_tokens, args.warmup, args.prefill, args.prompt_tokens
+        )
+    )
     print(json.dumps(result))
 
 
@@ -264,10 +323,17 @@ def _histogram_quantile(before: dict[float, float], after: dict[float, float], q
     return lower
 
 
-def _run_level(target: Target, level: int, args: argparse.Namespace, cpus: set[int] | None) -> dict[str, Any]:
+def vllm_router_binary() -> str | None:
+    """The `vllm-router` executable beside this Python, or on PATH (None when not installed)."""
+    return shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
+
+
+def _run_level(
+    target: Target, level: int, args: argparse.Namespace, cpus: set[int] | None, prompt_tokens: int = 0
+) -> dict[str, Any]:
     router = target.router
     cmd = [PY, __file__, "loadgen", "--url", target.url, "--concurrency", str(level), "--seconds", str(args.seconds)]
-    cmd += ["--max-tokens", str(args.max_tokens), "--warmup", str(args.warmup)]
+    cmd += ["--max-tokens", str(args.max_tokens), "--warmup", str(args.warmup), "--prompt-tokens", str(prompt_tokens)]
     if target.client_prefill:
         cmd += ["--prefill", target.client_prefill]
     cpu_before = _cpu_seconds(router.pid) if router else 0.0
@@ -299,6 +365,8 @@ def _run_level(target: Target, level: int, args: argparse.Namespace, cpus: set[i
     result["own_p50_ms"] = 1000 * _histogram_quantile(own_before, own_after, 0.5) if own_after else float("nan")
     result["own_p99_ms"] = 1000 * _histogram_quantile(own_before, own_after, 0.99) if own_after else float("nan")
     result["chunks_per_cpu_s"] = (result["tokens_per_s"] / (cpu_window / window)) if router and cpu_window else 0.0
+    # Router CPU per request: CPU seconds in the window over requests completed in it (sent in it or not).
+    result["cpu_ms_per_request"] = 1000 * cpu_window / result["requests"] if router and result["requests"] else 0.0
     return result
 
 
@@ -347,7 +415,7 @@ def run_preset(args: argparse.Namespace, preset: str, levels: list[int]) -> dict
             return url, proc
 
         def vllm_router() -> tuple[str, Proc]:
-            binary = shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
+            binary = vllm_router_binary()
             if binary is None:
                 raise FileNotFoundError("vllm-router is not installed (pip install vllm-router)")
             port = free_port()
@@ -472,6 +540,7 @@ def main() -> None:
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--warmup", type=float, default=1.0)
     load.add_argument("--prefill", help="run the PD flow client-side with this prefill engine")
+    load.add_argument("--prompt-tokens", type=int, default=0, help="unique prompts of about this many tokens")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each window")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per target and level (median)")
@@ -488,10 +557,30 @@ def main() -> None:
         "(streams paced like an 8B model on an H200, so TTFT is not CPU queueing)",
     )
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument(
+        "--scenario",
+        choices=("sim", "pd-long", "prefix-accuracy"),
+        default="sim",
+        help="sim: short prompts against simulators (issue 6); pd-long: long unique prompts against fast mocks, "
+        "side by side with vllm-router (issue 12, see router_pd_long.py); prefix-accuracy: the router's prefix "
+        "predictions against the simulator's real prefix cache (router_prefix_accuracy.py)",
+    )
+    parser.add_argument("--cases", default="100,1k,4k,32k,4k-1,itl0", help="pd-long: which cases, comma-separated")
+    parser.add_argument("--accuracy-requests", type=int, default=400, help="prefix-accuracy: requests to send")
+    parser.add_argument("--no-big-prompt", dest="big_prompt", action="store_false", help="pd-long: skip the 7 MB one")
     args = parser.parse_args()
     if args.command == "loadgen":
         run_loadgen(args)
         return
+    sys.path.insert(0, str(ROOT))  # the scenarios live beside this file, in the bench/ namespace package
+    if args.scenario == "pd-long":
+        from bench.router_pd_long import run_pd_long
+
+        sys.exit(run_pd_long(args))
+    if args.scenario == "prefix-accuracy":
+        from bench.router_prefix_accuracy import run_prefix_accuracy
+
+        sys.exit(run_prefix_accuracy(args))
     sys.exit(run_bench(args))
 
 

@@ -30,6 +30,11 @@ class EndpointSelector(_Model):
         description="Name of the pool's Service; its EndpointSlices carry kubernetes.io/service-name=<name>."
     )
     port_name: str = Field(default="http", description="Name of the engine's HTTP port in the EndpointSlice.")
+    pod_label_selector: str | None = Field(
+        default=None,
+        description="Label selector of the pool's Pods (the router reads their kv-compat and topology labels); "
+        "the Pod watch lists only those. Unset: every Pod of the namespace.",
+    )
 
 
 class RoutingPolicyConfig(_Model):
@@ -71,11 +76,20 @@ class RoutingPolicyConfig(_Model):
         ge=0,
         description="Weight of sharing the decode engine's topology domain when choosing a prefill engine.",
     )
+    kv_headroom_weight: float = Field(
+        default=0.5,
+        ge=0,
+        description="Weight of engine-reported KV-cache headroom (vllm:kv_cache_usage_perc) when choosing a decode "
+        "engine; needs engineMetricsIntervalSeconds > 0.",
+    )
     prefix_cache_ttl_seconds: float = Field(
         default=600.0, gt=0, description="How long the router assumes an engine keeps a prompt block cached."
     )
     prefix_tracker_max_blocks: int = Field(
-        default=200_000, ge=1, description="Bound on the prompt blocks the router remembers, across engines."
+        default=200_000,
+        ge=1,
+        description="Bound on the prompt blocks the router remembers, across engines (prompt text counted at 4 "
+        "bytes per token: the default keeps about 12.8 MB of prompts).",
     )
 
 
@@ -96,6 +110,14 @@ class CircuitBreakerConfig(_Model):
     )
     health_path: str = Field(
         default="/health", pattern=r"^/", description="Engine path probed while an engine is ejected."
+    )
+    max_ejected_percent: int = Field(
+        default=50,
+        ge=0,
+        le=100,
+        description="Most engines of a pool ejected at once, in percent of the pool (rounded down, but one engine "
+        "of a pool of two or more may always be ejected). The last usable engine of a pool is never ejected: "
+        "errors alone never leave a pool empty.",
     )
 
 
@@ -119,13 +141,83 @@ class RouterConfig(_Model):
         description="Node/pod topology labels used to prefer a prefill engine in the decode engine's domain.",
     )
     policy: RoutingPolicyConfig = Field(default_factory=RoutingPolicyConfig, description="Routing policy.")
-    request_timeout_seconds: float = Field(default=600.0, gt=0, description="Upper bound on one request.")
+    request_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="Deadline of one request, end to end: then the client gets 504 (or an error event mid-stream) "
+        "and no engine is counted as failed (a long generation is not an engine fault).",
+    )
     connect_timeout_seconds: float = Field(default=2.0, gt=0, description="TCP connect timeout to an engine.")
-    max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Request body size limit.")
+    first_byte_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest wait for an engine's first byte of a prefill answer or of a stream (queueing and "
+        "prefill included); then the engine counts as failed and another one is tried. Non-streaming answers, "
+        "where an engine is silent until done, are bounded by requestTimeoutSeconds only.",
+    )
     read_timeout_seconds: float = Field(
         default=120.0,
         gt=0,
-        description="Longest silence tolerated while reading from an engine (a stalled stream is ended).",
+        description="Longest silence between two chunks of a stream from an engine (a stalled stream is ended).",
+    )
+    max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Request body size limit.")
+    max_request_header_bytes: int = Field(
+        default=16 * 1024,
+        ge=1024,
+        description="Limit on a request's line and headers together; a larger request gets 431.",
+    )
+    header_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest time from a request's first byte to the end of its headers; then the connection is "
+        "closed (slow header attacks).",
+    )
+    body_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest time to receive a request's whole body after its headers; then the client gets 408.",
+    )
+    keep_alive_timeout_seconds: float = Field(
+        default=75.0, gt=0, description="How long an idle client connection is kept open between requests."
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="Client connections served at once; a connection beyond it gets 503 and is closed.",
+    )
+    max_buffered_body_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        ge=1024,
+        description="Request bodies held in memory at once, across clients (while received and while proxied); a "
+        "request beyond it gets 503 with Retry-After.",
+    )
+    max_buffered_body_bytes_per_client: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="The same bound per client address, so that one client cannot take the whole of "
+        "maxBufferedBodyBytes (slow uploads); a request beyond it gets 429.",
+    )
+    max_prefill_answer_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="Largest prefill answer accepted (its kv_transfer_params go to a decode engine); a larger one "
+        "counts as the prefill engine failing.",
+    )
+    kv_side_channel_ports: list[int] = Field(
+        default_factory=list,
+        description="Ports a prefill engine may name as its KV side channel (remote_port in its answer); empty: any "
+        "port number. The remote host must always be an address of the prefill engine the router chose.",
+    )
+    shutdown_grace_seconds: float = Field(
+        default=20.0,
+        ge=0,
+        description="On SIGTERM: stop accepting, then let answers under way finish for up to this long (keep it "
+        "below the pod's terminationGracePeriodSeconds).",
+    )
+    engine_metrics_interval_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        description="Seconds between scrapes of the decode engines' /metrics for KV-cache usage (0: off).",
     )
     retry_after_seconds: int = Field(
         default=2, ge=1, description="Retry-After sent with 503 answers when no engine can serve."

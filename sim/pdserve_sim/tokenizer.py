@@ -1,7 +1,7 @@
 """A cheap, deterministic stand-in for a real tokenizer, and the simulator's deterministic "model output".
 
 Tokenization: the pieces are the approximate tokens of ``pdserve.api.prompt`` (the definition the PD router
-uses too, so a router threshold means the same tokens here); each token's id is
+uses too, so a router threshold means the same tokens here), UTF-8 byte slices; each token's id is
 ``VOCAB_OFFSET + crc32(token) % VOCAB_SIZE``: stable across processes and runs (unlike ``hash()``), so prefix
 caching sees identical ids for identical text on every engine. Chat messages are flattened with the shared chat
 template (:func:`flatten_chat`) before tokenizing.
@@ -46,7 +46,7 @@ _STRIDE = 7919
 def tokenize(text: str) -> list[int]:
     """Token ids of ``text`` under the approximation described in the module docstring."""
     crc32 = zlib.crc32
-    return [VOCAB_OFFSET + crc32(token.encode()) % VOCAB_SIZE for token in text_tokens(text)]
+    return [VOCAB_OFFSET + crc32(token) % VOCAB_SIZE for token in text_tokens(text)]
 
 
 def flatten_chat(messages: Sequence[tuple[str, str]]) -> str:

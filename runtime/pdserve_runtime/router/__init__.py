@@ -4,9 +4,14 @@ Layers, each importable and testable on its own:
 
 - `endpoints` / `breaker`: the endpoint table (what discovery found, plus per-endpoint load and health);
 - `discovery/`: fills the table (static URLs, or a Kubernetes EndpointSlice + Pod watch);
-- `tokens` / `prefix`: the router-side prompt model (approximate tokens, block hashes, who holds which prefix);
+- `tokens` / `prefix`: the router-side prompt model (prompt keys, the exact uncached decision, who holds which
+  prefix);
 - `policy/`: pure routing decisions as small plugins (filters, scorers in [0, 1], a picker) composed into
   profiles by `policy.scheduler`;
+- `validate` / `messages` / `retry`: pure checks of requests and prefill answers, the spliced PD bodies, and the
+  retry and fallback decisions;
+- `httpserver` / `upstream`: HTTP/1.1 on asyncio protocols (the client-facing server with its limits, the pooled
+  engine client);
 - `proxy`: all request IO (the 3-step PD flow, streaming relay, retries, fallbacks);
-- `app` / `cli`: wiring into an aiohttp application and the `pdserve router` command.
+- `app` / `cli`: wiring and the `pdserve router` command.
 """

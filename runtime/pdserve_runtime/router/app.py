@@ -1,4 +1,4 @@
-"""Wiring: the endpoint table, discovery, scheduler, proxy and metrics as one aiohttp application.
+"""Wiring: the endpoint table, discovery, scheduler, proxy, metrics and HTTP server as one router.
 
 `RouterApp` owns every long-lived object of a router (no module-level state), so tests can run several routers
 in one process. Besides the generation endpoints it serves `/health` (the process is alive), `/ready` (at least
@@ -12,11 +12,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from time import monotonic
 
-import aiohttp
-from aiohttp import web
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.api.router_config import RouterConfig
@@ -24,13 +22,17 @@ from pdserve_runtime.router.discovery import Discovery
 from pdserve_runtime.router.discovery.static import StaticDiscovery
 from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable
 from pdserve_runtime.router.engine_metrics import EngineMetricsScraper
-from pdserve_runtime.router.errors import error_response
+from pdserve_runtime.router.httpserver import HttpServer, Request, Responder, ServerLimits
 from pdserve_runtime.router.metrics import RouterMetrics
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
 from pdserve_runtime.router.proxy import Proxy
+from pdserve_runtime.router.upstream import EngineClient, UpstreamError
 
 log = logging.getLogger("pdserve.router")
+
+# Largest /v1/models answer relayed from an engine.
+_MODELS_LIMIT = 1024 * 1024
 
 
 def default_discovery(config: RouterConfig, table: EndpointTable) -> Discovery:
@@ -42,93 +44,119 @@ def default_discovery(config: RouterConfig, table: EndpointTable) -> Discovery:
     return KubernetesDiscovery(config, table)
 
 
+def server_limits(config: RouterConfig) -> ServerLimits:
+    return ServerLimits(
+        max_connections=config.max_connections,
+        max_header_bytes=config.max_request_header_bytes,
+        max_body_bytes=config.max_request_body_bytes,
+        header_timeout=config.header_timeout_seconds,
+        body_timeout=config.body_timeout_seconds,
+        keep_alive_timeout=config.keep_alive_timeout_seconds,
+        max_buffered_bytes=config.max_buffered_body_bytes,
+        max_buffered_bytes_per_client=config.max_buffered_body_bytes_per_client,
+    )
+
+
 class RouterApp:
     """One router: its state, its background tasks and its HTTP routes."""
 
-    def __init__(
-        self, config: RouterConfig, discovery: Discovery | None = None, engine_metrics_interval: float = 2.0
-    ) -> None:
-        """`engine_metrics_interval`: seconds between scrapes of decode engines' /metrics (0 turns it off)."""
+    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool = False) -> None:
         self.config = config
         policy = config.policy
         self.tracker = PrefixTracker(
-            max_blocks=policy.prefix_tracker_max_blocks, ttl_seconds=policy.prefix_cache_ttl_seconds
+            max_blocks=policy.prefix_tracker_max_blocks,
+            ttl_seconds=policy.prefix_cache_ttl_seconds,
+            block_size=policy.block_size_tokens,
         )
         breaker = config.circuit_breaker
         self.table = EndpointTable(
             failure_threshold=breaker.failure_threshold,
             open_seconds=breaker.open_seconds,
             success_threshold=breaker.success_threshold,
-            on_removed=self.tracker.forget,
+            max_ejected_percent=breaker.max_ejected_percent,
+            on_removed=self._forget,
         )
         self.scheduler = Scheduler(self.table, self.tracker, policy, config.topology_labels)
         self.metrics = RouterMetrics(self.table)
-        self.proxy = Proxy(config, self.scheduler, self.tracker, self.metrics)
+        self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
+        self.proxy = Proxy(config, self.scheduler, self.tracker, self.metrics, self.client)
         self.discovery = discovery or default_discovery(config, self.table)
-        self._prober: asyncio.Task[None] | None = None
-        self._scraper = EngineMetricsScraper(self.table, engine_metrics_interval) if engine_metrics_interval else None
+        self.server = HttpServer(server_limits(config), access_log=access_log)
+        self.server.route("POST", "/v1/completions", self.proxy.completions)
+        self.server.route("POST", "/v1/chat/completions", self.proxy.chat_completions)
+        self.server.route("GET", "/v1/models", self.models)
+        self.server.route("GET", "/health", self.health)
+        self.server.route("GET", "/ready", self.ready)
+        self.server.route("GET", "/metrics", self.prometheus)
+        self._tasks: list[asyncio.Task[None]] = []
+        interval = config.engine_metrics_interval_seconds
+        self._scraper = EngineMetricsScraper(self.table, interval) if interval else None
         self._created = int(time.time())
+        self.port = 0
 
-    def web_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_body_bytes)
-        app.router.add_post("/v1/completions", self.proxy.completions)
-        app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", self.prometheus)
-        app.middlewares.append(_openai_errors)
-        app.on_startup.append(self._startup)
-        app.on_cleanup.append(self._cleanup)
-        return app
+    def _forget(self, url: str) -> None:
+        """An engine left discovery: a replacement at the same address starts cold and with new connections."""
+        self.tracker.forget(url)
+        self.client.forget(url)
 
-    async def _startup(self, _app: web.Application) -> None:
-        await self.proxy.start()
+    async def start(self, host: str | None = None, port: int | None = None, *, reuse_port: bool = False) -> int:
+        """Discover engines, start the background tasks and listen; returns the bound port."""
         await self.discovery.start()
-        self._prober = asyncio.create_task(self._probe_loop(), name="pdserve-router-prober")
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name="pdserve-router-prober"))
         if self._scraper is not None:
-            self._scraper.start(self.proxy.session)
+            self._scraper.start(self.client)
+        self.port = await self.server.start(
+            host if host is not None else self.config.host,
+            port if port is not None else self.config.port,
+            reuse_port=reuse_port,
+        )
+        return self.port
 
-    async def _cleanup(self, _app: web.Application) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop listening, let answers under way finish for up to `grace` seconds, stop everything."""
+        await self.server.stop(grace)
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._prober
+                await task
         if self._scraper is not None:
             await self._scraper.stop()
         await self.discovery.stop()
-        await self.proxy.close()
+        await self.client.close()
 
     # -- small endpoints -------------------------------------------------------------------------------------
 
-    async def health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def health(self, _request: Request, responder: Responder) -> None:
+        responder.send(200, b'{"status":"ok"}')
 
-    async def ready(self, _request: web.Request) -> web.Response:
+    async def ready(self, _request: Request, responder: Responder) -> None:
         usable = {role: len(self.table.usable(role)) for role in ROLES}
         status = 200 if usable["decode"] else 503
-        return web.json_response({"ready": status == 200, "usable": usable}, status=status)
+        responder.send(status, orjson.dumps({"ready": status == 200, "usable": usable}))
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
+    async def models(self, _request: Request, responder: Responder) -> None:
         name = self.config.served_model_name
         if name:
             model = {"id": name, "object": "model", "created": self._created, "owned_by": "pdserve", "root": name}
-            return web.json_response({"object": "list", "data": [model]})
+            responder.send(200, orjson.dumps({"object": "list", "data": [model]}))
+            return
         # No configured name (static mode without --served-model-name): ask a decode engine, which knows.
+        timeout = self.config.connect_timeout_seconds + 5.0
         for state in self.table.usable("decode"):
             try:
-                async with self.proxy.session.get(state.url + "/v1/models") as upstream:
-                    if upstream.status == 200:
-                        return web.Response(body=await upstream.read(), content_type="application/json")
-            except (aiohttp.ClientError, TimeoutError):
+                status, body, _ = await self.client.get(state.url, "/v1/models", limit=_MODELS_LIMIT, within=timeout)
+            except (UpstreamError, TimeoutError):
                 continue
-        return error_response(503, "no decode engine is available", headers=self._retry_after())
+            if status == 200:
+                responder.send(200, body)
+                return
+        responder.error(503, "no decode engine is available", self._retry_after())
 
-    async def prometheus(self, _request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def prometheus(self, _request: Request, responder: Responder) -> None:
+        responder.send(200, generate_latest(self.metrics.registry), [("Content-Type", CONTENT_TYPE_LATEST)])
 
-    def _retry_after(self) -> dict[str, str]:
-        return {"Retry-After": str(self.config.retry_after_seconds)}
+    def _retry_after(self) -> list[tuple[str, str]]:
+        return [("Retry-After", str(self.config.retry_after_seconds))]
 
     # -- probing ejected engines ----------------------------------------------------------------------------
 
@@ -143,26 +171,12 @@ class RouterApp:
 
     async def _probe(self, state: EndpointState) -> None:
         breaker = self.config.circuit_breaker
-        timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout_seconds + 1.0)
         try:
-            async with self.proxy.session.get(state.url + breaker.health_path, timeout=timeout) as response:
-                ok = response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+            status, _, _ = await self.client.get(
+                state.url, breaker.health_path, limit=64 * 1024, within=self.config.connect_timeout_seconds + 1.0
+            )
+            ok = status == 200
+        except (UpstreamError, TimeoutError):
             ok = False
         if state.breaker.record_probe(ok):
             log.info("Restored %s endpoint=%s after a good health probe", state.endpoint.role, state.endpoint.label)
-
-
-@web.middleware
-async def _openai_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """aiohttp's own HTTP errors (404 path, 405 method) in OpenAI shape instead of text/plain."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(
-            exc.status, exc.reason, headers={"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        )

@@ -39,10 +39,14 @@ class CircuitBreaker:
         """A request to the endpoint succeeded."""
         self.consecutive_failures = 0
 
-    def record_failure(self, now: float) -> bool:
-        """A request failed (connect error, 5xx, timeout). Returns True when this failure ejected the endpoint."""
+    def record_failure(self, now: float, may_open: bool = True) -> bool:
+        """A request failed (connect error, 5xx, timeout). Returns True when this failure ejected the endpoint.
+
+        `may_open`: whether the pool can spare the endpoint (`EndpointTable.record_failure` decides); when not,
+        failures keep counting and the next one past the threshold may eject it once the pool can.
+        """
         self.consecutive_failures += 1
-        if self.opened_at is None and self.consecutive_failures >= self.failure_threshold:
+        if self.opened_at is None and may_open and self.consecutive_failures >= self.failure_threshold:
             self.opened_at = now
             self.consecutive_probe_successes = 0
             return True

@@ -9,9 +9,11 @@ listen address whatever else says (the local test cluster runs each pod as a pro
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ def load_config(
     served_model_name: str | None = None,
     threshold: int | None = None,
     fallback: bool | None = None,
+    engine_metrics_interval: float | None = None,
 ) -> RouterConfig:
     """The effective configuration: file, then flags, then PDSERVE_BIND_HOST. Raises click errors."""
     data: dict[str, Any] = {}
@@ -62,6 +65,8 @@ def load_config(
     if fallback is not None:
         policy["fallbackToDecode"] = fallback
     data["policy"] = policy
+    if engine_metrics_interval is not None:
+        data["engineMetricsIntervalSeconds"] = engine_metrics_interval
     bind = os.environ.get("PDSERVE_BIND_HOST")
     if bind:
         data["host"] = bind
@@ -89,9 +94,8 @@ def load_config(
 @click.option(
     "--engine-metrics-interval",
     type=float,
-    default=2.0,
-    show_default=True,
-    help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off).",
+    default=None,
+    help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off) [default: 2].",
 )
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--access-log/--no-access-log", default=False, help="Log every request line (costs CPU).")
@@ -104,11 +108,13 @@ def router(  # noqa: PLR0917 (click passes every option as an argument)
     served_model_name: str | None,
     threshold: int | None,
     fallback: bool | None,
-    engine_metrics_interval: float,
+    engine_metrics_interval: float | None,
     log_level: str,
     access_log: bool,
 ) -> None:
     """Run the PD router (OpenAI-compatible endpoint)."""
+    if engine_metrics_interval is not None and engine_metrics_interval < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--engine-metrics-interval")
     config = load_config(
         config_path,
         host=host,
@@ -118,40 +124,35 @@ def router(  # noqa: PLR0917 (click passes every option as an argument)
         served_model_name=served_model_name,
         threshold=threshold,
         fallback=fallback,
+        engine_metrics_interval=engine_metrics_interval,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if engine_metrics_interval < 0:
-        raise click.BadParameter("must be >= 0", param_hint="--engine-metrics-interval")
-    serve(config, access_log=access_log, engine_metrics_interval=engine_metrics_interval)
+    serve(config, access_log=access_log)
 
 
-def serve(config: RouterConfig, *, access_log: bool = False, engine_metrics_interval: float = 2.0) -> None:
+def serve(config: RouterConfig, *, access_log: bool = False) -> None:
     """Run the router until SIGINT/SIGTERM, on uvloop."""
     import uvloop
-    from aiohttp import web
 
+    uvloop.run(_serve(config, access_log))
+
+
+async def _serve(config: RouterConfig, access_log: bool) -> None:
     from pdserve_runtime.router.app import RouterApp
 
-    app = RouterApp(config, engine_metrics_interval=engine_metrics_interval).web_app()
-    # Everything imported and built so far lives as long as the process: move it out of the collector's way so
-    # full collections on the request path only walk request-scoped objects (shorter GC pauses, lower p99).
+    log = logging.getLogger("pdserve.router")
+    router = RouterApp(config, access_log=access_log)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    port = await router.start()
+    # Everything built so far lives as long as the process: move it out of the collector's way so that full
+    # collections on the request path only walk request-scoped objects (shorter GC pauses, lower p99).
     gc.collect()
     gc.freeze()
-    log = logging.getLogger("pdserve.router")
-    log.info(
-        "Started router host=%s port=%d discovery=%s threshold=%d",
-        config.host,
-        config.port,
-        config.discovery,
-        config.policy.disaggregation_threshold_tokens,
-    )
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        loop=uvloop.new_event_loop(),
-        handler_cancellation=True,  # a client disconnect cancels the handler, which aborts upstream requests
-        access_log=logging.getLogger("aiohttp.access") if access_log else None,
-        backlog=2048,
-        print=None,
-    )
+    log.info("Started router host=%s port=%d discovery=%s threshold=%d", config.host, port, config.discovery,
+             config.policy.disaggregation_threshold_tokens)  # fmt: skip
+    await stop.wait()
+    log.info("Stopping router grace=%.0fs", config.shutdown_grace_seconds)
+    await router.stop(config.shutdown_grace_seconds)

@@ -8,9 +8,11 @@ correctly. Everything here runs on the event loop thread; discovery threads hand
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pdserve_runtime.router.breaker import CircuitBreaker
 
@@ -28,11 +30,19 @@ class Endpoint:
     topology: Mapping[str, str] = field(default_factory=dict)
     ready: bool = True
     name: str = ""
+    # Addresses the engine may advertise as its KV side-channel host (`remote_host`); the URL's host always is.
+    addresses: frozenset[str] = frozenset()
 
     @property
     def label(self) -> str:
         """A short, stable name for logs and metric labels."""
         return self.name or self.url
+
+    @property
+    def kv_hosts(self) -> frozenset[str]:
+        """Where a decode engine may be told to pull this engine's KV from."""
+        host = urlsplit(self.url).hostname or ""
+        return self.addresses | {host}
 
 
 @dataclass(slots=True)
@@ -57,6 +67,21 @@ class EndpointState:
         """Ready in discovery and not ejected by the breaker."""
         return self.endpoint.ready and self.breaker.allows_traffic()
 
+    @contextmanager
+    def lease(self, tokens: int = 0) -> Iterator[None]:
+        """Count one request (and its uncached prompt tokens) in flight to this engine for the `with` block.
+
+        The one place in-flight counts change: whatever ends the block (an answer, an engine failure, the client
+        going away, a bug) releases them.
+        """
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self.in_flight_tokens -= tokens
+
 
 class EndpointTable:
     """Pools of endpoint states keyed by role and URL."""
@@ -67,9 +92,11 @@ class EndpointTable:
         failure_threshold: int = 3,
         open_seconds: float = 5.0,
         success_threshold: int = 1,
+        max_ejected_percent: int = 50,
         on_removed: Callable[[str], None] | None = None,
     ) -> None:
         self._on_removed = on_removed
+        self._max_ejected_percent = max_ejected_percent
         self._failure_threshold = failure_threshold
         self._open_seconds = open_seconds
         self._success_threshold = success_threshold
@@ -103,6 +130,25 @@ class EndpointTable:
     def usable(self, role: Role) -> list[EndpointState]:
         """The endpoints of a pool that may take traffic now."""
         return [state for state in self._snapshots[role] if state.usable]
+
+    def record_failure(self, state: EndpointState, now: float) -> bool:
+        """Feed an engine failure to its breaker; True when it ejected the engine.
+
+        An engine is ejected only within the pool's ejection budget (Envoy's max ejection percent): at most
+        `max_ejected_percent` of the pool (rounded down, at least one in a pool of two or more) at once, and never
+        the last usable engine of the pool. Errors alone must not leave a pool empty: when every engine fails,
+        requests keep being tried (and the client gets an error) rather than refused by the router's own memory.
+        """
+        return state.breaker.record_failure(now, may_open=self._may_eject(state))
+
+    def _may_eject(self, state: EndpointState) -> bool:
+        pool = self._snapshots[state.endpoint.role]
+        if len(pool) < 2:
+            return False
+        ejected = sum(1 for other in pool if not other.breaker.allows_traffic())
+        budget = max(1, len(pool) * self._max_ejected_percent // 100) if self._max_ejected_percent else 0
+        usable_others = sum(1 for other in pool if other is not state and other.usable)
+        return ejected < budget and usable_others > 0
 
     def _new_breaker(self) -> CircuitBreaker:
         return CircuitBreaker(

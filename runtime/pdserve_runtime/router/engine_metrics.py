@@ -20,12 +20,13 @@ import math
 import re
 from time import monotonic
 
-import aiohttp
-
 from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
+from pdserve_runtime.router.upstream import EngineClient, UpstreamError
 
 log = logging.getLogger("pdserve.router")
 
+# Largest exposition read from an engine (vLLM's is tens of kilobytes).
+_EXPOSITION_LIMIT = 4 * 1024 * 1024
 _KV_USAGE = re.compile(rb"^vllm:kv_cache_usage_perc(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE)
 
 
@@ -46,11 +47,11 @@ class EngineMetricsScraper:
     def __init__(self, table: EndpointTable, interval: float, timeout: float = 1.0) -> None:
         self._table = table
         self._interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
         self._task: asyncio.Task[None] | None = None
 
-    def start(self, session: aiohttp.ClientSession) -> None:
-        self._task = asyncio.create_task(self._run(session), name="pdserve-router-engine-metrics")
+    def start(self, client: EngineClient) -> None:
+        self._task = asyncio.create_task(self._run(client), name="pdserve-router-engine-metrics")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -58,23 +59,23 @@ class EngineMetricsScraper:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _run(self, session: aiohttp.ClientSession) -> None:
+    async def _run(self, client: EngineClient) -> None:
         while True:
             states = self._table.usable("decode")
             if states:
-                await asyncio.gather(*(self.scrape(session, state) for state in states))
+                await asyncio.gather(*(self.scrape(client, state) for state in states))
             await asyncio.sleep(self._interval)
 
-    async def scrape(self, session: aiohttp.ClientSession, state: EndpointState) -> None:
+    async def scrape(self, client: EngineClient, state: EndpointState) -> None:
         """Read one engine's KV-cache usage into its state (errors keep the old value)."""
         try:
-            async with session.get(state.url + "/metrics", timeout=self._timeout) as response:
-                if response.status != 200:
-                    return
-                usage = parse_kv_usage(await response.read())
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            status, body, _ = await client.get(state.url, "/metrics", limit=_EXPOSITION_LIMIT, within=self._timeout)
+        except (UpstreamError, TimeoutError) as exc:
             log.debug("Failed scraping metrics endpoint=%s error=%s", state.endpoint.label, exc)
             return
+        if status != 200:
+            return
+        usage = parse_kv_usage(body)
         if usage is not None:
             state.kv_cache_usage = usage
             state.kv_cache_usage_at = monotonic()

@@ -9,14 +9,15 @@ from __future__ import annotations
 from http import HTTPStatus
 
 import orjson
-from aiohttp import web
 
 _TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
     403: "PermissionDeniedError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
+    415: "UnsupportedMediaTypeError",
     429: "RateLimitError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
@@ -28,22 +29,6 @@ def error_payload(status: int, message: str, *, param: str | None = None) -> dic
     """The JSON object of an OpenAI-style error."""
     kind = _TYPES.get(status) or (HTTPStatus(status).phrase.replace(" ", "") + "Error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    headers: dict[str, str] | None = None,
-    param: str | None = None,
-) -> web.Response:
-    """An aiohttp response carrying an OpenAI-style error body."""
-    return web.Response(
-        status=status,
-        body=orjson.dumps(error_payload(status, message, param=param)),
-        content_type="application/json",
-        headers=headers,
-    )
 
 
 def stream_error_event(status: int, message: str) -> bytes:

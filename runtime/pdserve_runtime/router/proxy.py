@@ -1,99 +1,171 @@
-"""The proxy: every byte of IO between clients and engines.
+"""The proxy: every byte of IO between clients and engines for the generation endpoints.
 
-Per generation request:
+Per request:
 
-1. Read the body (size-limited), parse it, strip engine-internal fields, take or make the request id.
-2. Describe the prompt (approximate tokens, block hashes) and plan: decode engine, route, prefill engine.
-3. PD route: POST the prefill body to a prefill engine; on connect error, 5xx or timeout try another (up to
-   `maxPrefillAttempts`); if none succeeds fall back to decode-only when allowed, else 503. An engine 4xx is the
-   client's fault and is relayed as it is.
-4. Decode: POST the client's body (plus the prefill's `kv_transfer_params`) to the decode engine and wait for the
-   first chunk before answering the client, so that a failure up to that point is invisible: retry on another
-   kv-compatible decode engine with the same KV (up to `maxDecodeAttempts`), then once with a fresh prefill.
-5. Relay: non-streaming bodies as they are; streams chunk by chunk, bytes untouched. An engine failure after the
-   first byte ends the stream with an OpenAI error event (no retry: tokens already sent must not repeat).
+1. Parse the body (400), check it (`validate`: 400 before any engine works on it), strip engine-internal fields,
+   keep the client's request id for logs and the answer; engines get ids the router makes, one per attempt, so
+   two clients' requests can never collide inside an engine.
+2. Describe the prompt and plan (`policy.scheduler`): decode engine, route, prefill engine.
+3. PD: prefill with the client's bytes spliced (`messages.prefill_body`), then check the answer's
+   `kv_transfer_params` (size, remote host and port) before a decode engine acts on them.
+4. Decode: the client's bytes plus those params; wait for the first chunk before answering the client, so that
+   every failure up to then can be retried invisibly (`retry`: the pure decisions).
+5. Relay: each further chunk goes from the engine connection's callback straight to the client's transport
+   (`upstream.Exchange.relay`), SSE events kept whole; a failure after the first byte ends the stream with an
+   OpenAI error event (nothing retried: tokens already sent must not repeat).
 
-Load counters are taken when an engine is chosen and released in `finally`; a client disconnect cancels the
-handler (aiohttp `handler_cancellation`) and closing the upstream response aborts the engine's request.
+Deadlines: `firstByteTimeoutSeconds` for a prefill answer and a stream's first chunk, `readTimeoutSeconds` between
+stream chunks, `requestTimeoutSeconds` for the whole request (504, no engine charged). Failures charged to an
+engine (and its circuit breaker) are only the engine's own: connect errors, 5xx, timeouts, bad answers, broken
+streams; a 4xx is the request's fault and is relayed as it is.
+
+Engines are held (`EndpointState.lease`) from the attempt's start to its end, whatever ends it, and the prefix
+tracker learns that an engine holds a prompt only when the engine served it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from time import monotonic, perf_counter
 from typing import Any
 
-import aiohttp
 import orjson
-from aiohttp import web
 
 from pdserve.api.router_config import RouterConfig
-from pdserve_runtime.router.endpoints import EndpointState, Role
-from pdserve_runtime.router.errors import error_response, stream_error_event
+from pdserve_runtime.router.endpoints import EndpointState, EndpointTable, Role
+from pdserve_runtime.router.errors import error_payload, stream_error_event
+from pdserve_runtime.router.httpserver import Request, Responder
 from pdserve_runtime.router.messages import (
+    Body,
     decode_body,
-    downstream_headers,
+    engine_kv_params,
     parse_body,
     prefill_body,
     request_id,
     sanitize,
     upstream_headers,
 )
-from pdserve_runtime.router.metrics import RouterMetrics
+from pdserve_runtime.router.metrics import FastHistogram, RouterMetrics
 from pdserve_runtime.router.policy.decision import Route
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
-from pdserve_runtime.router.tokens import PromptInfo, describe_prompt
+from pdserve_runtime.router.retry import (
+    RetryPolicy,
+    Step,
+    Tries,
+    after_decode_failure,
+    after_prefill_failure,
+    give_up_status,
+)
+from pdserve_runtime.router.tokens import Held, PromptInfo, describe_prompt
+from pdserve_runtime.router.upstream import PROTOCOL, STATUS, STREAM, EngineClient, Exchange, UpstreamError
+from pdserve_runtime.router.validate import problem
 
 log = logging.getLogger("pdserve.router")
 
-# Longest engine error body quoted in the router's own error messages.
-_DETAIL_LIMIT = 300
+# Request bodies above this size are analysed in steps, with the event loop free between them.
+_YIELD_ABOVE = 256 * 1024
+# Largest engine error body read (to log it) before an engine failure is retried.
+_ERROR_BODY_LIMIT = 64 * 1024
+# Engine answer headers passed to the client: what the body is, nothing about the engine.
+_PASSED_DOWN = {"content-type": "Content-Type", "content-encoding": "Content-Encoding"}
+_EVENT_END = b"\n\n"
+_EVENT_END_CRLF = b"\r\n\r\n"
+_EVENT_ENDS = (_EVENT_END, _EVENT_END_CRLF)
+# Ids the router gives engines: a per-process random prefix and a counter (unique, and cheap to make).
+_ID_PREFIX = os.urandom(6).hex()
+_ids = itertools.count(1)
 
 
-class UpstreamError(Exception):
-    """An engine could not serve: connect error, timeout, 5xx, or a malformed answer."""
-
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
+def engine_request_id() -> str:
+    return f"pdr-{_ID_PREFIX}-{next(_ids):x}"
 
 
 @dataclass(slots=True)
 class _Flow:
-    """The state of one generation request as it moves through the proxy."""
+    """One generation request as it moves through the proxy."""
 
-    request: web.Request
+    request: Request
+    responder: Responder
     chat: bool
-    path: str
     started: float
-    rid: str
+    rid: str  # the client's id (or one made for it): logs and the answer header
+    engine_rid: str  # the base of the ids engines see
+    raw: bytes | bytearray = b""  # the body forwarded to engines: the client's bytes, or their re-encoding
     payload: dict[str, Any] = field(default_factory=dict)
-    raw: bytes | None = None  # the client's body when it can be forwarded unchanged
     stream: bool = False
     prompt: PromptInfo | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    prefix_blocks: Mapping[str, int] = field(default_factory=dict)
+    headers: bytes = b""
+    held: dict[str, Held] = field(default_factory=dict)
     uncached: int = 0
-    prefill_bytes: bytes | None = None
     route: str = "none"
     outcome: str = "client_error"
-    response: web.StreamResponse | None = None
+    attempt: int = 0
+    tries: Tries = field(default_factory=Tries)
     # Seconds spent waiting on engines before the first byte (successful and failed tries alike).
     upstream_wait: float = 0.0
+    relayed: bool = False  # the client has seen bytes of the answer
+
+    def engine_headers(self) -> bytes:
+        self.attempt += 1
+        return self.headers + b"x-request-id: %s-%d\r\n" % (self.engine_rid.encode(), self.attempt)
+
+    def answer_headers(self) -> list[tuple[str, str]]:
+        return [("X-Request-Id", self.rid), ("X-Pdserve-Route", self.route)]
 
 
-def _detail(data: bytes) -> str:
-    return data[:_DETAIL_LIMIT].decode("utf-8", "replace")
+class _Relay:
+    """Receives an engine's answer chunk by chunk (from the connection callback) and writes it to the client.
+
+    For a stream, only whole SSE events are written: a chunk that ends inside an event keeps that tail until the
+    rest arrives, so an error event after a broken stream never lands in the middle of one. Bytes are otherwise
+    untouched.
+    """
+
+    __slots__ = ("events", "itl", "last", "pending", "responder", "written")
+
+    def __init__(self, responder: Responder, itl: FastHistogram, events: bool, now: float) -> None:
+        self.responder = responder
+        self.itl = itl
+        self.events = events
+        self.last = now
+        self.pending = b""
+        self.written = 0
+
+    def __call__(self, data: bytes) -> None:
+        now = perf_counter()
+        self.itl.observe(now - self.last)
+        self.last = now
+        self.write(data)
+
+    def write(self, data: bytes) -> None:
+        if self.events:
+            if self.pending:
+                data = self.pending + data
+                self.pending = b""
+            if not data.endswith(_EVENT_ENDS):
+                lf, crlf = data.rfind(_EVENT_END), data.rfind(_EVENT_END_CRLF)
+                end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+                self.pending = data[end:]
+                data = data[:end]
+        if data:
+            self.written += len(data)
+            self.responder.write(data)
+
+    def flush(self) -> None:
+        """The answer ended: whatever is left goes out (an engine may end without a final blank line)."""
+        if self.pending:
+            self.written += len(self.pending)
+            self.responder.write(self.pending)
+            self.pending = b""
 
 
 class Proxy:
-    """Request handlers for the generation endpoints, sharing one upstream HTTP client."""
+    """Handlers of the generation endpoints, sharing one engine client."""
 
     def __init__(
         self,
@@ -101,70 +173,49 @@ class Proxy:
         scheduler: Scheduler,
         tracker: PrefixTracker,
         metrics: RouterMetrics,
+        client: EngineClient,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
-        self.table = scheduler.table
+        self.table: EndpointTable = scheduler.table
         self.tracker = tracker
         self.metrics = metrics
-        self._session: aiohttp.ClientSession | None = None
-        self._retry_after = {"Retry-After": str(config.retry_after_seconds)}
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "Proxy.start() was not called"
-        return self._session
-
-    async def start(self) -> None:
-        """Open the shared upstream client (connection pool, timeouts)."""
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=self.config.connect_timeout_seconds,
-            sock_read=self.config.read_timeout_seconds,
+        self.client = client
+        policy = config.policy
+        self.retry_policy = RetryPolicy(
+            policy.max_prefill_attempts, policy.max_decode_attempts, policy.fallback_to_decode
         )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            # Engines must answer uncompressed: the router parses prefill answers and relays decode bytes as they
-            # are, without Content-Encoding (aiohttp would otherwise ask for gzip/deflate on the router's behalf).
-            headers={"Accept-Encoding": "identity"},
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-            raise_for_status=False,
-        )
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._retry_after = (("Retry-After", str(config.retry_after_seconds)),)
+        self._kv_ports = frozenset(config.kv_side_channel_ports)
 
     # -- handlers -------------------------------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+    async def completions(self, request: Request, responder: Responder) -> None:
+        await self._generate(request, responder, chat=False)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+    async def chat_completions(self, request: Request, responder: Responder) -> None:
+        await self._generate(request, responder, chat=True)
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: Request, responder: Responder, chat: bool) -> None:
         flow = _Flow(
             request=request,
+            responder=responder,
             chat=chat,
-            path=request.path,
             started=perf_counter(),
-            rid=request_id(request.headers.get("X-Request-Id"), uuid.uuid4),
+            rid=request_id(request.headers.get("x-request-id"), engine_request_id),
+            engine_rid=engine_request_id(),
         )
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
-                return await self._serve(flow)
+                await self._serve(flow)
         except TimeoutError:
             flow.outcome = "timeout"
-            message = f"request exceeded the router's {self.config.request_timeout_seconds}s limit"
-            if flow.response is not None and flow.response.prepared:
-                await self._end_stream(flow.response, stream_error_event(504, message))
-                return flow.response
-            return self._error(flow, 504, message)
+            message = f"the request exceeded the router's {self.config.request_timeout_seconds:g} s deadline"
+            log.warning("Timed out request request_id=%s route=%s", flow.rid, flow.route)
+            if responder.started:
+                responder.end(stream_error_event(504, message) if flow.stream else b"")
+            else:
+                self._error(flow, 504, message)
         except asyncio.CancelledError:
             flow.outcome = "cancelled"
             raise
@@ -172,306 +223,280 @@ class Proxy:
             self.metrics.count_request(flow.route, flow.outcome)
             self.metrics.e2e_by_route[flow.route].observe(perf_counter() - flow.started)
 
-    def _error(self, flow: _Flow, status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-        merged = {"X-Request-Id": flow.rid, "X-Pdserve-Route": flow.route, **(headers or {})}
-        return error_response(status, message, headers=merged)
+    def _error(
+        self,
+        flow: _Flow,
+        status: int,
+        message: str,
+        headers: tuple[tuple[str, str], ...] = (),
+        param: str | None = None,
+    ) -> None:
+        body = orjson.dumps(error_payload(status, message, param=param))
+        flow.responder.send(status, body, [*flow.answer_headers(), *headers])
 
-    async def _serve(self, flow: _Flow) -> web.StreamResponse:
-        request = flow.request
+    async def _serve(self, flow: _Flow) -> None:
+        raw = flow.request.body
+        # A body of megabytes costs tens of milliseconds in each C step below (parse, encode): let the event loop
+        # serve everyone else between the steps, so no one step's stall adds up with the next.
+        big = len(raw) > _YIELD_ABOVE
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            limit = self.config.max_request_body_bytes
-            return self._error(flow, 413, f"request body is larger than the router's limit of {limit} bytes")
-        except web.RequestPayloadError:
-            # The body's Content-Encoding (gzip, deflate) does not match its bytes: the client's error, not ours.
-            coding = request.headers.get("Content-Encoding", "")
-            return self._error(flow, 400, f"request body could not be decoded (Content-Encoding: {coding!r})")
-        try:
-            flow.payload = parse_body(raw)
+            payload = parse_body(raw)
         except ValueError as exc:
-            return self._error(flow, 400, str(exc))
-        if sanitize(flow.payload):
+            self._error(flow, 400, str(exc))
+            return
+        if big:
+            await asyncio.sleep(0)
+        found = problem(payload, flow.chat)
+        if found is not None:
+            self._error(flow, 400, found[0], param=found[1])
+            return
+        if sanitize(payload):
             log.info("Stripped engine-internal fields from a client request request_id=%s", flow.rid)
-        else:
-            flow.raw = raw
-        flow.stream = flow.payload.get("stream") is True
-        flow.headers = upstream_headers(request.headers, flow.rid)
+            raw = orjson.dumps(payload)
+        flow.raw = raw
+        flow.payload = payload
+        flow.stream = payload.get("stream") is True
+        flow.headers = upstream_headers(flow.request.headers)
 
         decided = perf_counter()
-        policy = self.config.policy
-        prompt = describe_prompt(flow.payload, flow.chat, policy.block_size_tokens)
+        prompt = describe_prompt(payload, flow.chat, self.config.policy.block_size_tokens)
         flow.prompt = prompt
+        if big:
+            deciding = perf_counter() - decided
+            await asyncio.sleep(0)
+            decided = perf_counter() - deciding
         plan = self.scheduler.plan(prompt, monotonic())
         self.metrics.decision.observe(perf_counter() - decided)
-        flow.prefix_blocks = plan.prefix_blocks
+        flow.held = dict(plan.held)
         flow.uncached = plan.uncached_tokens
 
         if plan.decode is None:
             flow.outcome = "unavailable"
-            return self._error(flow, 503, "no decode engine is available", self._retry_after)
+            self._error(flow, 503, "no decode engine is available", self._retry_after)
+            return
         flow.route = plan.route.value
         kv: tuple[dict[str, Any], EndpointState] | None = None
-        if plan.route is Route.PD:
-            result = await self._prefill(flow, plan.decode, plan.prefill)
-            if isinstance(result, web.StreamResponse):
-                return result
-            if result is None:
-                if not policy.fallback_to_decode:
-                    flow.outcome = "unavailable"
-                    return self._error(flow, 503, "no prefill engine could serve the request", self._retry_after)
+        if plan.route is not Route.DECODE_ONLY:
+            outcome = await self._prefill(flow, plan.decode, plan.prefill)
+            if outcome is None:
+                return  # answered (a relayed 4xx, or refused)
+            if isinstance(outcome, str):
                 flow.route = Route.FALLBACK.value
-                self.metrics.fallbacks.labels("prefill_failed").inc()
-            kv = result
-        elif plan.route is Route.FALLBACK:
-            if not policy.fallback_to_decode:
-                flow.outcome = "unavailable"
-                return self._error(flow, 503, "no prefill engine is available", self._retry_after)
-            self.metrics.fallbacks.labels("no_prefill").inc()
-        return await self._decode(flow, plan.decode, kv)
+            else:
+                kv = outcome
+        await self._decode(flow, plan.decode, kv)
 
     # -- prefill --------------------------------------------------------------------------------------------
 
     async def _prefill(
         self, flow: _Flow, decode: EndpointState, first: EndpointState | None, avoid: str | None = None
-    ) -> tuple[dict[str, Any], EndpointState] | web.StreamResponse | None:
-        """Run step 1 with retries. Returns (kv_transfer_params, engine), a relayed 4xx, or None if all failed.
+    ) -> tuple[dict[str, Any], EndpointState] | str | None:
+        """Prefill with retries: (kv_transfer_params, engine), "fallback" (decode-only), or None when the request
+        was answered here (a relayed 4xx, or a 503 refusal).
 
         `avoid`: an engine whose KV just failed to reach decode; used only when no other engine can serve.
         """
-        assert flow.prompt is not None
-        if flow.prefill_bytes is None:
-            flow.prefill_bytes = prefill_body(flow.payload, flow.chat)
+        prompt = flow.prompt
+        assert prompt is not None
+        body = prefill_body(flow.raw, flow.payload, flow.chat)
         tried: set[str] = set()
         candidate = first
-        for attempt in range(self.config.policy.max_prefill_attempts):
+        while True:
             if candidate is None:
-                pick = self.scheduler.pick_prefill
-                if avoid is not None:
-                    candidate = pick(flow.prompt, flow.prefix_blocks, decode, excluded={*tried, avoid})
-                if candidate is None:
-                    candidate = pick(flow.prompt, flow.prefix_blocks, decode, excluded=tried)
-                if candidate is None:
-                    break
-                if attempt:
-                    self.metrics.retries.labels("prefill").inc()
-            state = candidate
-            candidate = None
-            tried.add(state.url)
-            tokens = flow.uncached
-            state.in_flight += 1
-            state.in_flight_tokens += tokens
-            self.tracker.record(state.url, flow.prompt.block_hashes, monotonic())
-            waited = perf_counter()
-            try:
-                status, data = await self._post_json(state, flow)
-            except UpstreamError as failure:
-                self._failed(state, "prefill", failure, flow)
-                continue
-            finally:
-                state.in_flight -= 1
-                state.in_flight_tokens -= tokens
-                flow.upstream_wait += perf_counter() - waited
-            if status >= 400:
-                # The engine rejected the request itself (bad prompt, unknown model): the client's error.
-                flow.outcome = "client_error"
-                return web.Response(
-                    status=status,
-                    body=data,
-                    content_type="application/json",
-                    headers={"X-Request-Id": flow.rid, "X-Pdserve-Route": flow.route},
-                )
-            try:
-                params = orjson.loads(data).get("kv_transfer_params")
-            except (orjson.JSONDecodeError, AttributeError):
-                params = None
-            if not isinstance(params, dict):
-                missing = UpstreamError("protocol", "prefill answer carried no kv_transfer_params")
-                self._failed(state, "prefill", missing, flow)
-                continue
-            state.breaker.record_success()
-            return params, state
-        return None
+                candidate = self._pick_prefill(flow, decode, tried, avoid)
+            if candidate is None:
+                step = after_prefill_failure(flow.tries, self.retry_policy, another_prefill=False)
+            else:
+                state = candidate
+                tried.add(state.url)
+                result = await self._prefill_once(flow, state, body)
+                if isinstance(result, UpstreamError):
+                    flow.tries = flow.tries.prefill_failed()
+                    self._failed(state, "prefill", result, flow)
+                    candidate = self._pick_prefill(flow, decode, tried, avoid)
+                    step = after_prefill_failure(flow.tries, self.retry_policy, another_prefill=candidate is not None)
+                    if step is Step.PREFILL_ELSEWHERE:
+                        self.metrics.retries.labels("prefill").inc()
+                        continue
+                elif result is None:
+                    return None
+                else:
+                    flow.tries = flow.tries.prefill_succeeded()
+                    return result, state
+            if step is Step.FALLBACK:
+                reason = "prefill_failed" if tried else "no_prefill"
+                self.metrics.fallbacks.labels(reason).inc()
+                return "fallback"
+            flow.outcome = "unavailable"
+            message = "no prefill engine could serve the request" if tried else "no prefill engine is available"
+            self._error(flow, 503, message, self._retry_after)
+            return None
 
-    async def _post_json(self, state: EndpointState, flow: _Flow) -> tuple[int, bytes]:
-        """POST the prefill body; 5xx and transport errors become UpstreamError."""
+    def _pick_prefill(
+        self, flow: _Flow, decode: EndpointState, tried: set[str], avoid: str | None
+    ) -> EndpointState | None:
+        assert flow.prompt is not None
+        pick = self.scheduler.pick_prefill
+        candidate = pick(flow.prompt, flow.held, decode, excluded={*tried, avoid}) if avoid else None
+        return candidate or pick(flow.prompt, flow.held, decode, excluded=tried)
+
+    async def _prefill_once(
+        self, flow: _Flow, state: EndpointState, body: Body
+    ) -> dict[str, Any] | UpstreamError | None:
+        """One prefill attempt: the checked kv_transfer_params, the engine's failure, or None when a 4xx was
+        relayed to the client."""
+        assert flow.prompt is not None
+        config = self.config
+        waited = perf_counter()
+        exchange: Exchange | None = None
         try:
-            async with self.session.post(
-                state.url + flow.path, data=flow.prefill_bytes, headers=flow.headers
-            ) as response:
-                data = await response.read()
-                status = response.status
-        except TimeoutError as exc:
-            raise UpstreamError("timeout", f"prefill engine timed out: {exc}") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("connect", f"prefill engine unreachable: {exc}") from None
-        if status >= 500:
-            raise UpstreamError("status", f"prefill engine answered {status}: {_detail(data)}", status)
-        return status, data
+            with state.lease(flow.uncached):
+                deadline = asyncio.get_running_loop().time() + config.first_byte_timeout_seconds
+                exchange = await self.client.send(state.url, "POST", flow.request.path, flow.engine_headers(), body)
+                data = await exchange.read_all(config.max_prefill_answer_bytes, deadline)
+                status = exchange.status
+                if status >= 500:
+                    detail = data[:300].decode("utf-8", "replace")
+                    return UpstreamError(STATUS, f"prefill engine answered {status}: {detail}", status)
+                passed = _passed_down(exchange.headers)
+        except UpstreamError as failure:
+            return failure
+        finally:
+            if exchange is not None:
+                exchange.close()
+            flow.upstream_wait += perf_counter() - waited
+        if status >= 400:
+            # The engine refused the request itself (a prompt too long, an unknown model): the client's error.
+            flow.outcome = "client_error"
+            flow.responder.send(status, data, [*passed, *flow.answer_headers()])
+            return None
+        checked = engine_kv_params(data, state.endpoint.kv_hosts, self._kv_ports)
+        if isinstance(checked, str):
+            return UpstreamError(PROTOCOL, checked)
+        state.breaker.record_success()
+        self.tracker.record(state.url, flow.prompt.key, monotonic())
+        return checked
 
     # -- decode ---------------------------------------------------------------------------------------------
 
     async def _decode(
         self, flow: _Flow, decode: EndpointState, kv: tuple[dict[str, Any], EndpointState] | None
-    ) -> web.StreamResponse:
-        """Steps 3 and 4: open the decode stream with retries, then relay it."""
-        assert flow.prompt is not None
-        policy = self.config.policy
+    ) -> None:
+        """Open the decode answer with retries (`retry.after_decode_failure`), then relay it."""
+        prompt = flow.prompt
+        assert prompt is not None
         tried: set[str] = set()
-        attempts = 0
-        reprefilled = False
-        last: UpstreamError | None = None
-        state: EndpointState | None = decode
-        while state is not None:
-            body = self._decode_bytes(flow, kv)
-            # Nothing may raise between taking the engine's in-flight count and the try that releases it.
-            state.in_flight += 1
-            self.tracker.record(state.url, flow.prompt.block_hashes, monotonic())
-            waited = perf_counter()
-            try:
-                response, first = await self._open(state, flow, body)
-            except BaseException as error:
-                if not isinstance(error, UpstreamError):
-                    state.in_flight -= 1  # cancelled (client gone) or a bug: release the engine, re-raise
-                    raise
-                failure = error
-                flow.upstream_wait += perf_counter() - waited
-                state.in_flight -= 1
-                self._failed(state, "decode", failure, flow)
-                last = failure
-                tried.add(state.url)
-                attempts += 1
-                peer = kv[1] if kv is not None else None
-                state = None
-                if attempts < policy.max_decode_attempts:
-                    # Same KV on another engine: the prefill engine holds the blocks for its lease.
-                    state = self.scheduler.pick_decode(flow.prompt, flow.prefix_blocks, excluded=tried, peer=peer)
-                    if state is not None:
-                        self.metrics.retries.labels("decode").inc()
-                        continue
-                if kv is not None and not reprefilled:
-                    # The held KV itself may be what fails (prefill gone, lease expired): prefill afresh.
-                    reprefilled = True
-                    state = self.scheduler.pick_decode(
-                        flow.prompt, flow.prefix_blocks, excluded=tried
-                    ) or self.scheduler.pick_decode(flow.prompt, flow.prefix_blocks)
-                    if state is None:
-                        break
-                    self.metrics.retries.labels("reprefill").inc()
-                    result = await self._prefill(flow, state, None, avoid=peer.url if peer else None)
-                    if isinstance(result, web.StreamResponse):
-                        return result
-                    if result is None:
-                        if not policy.fallback_to_decode:
-                            break
-                        flow.route = Route.FALLBACK.value
-                        self.metrics.fallbacks.labels("prefill_failed").inc()
-                    kv = result
-                continue
-            flow.upstream_wait += perf_counter() - waited
-            try:
-                return await self._relay(flow, state, response, first)
-            finally:
-                state.in_flight -= 1
-                response.close()
-        flow.outcome = "upstream_error" if last is not None else "unavailable"
-        message = f"no decode engine could serve the request: {last}" if last else "no decode engine is available"
-        return self._error(flow, 502 if last is not None else 503, message, self._retry_after)
-
-    def _decode_bytes(self, flow: _Flow, kv: tuple[dict[str, Any], EndpointState] | None) -> bytes:
-        if kv is not None:
-            return decode_body(flow.payload, kv[0])
-        if flow.raw is not None:
-            return flow.raw  # nothing to change: forward the client's bytes
-        return orjson.dumps(flow.payload)
-
-    async def _open(self, state: EndpointState, flow: _Flow, body: bytes) -> tuple[aiohttp.ClientResponse, bytes]:
-        """Send the decode request and read up to the first chunk (or the whole body when not streaming).
-
-        Everything that fails here fails before the client saw a byte, so the caller may retry elsewhere.
-        """
-        try:
-            response = await self.session.post(state.url + flow.path, data=body, headers=flow.headers)
-        except TimeoutError as exc:
-            raise UpstreamError("timeout", f"decode engine timed out: {exc}") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("connect", f"decode engine unreachable: {exc}") from None
-        try:
-            status = response.status
-            if status >= 500:
-                data = await response.read()
-                raise UpstreamError("status", f"decode engine answered {status}: {_detail(data)}", status)
-            if status >= 400 or not flow.stream:
-                return response, await response.read()
-            first = await response.content.readany()
-            if not first:
-                raise UpstreamError("stream", "decode engine closed the stream before the first chunk")
-            if first.startswith(b'data: {"error"'):
-                raise UpstreamError("stream", f"decode engine streamed an error first: {_detail(first)}")
-            return response, first
-        except UpstreamError:
-            response.close()
-            raise
-        except TimeoutError as exc:
-            response.close()
-            raise UpstreamError("timeout", f"decode engine timed out before the first chunk: {exc}") from None
-        except aiohttp.ClientError as exc:
-            response.close()
-            raise UpstreamError("connect", f"decode engine failed before the first chunk: {exc}") from None
-        except BaseException:
-            response.close()
-            raise
-
-    async def _relay(
-        self, flow: _Flow, state: EndpointState, upstream: aiohttp.ClientResponse, first: bytes
-    ) -> web.StreamResponse:
-        """Step 5: pass the decode engine's answer to the client, bytes untouched."""
-        state.breaker.record_success()
-        metrics = self.metrics
-        headers = downstream_headers(upstream.headers, flow.rid, flow.route)
-        if not flow.stream or upstream.status >= 400:
-            flow.outcome = "success" if upstream.status < 400 else "client_error"
-            if upstream.status < 400:
-                self._first_byte(flow, perf_counter())
-            return web.Response(status=upstream.status, body=first, headers=headers)
-
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        flow.response = response
-        await response.prepare(flow.request)
-        try:
-            await response.write(first)
-        except ConnectionResetError:
-            flow.outcome = "cancelled"
-            return response
-        last = perf_counter()
-        self._first_byte(flow, last)
-        itl = metrics.itl_by_route[flow.route]
-        content = upstream.content
+        state = decode
         while True:
+            body: Body = decode_body(flow.raw, flow.payload, kv[0]) if kv is not None else [flow.raw]
+            tried.add(state.url)
+            failure = await self._decode_once(flow, state, body)
+            if failure is None:
+                return
+            flow.tries = flow.tries.decode_failed(failure.kind)
+            self._failed(state, "decode", failure, flow)
+            peer = kv[1] if kv is not None else None
+            elsewhere = self.scheduler.pick_decode(prompt, flow.held, excluded=tried, peer=peer)
+            step = after_decode_failure(
+                flow.tries, self.retry_policy, another_decode=elsewhere is not None, same_usable=state.usable
+            )
+            if step is Step.DECODE_ELSEWHERE and elsewhere is not None:
+                self.metrics.retries.labels("decode").inc()
+                state = elsewhere
+                continue
+            if step is Step.DECODE_SAME:
+                self.metrics.retries.labels("decode").inc()
+                continue
+            if step is Step.REPREFILL:
+                # The KV itself may be what fails (prefill gone, lease expired, pull refused): prefill afresh,
+                # elsewhere if possible, and decode on an engine not tried yet if there is one.
+                flow.tries = replace(flow.tries, prefill=0, have_kv=False, reprefilled=True)
+                fresh = self.scheduler.pick_decode(prompt, flow.held, excluded=tried)
+                again = fresh or (state if state.usable else None) or self.scheduler.pick_decode(prompt, flow.held)
+                if again is None:
+                    break
+                state = again
+                self.metrics.retries.labels("reprefill").inc()
+                outcome = await self._prefill(flow, state, None, avoid=peer.url if peer else None)
+                if outcome is None:
+                    return
+                if isinstance(outcome, str):
+                    flow.route = Route.FALLBACK.value
+                    kv = None
+                else:
+                    kv = outcome
+                continue
+            break
+        status = give_up_status(flow.tries)
+        flow.outcome = "unavailable" if status == 503 else "upstream_error"
+        self._error(
+            flow,
+            status,
+            f"no decode engine could serve the request (request id {flow.rid})",
+            self._retry_after if status == 503 else (),
+        )
+
+    async def _decode_once(self, flow: _Flow, state: EndpointState, body: Body) -> UpstreamError | None:
+        """One decode attempt, relayed to the client when it gets as far as a first chunk; the failure otherwise."""
+        assert flow.prompt is not None
+        config = self.config
+        loop = asyncio.get_running_loop()
+        exchange: Exchange | None = None
+        waited = perf_counter()
+        with state.lease():
             try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                failure = UpstreamError("stream", f"decode engine failed mid-stream: {exc!r}")
-                self._failed(state, "decode", failure, flow)
-                flow.outcome = "upstream_error"
-                await self._end_stream(response, stream_error_event(502, str(failure)))
-                return response
-            if not chunk:
-                break
-            now = perf_counter()
-            itl.observe(now - last)
-            last = now
-            try:
-                await response.write(chunk)
-            except ConnectionResetError:
-                flow.outcome = "cancelled"
-                return response
-        flow.outcome = "success"
+                try:
+                    # A stream's first chunk must come in time; a whole answer only within the request deadline.
+                    deadline = loop.time() + config.first_byte_timeout_seconds if flow.stream else None
+                    exchange = await self.client.send(state.url, "POST", flow.request.path, flow.engine_headers(), body)
+                    first = await exchange.first_chunk(deadline)
+                    status = exchange.status
+                    if status >= 500:
+                        detail = await _error_detail(exchange, first, deadline)
+                        raise UpstreamError(STATUS, f"decode engine answered {status}: {detail}", status)
+                    if flow.stream and status < 400 and first.startswith(b'data: {"error"'):
+                        raise UpstreamError(STREAM, f"decode engine streamed an error first: {first[:200]!r}")
+                except UpstreamError as failure:
+                    return failure
+                finally:
+                    flow.upstream_wait += perf_counter() - waited
+                await self._relay(flow, state, exchange, status, first)
+                return None
+            finally:
+                if exchange is not None:
+                    exchange.close()
+
+    async def _relay(self, flow: _Flow, state: EndpointState, exchange: Exchange, status: int, first: bytes) -> None:
+        """Pass the decode engine's answer to the client: the first chunk now, the rest as it comes."""
+        assert flow.prompt is not None
+        responder = flow.responder
+        ok = status < 400
+        if ok:
+            state.breaker.record_success()
+            self.tracker.record(state.url, flow.prompt.key, monotonic())
+        responder.start(status, [*_passed_down(exchange.headers), *flow.answer_headers()])
+        now = perf_counter()
+        relay = _Relay(responder, self.metrics.itl_by_route[flow.route], flow.stream and ok, now)
+        relay.write(first)
+        if ok:
+            self._first_byte(flow, now)
+        responder.flow_control(exchange.pause_reading, exchange.resume_reading)
         try:
-            await response.write_eof()
-        except ConnectionResetError:
-            flow.outcome = "cancelled"
-        return response
+            await exchange.relay(relay, self.config.read_timeout_seconds if flow.stream else None)
+        except UpstreamError as failure:
+            self._failed(state, "decode", UpstreamError(failure.kind, f"decode engine failed mid-stream: {failure}"),
+                         flow)  # fmt: skip
+            flow.outcome = "upstream_error"
+            if flow.stream:
+                responder.end(stream_error_event(502, "decode engine failed mid-stream"))
+            else:
+                responder.end()  # cannot be made whole: the client sees a short body and the cut connection
+            return
+        finally:
+            responder.flow_control(None, None)
+        relay.flush()
+        flow.outcome = "success" if ok else "client_error"
+        responder.end()
 
     def _first_byte(self, flow: _Flow, now: float) -> None:
         """Record TTFT and the router's own share of it (TTFT minus the time spent waiting on engines)."""
@@ -479,26 +504,26 @@ class Proxy:
         self.metrics.ttft_by_route[flow.route].observe(ttft)
         self.metrics.overhead.observe(max(0.0, ttft - flow.upstream_wait))
 
-    async def _end_stream(self, response: web.StreamResponse, event: bytes) -> None:
-        try:
-            await response.write(event)
-            await response.write_eof()
-        except ConnectionResetError:
-            pass
-
     def _failed(self, state: EndpointState, role: Role, failure: UpstreamError, flow: _Flow) -> None:
         """Count an engine failure and feed its circuit breaker."""
         state.errors += 1
         label = state.endpoint.label
         self.metrics.endpoint_errors.labels(role, label, failure.kind).inc()
-        log.warning(
-            "Failed %s request endpoint=%s kind=%s request_id=%s error=%s",
-            role,
-            label,
-            failure.kind,
-            flow.rid,
-            failure,
-        )
-        if state.breaker.record_failure(monotonic()):
+        log.warning("Failed %s request endpoint=%s kind=%s request_id=%s error=%s", role, label, failure.kind,
+                    flow.rid, failure)  # fmt: skip
+        if self.table.record_failure(state, monotonic()):
             self.metrics.ejections.labels(role, label).inc()
             log.warning("Ejected %s endpoint=%s after %d failures", role, label, state.breaker.consecutive_failures)
+
+
+def _passed_down(headers: dict[str, str]) -> list[tuple[str, str]]:
+    return [(canonical, headers[name]) for name, canonical in _PASSED_DOWN.items() if name in headers]
+
+
+async def _error_detail(exchange: Exchange, first: bytes, deadline: float | None) -> str:
+    """The start of an engine's error body, for the log (never for the client)."""
+    try:
+        data = first + await exchange.read_all(_ERROR_BODY_LIMIT, deadline)
+    except UpstreamError:
+        data = first
+    return data[:300].decode("utf-8", "replace")

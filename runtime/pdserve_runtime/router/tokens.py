@@ -1,36 +1,78 @@
-r"""The router's model of a prompt: approximate tokens and the hashes of its full token blocks.
+r"""The router's model of a prompt: its bytes as a prefix-comparable key, and how many of its tokens an engine would
+have to compute given what the engine is believed to hold.
 
-The router has no tokenizer (it must not load model files, and a real tokenizer would cost more CPU than the
-rest of the request path). It only needs two things, and an approximation serves both:
+The router has no tokenizer (it must not load model files, and a real tokenizer would cost more CPU than the rest
+of the request path). It needs two things, and the shared byte-level model of `pdserve.api.prompt` serves both
+without any Python work per token:
 
-- a prompt length in tokens, to compare the uncached part against the disaggregation threshold;
-- block hashes that are equal for equal prompt prefixes, to track which engine holds which prefix.
+- a key per prompt whose common prefix with another prompt's key is their common prefix: the prompt's UTF-8
+  bytes (chat requests flattened with the shared template) or, for token-id prompts, the ids as 8-byte integers,
+  behind a one-byte tag so the two never match each other;
+- for the engine the scheduler chose, whether the tokens it would have to compute reach the disaggregation
+  threshold, decided exactly under the model the engine simulator implements.
 
-Approximation: `pdserve.api.prompt` defines the tokens and the chat template (the engine simulator counts with
-the same definition, so thresholds mean the same tokens there). Token-id prompts (`prompt: [1, 2, 3]`) are used
-as they are; chat requests are flattened with the shared template, text parts only.
+Exact decision without counting the whole prompt (`uncached_tokens`). An engine caches whole blocks of
+`block_size` tokens and always computes the last prompt token, so with n prompt tokens of which the first c are
+common with a prompt the engine holds, it computes u = n - block * min(floor(c / block), floor((n - 1) / block)).
+Cut the key at p, just after the last space or newline before the end of the common part (tokens never span a
+space byte, so counts add up across p): c = A + G and n = A + B, where A counts the tokens before p, G the common
+tokens between p and the end of the common part (a few bytes: the tail of one word), and B the tokens from p to
+the end. Then B - G <= u < max(B - G, 1) + block, so:
 
-Blocks: the tokens are cut into full blocks of `block_size` (a partial tail block is never cached by vLLM, so it
-is not hashed) and each block hash chains the previous one, so a block hash stands for the whole prefix up to
-and including that block, as in vLLM's prefix cache. Python's `hash` is process-salted for strings; that is fine
-because hashes never leave the router process.
+- B - G >= threshold: u reaches it. B is counted in growing slices from p and the count stops as soon as it reaches
+  threshold + G, so a long uncached tail costs a few kilobytes of counting, whatever the prompt's length;
+- max(B - G, 1) + block <= threshold: u stays below it;
+- otherwise (u within one block of the threshold) A is counted too and u is exact.
+
+The common part itself is found by the prefix tracker with memcmp over stored keys (`prefix.py`), so the cost of
+a routing decision depends on the threshold, not on the prompt's length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from array import array
 from dataclasses import dataclass
+from typing import Any
 
-from pdserve.api.prompt import chat_prompt, text_tokens
+from pdserve.api.prompt import CHUNK_BYTES, chat_prompt, count_tokens, is_word_byte, trailing_word_run, utf8
+
+TEXT_TAG = b"t"
+IDS_TAG = b"i"
+_ID_BYTES = 8
+# Token density assumed for the part of a prompt that was not counted (load estimates only, never decisions).
+_BYTES_PER_TOKEN = 4.5
+# First slice counted from the cut; each next slice doubles (a slice ends at the next space byte).
+_FIRST_SLICE = 2048
 
 
 @dataclass(frozen=True, slots=True)
 class PromptInfo:
     """What the routing policies know about one request's prompt."""
 
-    tokens: int
-    block_hashes: tuple[int, ...]
+    key: bytes
     block_size: int
+
+    @property
+    def size(self) -> int:
+        """Length of the key in bytes (prefix affinity is measured in bytes of the key)."""
+        return len(self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What an engine is believed to hold of a prompt: the longest common prefix with a prompt it processed."""
+
+    common: int  # bytes of the key in common (the tag included)
+    stored_next: int | None  # the byte after the common part in the stored prompt; None where it ended
+
+
+@dataclass(frozen=True, slots=True)
+class Uncached:
+    """Prompt tokens an engine would compute, and whether they reach the threshold (always exact)."""
+
+    tokens: int  # exact when `exact`, else an estimate on the same side of the threshold as the truth
+    exact: bool
+    wants_prefill: bool
 
 
 def _content_text(content: object) -> str:
@@ -43,46 +85,135 @@ def _content_text(content: object) -> str:
     return ""
 
 
-def prompt_tokens(payload: dict[str, object], chat: bool) -> Sequence[Hashable]:
-    """The approximate token sequence of a completions or chat request body (already validated as a dict)."""
+def _ids_key(ids: list[Any]) -> bytes | None:
+    try:
+        return IDS_TAG + array("q", ids).tobytes()
+    except (TypeError, OverflowError):
+        return None  # not all int64: engines will refuse it; route it as having no prefix
+
+
+def prompt_key(payload: dict[str, object], chat: bool) -> bytes:
+    """The prefix-comparable key of a completions or chat request body (already parsed as a dict)."""
     if chat:
         messages = payload.get("messages")
         if not isinstance(messages, list):
-            return []
+            return TEXT_TAG
         pairs = [
             (str(message.get("role", "")), _content_text(message.get("content")))
             for message in messages
             if isinstance(message, dict)
         ]
-        return text_tokens(chat_prompt(pairs))
+        return TEXT_TAG + utf8(chat_prompt(pairs))
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
-        return text_tokens(prompt)
+        return TEXT_TAG + utf8(prompt)
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(item, int) for item in prompt):
-            return prompt  # already token ids
-        # A batch of prompts: the engines see each, but for routing their concatenation is a fair estimate.
-        flat: list[Hashable] = []
-        for item in prompt:
-            if isinstance(item, str):
-                flat.extend(text_tokens(item))
-            elif isinstance(item, list):
-                flat.extend(token for token in item if isinstance(token, int))
-        return flat
-    return []
-
-
-def block_hashes(tokens: Sequence[Hashable], block_size: int) -> tuple[int, ...]:
-    """Chained hashes of the full `block_size` blocks of `tokens`."""
-    hashes: list[int] = []
-    previous = 0
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        previous = hash((previous, tuple(tokens[start : start + block_size])))
-        hashes.append(previous)
-    return tuple(hashes)
+        if all(type(item) is int for item in prompt):
+            return _ids_key(prompt) or TEXT_TAG
+        # A batch of prompts: engines see each one, but for routing their concatenation is a fair estimate.
+        texts = [item for item in prompt if isinstance(item, str)]
+        if texts:
+            return TEXT_TAG + utf8(" ".join(texts))
+        ids = [token for item in prompt if isinstance(item, list) for token in item if type(token) is int]
+        return _ids_key(ids) or TEXT_TAG
+    return TEXT_TAG
 
 
 def describe_prompt(payload: dict[str, object], chat: bool, block_size: int) -> PromptInfo:
-    """Token count and block hashes of a request body."""
-    tokens = prompt_tokens(payload, chat)
-    return PromptInfo(tokens=len(tokens), block_hashes=block_hashes(tokens, block_size), block_size=block_size)
+    """The routing view of a request body."""
+    return PromptInfo(key=prompt_key(payload, chat), block_size=block_size)
+
+
+def prompt_tokens(prompt: PromptInfo) -> int:
+    """Every token of the prompt (a full count: tests and tools, not the request path)."""
+    key = prompt.key
+    if key[:1] == IDS_TAG:
+        return (len(key) - 1) // _ID_BYTES
+    return count_tokens(key[1:])
+
+
+def _cached(common_tokens: int, total_tokens: int, block: int) -> int:
+    """Tokens an engine reuses: whole common blocks, never the last prompt token."""
+    if total_tokens <= 0:
+        return 0
+    return block * min(common_tokens // block, (total_tokens - 1) // block)
+
+
+def _count_from(key: bytes, start: int, limit: int) -> tuple[int, int]:
+    """Tokens of key[start:], counted in slices cut after space bytes, stopping once `limit` is reached.
+
+    Returns (tokens counted, where counting stopped); stopping before len(key) means the count reached `limit`.
+    """
+    total = 0
+    pos = start
+    step = _FIRST_SLICE
+    end_of_key = len(key)
+    while pos < end_of_key:
+        if total >= limit:
+            break
+        end = pos + step
+        if end >= end_of_key:
+            end = end_of_key
+        else:
+            cut = key.find(b" ", end)
+            end = end_of_key if cut < 0 else cut + 1
+        total += count_tokens(key[pos:end])
+        pos = end
+        step *= 2
+    return total, pos
+
+
+def _gap_common_tokens(key: bytes, start: int, common: int, stored_next: int | None) -> int:
+    """Tokens of key[start:common] that are whole and equal in both prompts (no space byte in that range).
+
+    Every token of the range is shared except possibly the last one, when it is a slice of a word run that
+    continues past the common part in either prompt (the two runs then slice differently from there).
+    """
+    gap = key[start:common]
+    tokens = count_tokens(gap)
+    if not gap or not is_word_byte(gap[-1]):
+        return tokens
+    if trailing_word_run(gap) % CHUNK_BYTES == 0:
+        return tokens  # the run's last slice is full: it ends here whatever follows
+    query_next = key[common] if common < len(key) else None
+    ends_here = (query_next is None or not is_word_byte(query_next)) and (
+        stored_next is None or not is_word_byte(stored_next)
+    )
+    return tokens if ends_here else tokens - 1
+
+
+def uncached_tokens(prompt: PromptInfo, held: Held | None, threshold: int) -> Uncached:
+    """Tokens the engine would compute for `prompt` given what it holds; see the module docstring."""
+    key, block = prompt.key, prompt.block_size
+    common = held.common if held is not None else 0
+    if key[:1] == IDS_TAG:
+        total = (len(key) - 1) // _ID_BYTES
+        shared = max(0, common - 1) // _ID_BYTES
+        tokens = total - _cached(shared, total, block)
+        return Uncached(tokens, True, tokens >= threshold)
+    if common <= 1:
+        # Nothing in common: every token is computed, so counting stops at the threshold.
+        counted, stopped = _count_from(key, 1, threshold)
+        if stopped < len(key):
+            return Uncached(_estimate(key, 1, counted, stopped), False, True)
+        return Uncached(counted, True, counted >= threshold)
+    # Cut just after the last space or newline of the common part (memrchr: only the last word is scanned).
+    cut = max(key.rfind(b" ", 1, common), key.rfind(b"\n", 1, common)) + 1 or 1
+    gap = _gap_common_tokens(key, cut, common, held.stored_next if held is not None else None)
+    tail, stopped = _count_from(key, cut, threshold + gap)
+    if stopped < len(key):
+        return Uncached(_estimate(key, cut, tail, stopped) - gap, False, True)
+    if tail - gap >= threshold:
+        return Uncached(tail - gap, False, True)
+    if max(tail - gap, 1) + block <= threshold:
+        return Uncached(max(tail - gap, 0), False, False)
+    before = count_tokens(key[1:cut])
+    tokens = before + tail - _cached(before + gap, before + tail, block)
+    return Uncached(tokens, True, tokens >= threshold)
+
+
+def _estimate(key: bytes, start: int, counted: int, stopped: int) -> int:
+    """Counted tokens plus the rest of the key at the density seen so far (load estimates only)."""
+    seen = stopped - start
+    density = counted / seen if seen and counted else 1 / _BYTES_PER_TOKEN
+    return counted + round((len(key) - stopped) * density)

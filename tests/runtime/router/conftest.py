@@ -7,7 +7,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from pdserve.api.router_config import RouterConfig
 from pdserve_runtime.router.breaker import CircuitBreaker
@@ -46,20 +45,17 @@ def make_state() -> StateFactory:
 
 @asynccontextmanager
 async def running_router(config: RouterConfig, **config_updates: Any) -> AsyncIterator[tuple[str, Any]]:
-    """Serve a RouterApp on a free loopback port (handler cancellation on, as in production)."""
+    """Serve a RouterApp on a free loopback port, as `pdserve router` does."""
     from pdserve_runtime.router.app import RouterApp
 
     if config_updates:
         config = config.model_copy(update=config_updates)
     router = RouterApp(config)
-    runner = web.AppRunner(router.web_app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
     try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        port = await router.start("127.0.0.1", 0)
         yield f"http://127.0.0.1:{port}", router
     finally:
-        await runner.cleanup()
+        await router.stop()
 
 
 @pytest.fixture
@@ -72,6 +68,7 @@ def static_config(prefill: list[str], decode: list[str], **policy: Any) -> Route
     """A static-mode config for tests; `policy` fields and a few top-level ones (by python name) override."""
     top = {key: policy.pop(key) for key in list(policy) if key in RouterConfig.model_fields}
     breaker = policy.pop("breaker", None)
+    top.setdefault("engine_metrics_interval_seconds", 0.0)
     config = RouterConfig(
         served_model_name="sim-model", discovery="static", static_prefill=prefill, static_decode=decode, **top
     )

@@ -1,10 +1,14 @@
-"""The circuit breaker: ejection after consecutive failures, probing back in."""
+"""The circuit breaker: ejection after consecutive failures, probing back in; the pool's ejection budget; the
+one in-flight accounting helper."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from pdserve_runtime.router.breaker import CircuitBreaker
+from pdserve_runtime.router.endpoints import Endpoint, EndpointTable
 
 
 @pytest.mark.parametrize(
@@ -65,3 +69,52 @@ def test_good_probes_close_the_breaker(probes: list[bool], success_threshold: in
     assert breaker.allows_traffic() is (closed_after is not None)
     if closed_after is not None:
         assert breaker.consecutive_failures == 0  # a fresh start, not one failure from ejection
+
+
+def _pool(size: int, percent: int = 50) -> EndpointTable:
+    table = EndpointTable(failure_threshold=1, max_ejected_percent=percent)
+    table.replace("decode", [Endpoint(url=f"http://d{index}", role="decode") for index in range(size)])
+    return table
+
+
+@pytest.mark.parametrize(
+    ("size", "percent", "ejected"),
+    [
+        (1, 50, 0),  # the only engine is never ejected for errors
+        (2, 50, 1),
+        (3, 50, 1),
+        (4, 50, 2),
+        (4, 100, 3),  # even at 100 %, the last usable engine stays
+        (4, 0, 0),  # ejection off
+        (10, 10, 1),
+    ],
+)
+def test_ejection_stays_within_the_pool_budget(size: int, percent: int, ejected: int) -> None:
+    table = _pool(size, percent)
+    for _ in range(3):
+        for state in table.states("decode"):
+            table.record_failure(state, now=0.0)
+    assert sum(1 for state in table.states("decode") if not state.usable) == ejected
+
+
+def test_the_lease_releases_the_counts_whatever_ends_the_block() -> None:
+    state = _pool(1).states("decode")[0]
+    with state.lease(tokens=300):
+        assert (state.in_flight, state.in_flight_tokens) == (1, 300)
+    with pytest.raises(RuntimeError), state.lease(tokens=5):
+        raise RuntimeError("an engine failure, a bug")
+
+    async def cancelled() -> None:
+        with state.lease(tokens=7):
+            await asyncio.sleep(3600)
+
+    async def main() -> None:
+        task = asyncio.create_task(cancelled())
+        await asyncio.sleep(0)
+        assert state.in_flight == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert (state.in_flight, state.in_flight_tokens) == (0, 0)

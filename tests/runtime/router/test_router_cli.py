@@ -97,3 +97,18 @@ async def test_the_command_serves_on_the_bind_host_and_stops_on_sigterm() -> Non
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+def test_the_engine_metrics_interval_comes_from_the_file_unless_the_flag_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve_runtime.router.app import RouterApp
+
+    monkeypatch.delenv("PDSERVE_BIND_HOST", raising=False)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({"servedModelName": "m", "decode": {"namespace": "n", "serviceName": "d"},
+                                    "engineMetricsIntervalSeconds": 7}))  # fmt: skip
+    assert load_config(str(path)).engine_metrics_interval_seconds == 7
+    off = load_config(str(path), engine_metrics_interval=0)
+    assert off.engine_metrics_interval_seconds == 0
+    assert RouterApp(off.model_copy(update={"discovery": "static", "static_decode": ["http://d:1"]}))._scraper is None

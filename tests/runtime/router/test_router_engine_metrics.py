@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import aiohttp
 import pytest
 
 from pdserve_dev.testing.sim import sim_in_process
@@ -13,6 +12,7 @@ from pdserve_runtime.router.engine_metrics import EngineMetricsScraper, parse_kv
 from pdserve_runtime.router.policy.base import PickContext
 from pdserve_runtime.router.policy.scorer_kv_usage import KvCacheHeadroomScorer
 from pdserve_runtime.router.tokens import PromptInfo
+from pdserve_runtime.router.upstream import EngineClient
 
 StateFactory = Callable[..., EndpointState]
 
@@ -52,18 +52,20 @@ def test_kv_headroom_scorer(
             state.kv_cache_usage, state.kv_cache_usage_at = reading
         states.append(state)
     scorer = KvCacheHeadroomScorer(stale_after=30.0, clock=lambda: 101.0)
-    ctx = PickContext(prompt=PromptInfo(tokens=1, block_hashes=(), block_size=16))
+    ctx = PickContext(prompt=PromptInfo(key=b"tx", block_size=16))
     assert scorer.score(ctx, states) == pytest.approx(expected)
 
 
 async def test_scraper_reads_a_simulator() -> None:
-    async with sim_in_process(role="decode") as d, aiohttp.ClientSession() as session:
+    client = EngineClient(connect_timeout=1.0)
+    async with sim_in_process(role="decode") as d:
         table = EndpointTable()
         table.replace("decode", [Endpoint(url=d.url, role="decode"), Endpoint(url="http://127.0.0.1:9", role="decode")])
         scraper = EngineMetricsScraper(table, interval=10.0)
         live, dead = table.states("decode")
-        await scraper.scrape(session, live)
-        await scraper.scrape(session, dead)
+        await scraper.scrape(client, live)
+        await scraper.scrape(client, dead)
+        await client.close()
         assert live.kv_cache_usage is not None and 0.0 <= live.kv_cache_usage <= 1.0
         assert dead.kv_cache_usage is None
         assert dead.breaker.allows_traffic()  # a metrics failure is not a serving failure

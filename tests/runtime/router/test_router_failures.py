@@ -65,7 +65,7 @@ async def test_a_failed_prefill_is_retried_on_another_engine(
             await set_faults(bad.url, fail_next=1, fail_status=500)
         if kind == "timeout":
             await set_faults(bad.url, latency_s=5)
-        config = make_config([bad_url, good.url], [d.url], read_timeout_seconds=0.5)
+        config = make_config([bad_url, good.url], [d.url], first_byte_timeout_seconds=0.5)
         async with router_server(config) as (url, router):
             prefer(router, "prefill", bad_url)
             status, headers, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
@@ -157,13 +157,28 @@ async def test_kv_that_cannot_be_pulled_is_prefilled_again_elsewhere(
         assert metric_value(exposition, "pdserve_router_retries_total", stage="reprefill") == 1
 
 
-async def test_decode_failing_for_good_is_a_502_in_openai_shape(
+async def test_decode_engines_all_down_is_a_503_with_retry_after(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
     async with router_server(make_config([], [DEAD])) as (url, _):
         status, headers, body = await post(url, {"model": "sim-model", "prompt": SHORT})
+    assert status == 503
+    assert headers["Retry-After"] == "2"
+    assert b'"error":{"message":"no decode engine could serve the request' in body
+    assert b"127.0.0.1" not in body  # no engine address reaches the client
+    assert headers["X-Request-Id"]
+
+
+async def test_decode_failing_for_good_is_a_502_in_openai_shape(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    async with sim_in_process(role="decode") as d:
+        await set_faults(d.url, fail_next=100, fail_status=500)
+        async with router_server(make_config([], [d.url])) as (url, _):
+            status, headers, body = await post(url, {"model": "sim-model", "prompt": SHORT})
     assert status == 502
     assert b'"error":{"message":"no decode engine could serve the request' in body
+    assert b"Injected" not in body and d.url.encode() not in body  # engine internals stay in the log
     assert headers["X-Request-Id"]
 
 

@@ -15,7 +15,7 @@ from pdserve_runtime.router.tokens import PromptInfo
 
 StateFactory = Callable[..., EndpointState]
 
-PROMPT = PromptInfo(tokens=10, block_hashes=(), block_size=16)
+PROMPT = PromptInfo(key=b"tsome prompt", block_size=16)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve_runtime.router.messages import ENGINE_INTERNAL_FIELDS, parse_body, prefill_body, sanitize
-from pdserve_runtime.router.tokens import describe_prompt
+from pdserve_runtime.router.tokens import Held, describe_prompt, prompt_tokens, uncached_tokens
+from pdserve_runtime.router.validate import problem
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=40),
@@ -42,13 +43,17 @@ bodies = st.fixed_dictionaries(
 @settings(max_examples=300, deadline=None)
 @given(body=bodies, chat=st.booleans(), block=st.integers(1, 64))
 def test_request_analysis_never_raises(body: dict[str, Any], chat: bool, block: int) -> None:
-    payload = parse_body(orjson.dumps(body))
-    sanitize(payload)
+    raw = orjson.dumps(body)
+    payload = parse_body(raw)
+    problem(payload, chat)
+    if sanitize(payload):
+        raw = orjson.dumps(payload)
     assert not set(ENGINE_INTERNAL_FIELDS) & payload.keys()
     info = describe_prompt(payload, chat, block)
-    assert info.tokens >= 0
-    assert len(info.block_hashes) == info.tokens // block
-    step1 = orjson.loads(prefill_body(payload, chat))
+    assert prompt_tokens(info) >= 0
+    held = Held(len(info.key) // 2, None) if len(info.key) > 2 else None
+    assert uncached_tokens(info, held, 64).tokens >= 0
+    step1 = orjson.loads(b"".join(bytes(part) for part in prefill_body(raw, payload, chat)))
     assert step1["max_tokens"] == 1 and step1["stream"] is False
 
 

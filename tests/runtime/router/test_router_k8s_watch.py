@@ -259,3 +259,40 @@ async def test_discovery_follows_slices_and_pods_and_survives_an_api_outage(fake
     finally:
         await discovery.stop()
         api.close_watches()
+
+
+async def test_the_pod_watch_sees_only_the_pools_pods(fake_api: tuple[FakeApi, int]) -> None:
+    """With `podLabelSelector` the router lists and watches only its pools' pods (not every pod of the namespace):
+    an endpoint whose pod is outside the selector is never joined, however often the table is rebuilt."""
+    from kubernetes import client
+
+    api, port = fake_api
+    decode_pod = pod("d-0", "v1")
+    decode_pod["metadata"]["labels"]["pdserve.io/role"] = "decode"
+    api.put("pods", decode_pod)
+    api.put("pods", pod("x-0", "v1"))  # another workload's pod in the same namespace
+    api.put("endpointslices", endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", True)))
+    selector = EndpointSelector(namespace=NS, service_name="svc-decode", pod_label_selector="pdserve.io/role=decode")
+    config = RouterConfig(served_model_name="m", decode=selector)
+    table = EndpointTable()
+
+    def api_client() -> Any:
+        return client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}"))
+
+    discovery = KubernetesDiscovery(config, table, api_client_factory=api_client)
+    await discovery.start()
+    try:
+        await until(lambda: urls(table, "decode") == ["http://10.2.0.1:8000"], "d-0 joined with its pod")
+        version = table.version
+        api.put(
+            "endpointslices",
+            endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", True), ("10.2.0.9", "x-0", True)),
+        )
+        await rebuilt(table, version)
+        api.put("pods", pod("x-0", "v2"))  # a change to the outside pod reaches no watch of the router
+        version = table.version
+        api.put("endpointslices", endpoint_slice("dec-y", "svc-decode"))
+        await rebuilt(table, version)
+        assert urls(table, "decode") == ["http://10.2.0.1:8000"]
+    finally:
+        await discovery.stop()

@@ -9,32 +9,18 @@ import pytest
 
 from pdserve.api.router_config import RoutingPolicyConfig
 from pdserve_runtime.router.endpoints import Endpoint, EndpointTable
-from pdserve_runtime.router.policy.decision import Route, uncached_tokens, wants_prefill
+from pdserve_runtime.router.policy.decision import Route
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
-from pdserve_runtime.router.tokens import PromptInfo
+from pdserve_runtime.router.tokens import TEXT_TAG, PromptInfo
 
 ZONE = "topology.kubernetes.io/zone"
 
 
-@pytest.mark.parametrize(
-    ("tokens", "cached_blocks", "block", "threshold", "uncached", "pd"),
-    [
-        (100, 0, 16, 256, 100, False),  # short prompt: local prefill
-        (1000, 0, 16, 256, 1000, True),  # long and cold: disaggregate
-        (1000, 50, 16, 256, 200, False),  # long but mostly cached on the decode engine
-        (1000, 46, 16, 256, 264, True),
-        (10, 5, 16, 0, 0, True),  # threshold 0: always PD
-        (256, 0, 16, 256, 256, True),  # at the threshold: PD
-    ],
-)
-def test_decision(tokens: int, cached_blocks: int, block: int, threshold: int, uncached: int, pd: bool) -> None:  # noqa: PLR0917
-    assert uncached_tokens(tokens, cached_blocks, block) == uncached
-    assert wants_prefill(uncached, threshold) is pd
-
-
 def prompt(blocks: int, extra: int = 0) -> PromptInfo:
-    return PromptInfo(tokens=blocks * 16 + extra, block_hashes=tuple(range(100, 100 + blocks)), block_size=16)
+    """A text prompt of exactly blocks * 16 + extra tokens (each word is one token)."""
+    words = " ".join(f"w{index}" for index in range(blocks * 16 + extra))
+    return PromptInfo(key=TEXT_TAG + words.encode(), block_size=16)
 
 
 def scheduler(
@@ -75,7 +61,7 @@ def test_route_follows_the_prompt_length(blocks: int, route: Route) -> None:
 
 def test_a_prompt_cached_on_the_decode_engine_skips_prefill() -> None:
     sched, _, tracker = scheduler([p("p1")], [d("d1")])
-    tracker.record("http://d1", prompt(40).block_hashes, now=0.0)
+    tracker.record("http://d1", prompt(40).key, now=0.0)
     plan = sched.plan(prompt(40, extra=5), now=1.0)
     assert plan.route is Route.DECODE_ONLY
     assert plan.uncached_tokens == 5
@@ -91,7 +77,7 @@ def test_a_prompt_cached_on_the_decode_engine_skips_prefill() -> None:
 )
 def test_decode_choice_balances_prefix_against_load(warm_load: int, load_weight: float, winner: str) -> None:
     sched, table, tracker = scheduler([p("p1")], [d("d1"), d("d2")], decode_load_weight=load_weight)
-    tracker.record("http://d2", prompt(40).block_hashes, now=0.0)
+    tracker.record("http://d2", prompt(40).key, now=0.0)
     {state.url: state for state in table.states("decode")}["http://d2"].in_flight = warm_load
     picks = {sched.plan(prompt(40), now=1.0).decode.url for _ in range(10)}  # type: ignore[union-attr]
     assert winner in picks
@@ -111,7 +97,7 @@ def test_prefill_choice_pairs_kv_compat_and_prefers_the_decode_zone() -> None:
 
 def test_prefill_choice_follows_the_prefix_unless_the_engine_is_loaded() -> None:
     sched, _, tracker = scheduler([p("p1"), p("p2")], [d("d1")])
-    tracker.record("http://p2", prompt(40).block_hashes, now=0.0)
+    tracker.record("http://p2", prompt(40).key, now=0.0)
     plan = sched.plan(prompt(40), now=1.0)
     assert plan.prefill is not None and plan.prefill.url == "http://p2"
 
@@ -135,7 +121,7 @@ def test_no_prefill_engine_means_fallback() -> None:
 
 def test_prefix_awareness_can_be_turned_off() -> None:
     sched, _, tracker = scheduler([p("p1")], [d("d1")], prefix_aware=False)
-    tracker.record("http://d1", prompt(40).block_hashes, now=0.0)
+    tracker.record("http://d1", prompt(40).key, now=0.0)
     assert sched.plan(prompt(40), now=1.0).route is Route.PD
 
 
@@ -145,3 +131,13 @@ def test_engine_reported_kv_usage_steers_decode_choice() -> None:
     full.kv_cache_usage, full.kv_cache_usage_at = 0.95, time.monotonic()
     empty.kv_cache_usage, empty.kv_cache_usage_at = 0.05, time.monotonic()
     assert {sched.plan(prompt(2), now=0.0).decode.url for _ in range(10)} == {"http://d2"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("weight", "steered"), [(0.5, True), (0.0, False)])
+def test_the_kv_headroom_weight_is_a_policy_setting(weight: float, steered: bool) -> None:
+    sched, table, _ = scheduler([p("p1")], [d("d1"), d("d2")], kv_headroom_weight=weight)
+    full, empty = table.states("decode")
+    full.kv_cache_usage, full.kv_cache_usage_at = 0.95, time.monotonic()
+    empty.kv_cache_usage, empty.kv_cache_usage_at = 0.05, time.monotonic()
+    picks = {sched.plan(prompt(2), now=0.0).decode.url for _ in range(40)}  # type: ignore[union-attr]
+    assert (picks == {"http://d2"}) is steered

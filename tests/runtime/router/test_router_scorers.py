@@ -11,7 +11,7 @@ from pdserve_runtime.router.policy.base import PickContext
 from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight_requests, in_flight_tokens
 from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
 from pdserve_runtime.router.policy.scorer_topology import SameTopologyScorer
-from pdserve_runtime.router.tokens import PromptInfo
+from pdserve_runtime.router.tokens import Held, PromptInfo
 
 StateFactory = Callable[..., EndpointState]
 
@@ -19,8 +19,9 @@ ZONE = "topology.kubernetes.io/zone"
 RACK = "example.com/rack"
 
 
-def prompt(blocks: int) -> PromptInfo:
-    return PromptInfo(tokens=blocks * 16 + 3, block_hashes=tuple(range(blocks)), block_size=16)
+def prompt(size: int) -> PromptInfo:
+    """A prompt whose key is `size` bytes long (the tag included)."""
+    return PromptInfo(key=b"t" + b"x" * (size - 1), block_size=16)
 
 
 @pytest.mark.parametrize(
@@ -35,7 +36,7 @@ def prompt(blocks: int) -> PromptInfo:
 )
 def test_least_in_flight_requests(make_state: StateFactory, loads: list[int], expected: list[float]) -> None:
     states = [make_state(f"d{i}", in_flight=load) for i, load in enumerate(loads)]
-    scores = LeastLoadScorer(in_flight_requests).score(PickContext(prompt=prompt(1)), states)
+    scores = LeastLoadScorer(in_flight_requests).score(PickContext(prompt=prompt(16)), states)
     assert scores == pytest.approx(expected)
 
 
@@ -44,21 +45,22 @@ def test_least_in_flight_tokens_measures_prefill_work(make_state: StateFactory) 
         make_state("p0", "prefill", in_flight=9, tokens=100),
         make_state("p1", "prefill", in_flight=1, tokens=4000),
     ]
-    assert LeastLoadScorer(in_flight_tokens).score(PickContext(prompt=prompt(1)), states) == [1.0, 0.0]
+    assert LeastLoadScorer(in_flight_tokens).score(PickContext(prompt=prompt(16)), states) == [1.0, 0.0]
 
 
 @pytest.mark.parametrize(
-    ("blocks", "held", "expected"),
+    ("size", "held", "expected"),
     [
-        (4, {}, [0.0, 0.0]),
-        (4, {"e0": 4}, [1.0, 0.0]),
-        (4, {"e0": 1, "e1": 3}, [0.25, 0.75]),
-        (0, {"e0": 0}, [0.0, 0.0]),  # no full block: nothing to be affine to
+        (400, {}, [0.0, 0.0]),
+        (400, {"e0": 400}, [1.0, 0.0]),
+        (400, {"e0": 100, "e1": 300}, [0.25, 0.75]),
+        (1, {"e0": 1}, [0.0, 0.0]),  # an empty prompt: nothing to be affine to
+        (400, {"e0": 60, "e1": 70}, [0.0, 0.175]),  # less than a block (16 tokens at 4 bytes) is worth nothing
     ],
 )
-def test_prefix_affinity(make_state: StateFactory, blocks: int, held: dict[str, int], expected: list[float]) -> None:
+def test_prefix_affinity(make_state: StateFactory, size: int, held: dict[str, int], expected: list[float]) -> None:
     states = [make_state("e0"), make_state("e1")]
-    ctx = PickContext(prompt=prompt(blocks), prefix_blocks=held)
+    ctx = PickContext(prompt=prompt(size), held={url: Held(common, None) for url, common in held.items()})
     assert PrefixAffinityScorer().score(ctx, states) == pytest.approx(expected)
 
 
@@ -81,5 +83,5 @@ def test_same_topology(
 ) -> None:
     peer_state = None if peer is None else make_state("d", topology=peer)
     states = [make_state(f"p{i}", "prefill", topology=topology) for i, topology in enumerate(candidates)]
-    ctx = PickContext(prompt=prompt(1), peer=peer_state)
+    ctx = PickContext(prompt=prompt(16), peer=peer_state)
     assert SameTopologyScorer(labels).score(ctx, states) == pytest.approx(expected)

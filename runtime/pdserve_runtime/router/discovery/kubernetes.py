@@ -4,7 +4,8 @@ Why both: an EndpointSlice says which addresses are ready and where they are (zo
 labels the router pairs on (`pdserve.io/kv-compat`, topology labels set on pods). Endpoints point at their pod
 through `targetRef`, so the table is `endpoints_from_slice(slice, pod labels)` over all slices of a pool.
 
-Watching: one thread per watched collection (each slice selector, each namespace's pods) runs the usual
+Watching: one thread per watched collection (each slice selector; the pods of each namespace, only those matching
+the pool's `podLabelSelector` when it is set) runs the usual
 list-then-watch loop of the `kubernetes` client with raw JSON objects, and hands every change to the event loop
 with `call_soon_threadsafe`; the loop thread alone touches the table. Any error (API down, 410 Gone, network)
 restarts the loop with exponential backoff (0.5 s doubling to 30 s) after a fresh list, and meanwhile the router
@@ -153,7 +154,10 @@ class KubernetesDiscovery:
         if config.decode is not None:
             self._selectors["decode"] = config.decode
         self._slices: dict[Role, _Collection] = {role: _Collection() for role in self._selectors}
-        self._pods: dict[str, _Collection] = {sel.namespace: _Collection() for sel in self._selectors.values()}
+        # One Pod watch per (namespace, pod label selector): pools that share both share the watch.
+        self._pods: dict[tuple[str, str | None], _Collection] = {
+            (sel.namespace, sel.pod_label_selector): _Collection() for sel in self._selectors.values()
+        }
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -173,8 +177,8 @@ class KubernetesDiscovery:
                 f"{SERVICE_NAME_LABEL}={selector.service_name}",
                 self._slices[role],
             )
-        for namespace, pods in self._pods.items():
-            self._spawn(f"pods-{namespace}", core_api.list_namespaced_pod, namespace, None, pods)
+        for (namespace, pod_selector), pods in self._pods.items():
+            self._spawn(f"pods-{namespace}", core_api.list_namespaced_pod, namespace, pod_selector, pods)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -256,7 +260,7 @@ class KubernetesDiscovery:
         config = self._config
         for role, selector in self._selectors.items():
             slices = self._slices[role]
-            pods = self._pods[selector.namespace]
+            pods = self._pods[(selector.namespace, selector.pod_label_selector)]
             if not slices.synced:
                 continue  # never replace a pool with "nothing" before the first list came back
             labels = {name: (pod.get("metadata") or {}).get("labels") or {} for name, pod in pods.objects.items()}

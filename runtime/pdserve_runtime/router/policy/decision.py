@@ -5,8 +5,9 @@ off the decode engine, where long prefills would stall every running stream's ne
 for prompts with a lot of *uncached* work: a short prompt, or a long one whose prefix the decode engine already
 holds, is cheaper to prefill locally on the decode engine.
 
-So: uncached = prompt tokens - tokens the chosen decode engine is believed to hold (prefix tracker). At or above
-`threshold` the request goes prefill -> decode ("pd"), below it straight to decode ("decode-only"). When PD is
+So: uncached = prompt tokens the chosen decode engine would compute, given what it is believed to hold (prefix
+tracker; the arithmetic is `tokens.uncached_tokens`). At or above `threshold` the request goes prefill -> decode
+("pd"), below it straight to decode ("decode-only"). When PD is
 wanted but no prefill engine can take it, "fallback" sends it to decode anyway if the configuration allows;
 otherwise the request is refused (503), which protects decode engines from long prefills by policy.
 """
@@ -20,13 +21,3 @@ class Route(StrEnum):
     PD = "pd"
     DECODE_ONLY = "decode-only"
     FALLBACK = "fallback"
-
-
-def uncached_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
-    """Prompt tokens not covered by the cached leading blocks."""
-    return max(0, prompt_tokens - cached_blocks * block_size)
-
-
-def wants_prefill(uncached: int, threshold: int) -> bool:
-    """Whether the uncached work is large enough to pay for a separate prefill."""
-    return uncached >= threshold

@@ -13,10 +13,11 @@ Default profiles and why:
   Prefill time is dominated by uncached tokens, so the engine holding the prefix usually wins unless it is much
   busier; topology is a tie-breaker-plus (half weight) since a cross-zone transfer costs less than a recompute.
 
-Planning order: pick decode first (it is the scarce, latency-critical side), compute the uncached tokens
-against it, decide PD vs decode-only, then pick a prefill engine that pairs with it. If PD is wanted and the
-chosen decode engine has no compatible prefill partner (mid-rollout), the decode pick is redone among engines
-that do have one before falling back.
+Planning order: pick decode first (it is the scarce, latency-critical side), decide whether the tokens it would
+have to compute reach the threshold (`tokens.uncached_tokens`: exact under the shared prompt model, at a cost
+bounded by the threshold rather than the prompt's length), then pick a prefill engine that pairs with it. If PD
+is wanted and the chosen decode engine has no compatible prefill partner (mid-rollout), the decode pick is redone
+among engines that do have one before falling back.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pdserve.api.router_config import RoutingPolicyConfig
 from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
 from pdserve_runtime.router.policy.base import PickContext, Profile, WeightedScorer
-from pdserve_runtime.router.policy.decision import Route, uncached_tokens, wants_prefill
+from pdserve_runtime.router.policy.decision import Route
 from pdserve_runtime.router.policy.filter_available import AvailableFilter
 from pdserve_runtime.router.policy.filter_kv_compat import KvCompatFilter
 from pdserve_runtime.router.policy.picker_max import MaxScorePicker
@@ -37,7 +38,7 @@ from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight
 from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
 from pdserve_runtime.router.policy.scorer_topology import SameTopologyScorer
 from pdserve_runtime.router.prefix import PrefixTracker
-from pdserve_runtime.router.tokens import PromptInfo
+from pdserve_runtime.router.tokens import Held, PromptInfo, uncached_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +49,10 @@ class Plan:
     decode: EndpointState | None
     prefill: EndpointState | None
     uncached_tokens: int
-    prefix_blocks: Mapping[str, int]
+    held: Mapping[str, Held]
 
 
-# Weight of engine-reported KV-cache headroom in the decode profile, and how old a reading may be.
-KV_HEADROOM_WEIGHT = 0.5
+# How old an engine-reported KV-cache usage reading may be before the headroom scorer ignores it.
 KV_USAGE_STALE_SECONDS = 10.0
 
 
@@ -62,7 +62,7 @@ def decode_profile(policy: RoutingPolicyConfig, rng: random.Random | None = None
         scorers=(
             WeightedScorer(LeastLoadScorer(in_flight_requests), policy.decode_load_weight),
             WeightedScorer(PrefixAffinityScorer(), policy.decode_prefix_weight if policy.prefix_aware else 0.0),
-            WeightedScorer(KvCacheHeadroomScorer(stale_after=KV_USAGE_STALE_SECONDS), KV_HEADROOM_WEIGHT),
+            WeightedScorer(KvCacheHeadroomScorer(stale_after=KV_USAGE_STALE_SECONDS), policy.kv_headroom_weight),
         ),
         picker=MaxScorePicker(rng),
     )
@@ -99,53 +99,55 @@ class Scheduler:
         self._decode = decode_profile(policy, rng)
         self._prefill = prefill_profile(policy, topology_labels, rng)
 
-    def prefix_blocks(self, prompt: PromptInfo, now: float) -> Mapping[str, int]:
-        if not self.policy.prefix_aware or not prompt.block_hashes:
+    def held_by(self, prompt: PromptInfo, now: float) -> Mapping[str, Held]:
+        """What each engine is believed to hold of the prompt (nothing when prefix awareness is off)."""
+        if not self.policy.prefix_aware or prompt.size <= 1:
             return {}
-        return self.tracker.match(prompt.block_hashes, now)
+        return self.tracker.match(prompt.key, now)
 
     def pick_decode(
         self,
         prompt: PromptInfo,
-        prefix_blocks: Mapping[str, int],
+        held: Mapping[str, Held],
         *,
         excluded: Collection[str] = (),
         peer: EndpointState | None = None,
         candidates: Sequence[EndpointState] | None = None,
     ) -> EndpointState | None:
-        ctx = PickContext(prompt=prompt, prefix_blocks=prefix_blocks, peer=peer, excluded=excluded)
+        ctx = PickContext(prompt=prompt, held=held, peer=peer, excluded=excluded)
         return self._decode.pick(ctx, self.table.states("decode") if candidates is None else candidates)
 
     def pick_prefill(
         self,
         prompt: PromptInfo,
-        prefix_blocks: Mapping[str, int],
+        held: Mapping[str, Held],
         decode: EndpointState,
         *,
         excluded: Collection[str] = (),
     ) -> EndpointState | None:
-        ctx = PickContext(prompt=prompt, prefix_blocks=prefix_blocks, peer=decode, excluded=excluded)
+        ctx = PickContext(prompt=prompt, held=held, peer=decode, excluded=excluded)
         return self._prefill.pick(ctx, self.table.states("prefill"))
 
     def plan(self, prompt: PromptInfo, now: float) -> Plan:
         """Choose the decode engine, the route and (for PD) the prefill engine."""
-        blocks = self.prefix_blocks(prompt, now)
-        decode = self.pick_decode(prompt, blocks)
+        held = self.held_by(prompt, now)
+        threshold = self.policy.disaggregation_threshold_tokens
+        decode = self.pick_decode(prompt, held)
         if decode is None:
-            return Plan(Route.DECODE_ONLY, None, None, prompt.tokens, blocks)
-        uncached = uncached_tokens(prompt.tokens, blocks.get(decode.url, 0), prompt.block_size)
-        if not wants_prefill(uncached, self.policy.disaggregation_threshold_tokens):
-            return Plan(Route.DECODE_ONLY, decode, None, uncached, blocks)
-        prefill = self.pick_prefill(prompt, blocks, decode)
+            return Plan(Route.DECODE_ONLY, None, None, 0, held)
+        uncached = uncached_tokens(prompt, held.get(decode.url), threshold)
+        if not uncached.wants_prefill:
+            return Plan(Route.DECODE_ONLY, decode, None, uncached.tokens, held)
+        prefill = self.pick_prefill(prompt, held, decode)
         if prefill is None:
             # Mid-rollout the chosen decode engine may have no compatible prefill engine while others do.
             compat = {state.endpoint.kv_compat for state in self.table.usable("prefill")}
             pairable = [state for state in self.table.states("decode") if state.endpoint.kv_compat in compat]
-            alternative = self.pick_decode(prompt, blocks, candidates=pairable) if pairable else None
+            alternative = self.pick_decode(prompt, held, candidates=pairable) if pairable else None
             if alternative is not None:
                 decode = alternative
-                uncached = uncached_tokens(prompt.tokens, blocks.get(decode.url, 0), prompt.block_size)
-                prefill = self.pick_prefill(prompt, blocks, decode)
+                uncached = uncached_tokens(prompt, held.get(decode.url), threshold)
+                prefill = self.pick_prefill(prompt, held, decode)
         if prefill is None:
-            return Plan(Route.FALLBACK, decode, None, uncached, blocks)
-        return Plan(Route.PD, decode, prefill, uncached, blocks)
+            return Plan(Route.FALLBACK, decode, None, uncached.tokens, held)
+        return Plan(Route.PD, decode, prefill, uncached.tokens, held)

@@ -1,0 +1,91 @@
+"""What the proxy does after an engine failed a request: the retry and fallback decision as pure step functions.
+
+The proxy (all IO) reports what happened and what it could do next (is another engine available?); these
+functions say which step comes next. Everything here happens before the client saw a byte, so a retry is invisible.
+
+After a prefill failure (connect error, 5xx, timeout, a bad answer):
+
+- another prefill engine, while `maxPrefillAttempts` allows and one is available;
+- else decode-only on the chosen decode engine ("fallback") when `fallbackToDecode`, else refuse with 503.
+
+After a decode failure before the first byte:
+
+- while `maxDecodeAttempts` allows: another decode engine (kv-compatible with the KV holder, so the prefill's KV is
+  reused: prefill holds it for its lease); without one, a fresh prefill if the failure may lie in the KV itself
+  (it was pulled, and no prefill was redone yet); without that, the same decode engine again (a pool of one
+  engine still gets its retry: one transient 500 must not reach the client);
+- when the attempts are spent: one fresh prefill if none was redone yet, else give up.
+
+Giving up is 503 with Retry-After when every decode failure was a refused or unreachable connection (the
+engines are down: come back later), 502 otherwise (engines answered, badly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+
+class Step(StrEnum):
+    PREFILL_ELSEWHERE = "prefill-elsewhere"
+    FALLBACK = "fallback"
+    REFUSE = "refuse"  # 503: nothing can prefill and the configuration forbids decode-only
+    DECODE_ELSEWHERE = "decode-elsewhere"
+    REPREFILL = "reprefill"
+    DECODE_SAME = "decode-same"
+    GIVE_UP = "give-up"
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_prefill_attempts: int
+    max_decode_attempts: int
+    fallback_to_decode: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Tries:
+    """What has happened to one request so far."""
+
+    prefill: int = 0  # prefill attempts made
+    decode: int = 0  # decode attempts made
+    have_kv: bool = False  # the decode attempts work from a prefill's KV
+    reprefilled: bool = False
+    only_connect_failures: bool = True  # every decode failure so far was a refused or unreachable connection
+
+    def prefill_failed(self) -> Tries:
+        return replace(self, prefill=self.prefill + 1)
+
+    def prefill_succeeded(self) -> Tries:
+        return replace(self, prefill=self.prefill + 1, have_kv=True)
+
+    def decode_failed(self, kind: str) -> Tries:
+        return replace(
+            self, decode=self.decode + 1, only_connect_failures=self.only_connect_failures and kind == "connect"
+        )
+
+
+def after_prefill_failure(tries: Tries, policy: RetryPolicy, *, another_prefill: bool) -> Step:
+    """The next step once a prefill attempt failed (`tries` already counts it)."""
+    if tries.prefill < policy.max_prefill_attempts and another_prefill:
+        return Step.PREFILL_ELSEWHERE
+    return Step.FALLBACK if policy.fallback_to_decode else Step.REFUSE
+
+
+def after_decode_failure(tries: Tries, policy: RetryPolicy, *, another_decode: bool, same_usable: bool) -> Step:
+    """The next step once a decode attempt failed before its first byte (`tries` already counts it)."""
+    may_reprefill = tries.have_kv and not tries.reprefilled
+    if tries.decode < policy.max_decode_attempts:
+        if another_decode:
+            return Step.DECODE_ELSEWHERE
+        if may_reprefill:
+            return Step.REPREFILL
+        if same_usable:
+            return Step.DECODE_SAME
+        return Step.GIVE_UP
+    return Step.REPREFILL if may_reprefill else Step.GIVE_UP
+
+
+def give_up_status(tries: Tries) -> int:
+    """503 (come back later) when the decode engines were unreachable, else 502."""
+    return 503 if tries.only_connect_failures else 502
