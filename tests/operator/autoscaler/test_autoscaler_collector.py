@@ -21,7 +21,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from pdserve.api.router_config import RouterConfig
 from pdserve_dev.cluster.prometheus import TARGET_LABELS
@@ -74,13 +73,12 @@ async def _router(prefill: list[SimHandle], decode: list[SimHandle]) -> AsyncIte
         static_prefill=[s.url for s in prefill],
         static_decode=[s.url for s in decode],
     )
-    runner = web.AppRunner(RouterApp(config).web_app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
+    app = RouterApp(config)
+    port = await app.start("127.0.0.1", 0)
     try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield f"http://127.0.0.1:{port}"
     finally:
-        await runner.cleanup()
+        await app.stop()
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, prompt: str, tokens: int) -> str:
