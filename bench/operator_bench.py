@@ -379,7 +379,7 @@ def bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="pdserve-operator-bench-") as tmp, cluster_helper(Path(tmp)) as cluster:
         crd = yaml.safe_dump(custom_resource_definition())
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd)
-        cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+        cluster.wait_crd_established()
         node, pods, cidr = cpu_node_for(args.runs, args.fleet)
         ensure_cpu_node(cluster, name=node, pods=pods, cidr=cidr)
         namespace = cluster.create_namespace("bench-op")

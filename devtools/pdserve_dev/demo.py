@@ -78,7 +78,7 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
         cluster.start()
         helper = ClusterHelper.from_cluster(cluster)
         helper.kubectl("apply", "--server-side", "-f", "-", input=crd)
-        helper.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+        helper.wait_crd_established()
         helper.kubectl("create", "namespace", DEMO_NAMESPACE)
         operator = OperatorProcess(cluster.kubeconfig, workdir / "operator.log", namespaces=[DEMO_NAMESPACE])
         operator.start()

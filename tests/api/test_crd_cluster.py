@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture(scope="module")
 def namespace(cluster: ClusterHelper) -> str:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    cluster.wait_crd_established()
     return cluster.create_namespace("crd")
 
 

@@ -328,7 +328,7 @@ def test_pdserve_validate_judges_as_expected(case: Case, offline: dict[str, Verd
 @pytest.fixture(scope="module")
 def namespace(cluster: ClusterHelper) -> str:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    cluster.wait_crd_established()
     return cluster.create_namespace("rules")
 
 

@@ -39,7 +39,7 @@ Grant = tuple[str, str]  # ("resource.group", verb) as `kubectl auth can-i --lis
 
 def _apply_crd(cluster: ClusterHelper, text: str, name: str) -> None:
     wait_for(lambda: cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=text), 60)
-    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=30s"), 60)
+    cluster.wait_crd_established(name)
 
 
 @pytest.fixture(scope="module")

@@ -108,10 +108,7 @@ def crd(cluster: ClusterHelper) -> None:
     # Retried: right after the cluster comes up, the first requests can still fail transiently.
     text = yaml.safe_dump(custom_resource_definition())
     wait_for(lambda: cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=text), 60)
-    wait_for(
-        lambda: cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=30s"),
-        60,
-    )
+    cluster.wait_crd_established()
     # The CRD is established but discovery may lag: the operator waits for it too (runner.wait_for_crd).
     wait_for(lambda: cluster.kubectl("get", "pdservices.pdserve.io", "--all-namespaces"), 60)
     ensure_cpu_node(cluster)

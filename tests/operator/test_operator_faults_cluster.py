@@ -35,7 +35,7 @@ def namespace(cluster: ClusterHelper) -> Iterator[str]:
     if cluster.process_node_workdir is None:
         pytest.skip("the local cluster runs without its process node")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    cluster.wait_crd_established()
     name = cluster.create_namespace("faults")
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -106,6 +106,17 @@ class ClusterHelper:
         """`kubectl get ... -o json`, parsed."""
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
+    def wait_crd_established(self, name: str = "pdservices.pdserve.io", timeout: float = 60.0) -> None:
+        """Wait until a CRD is served. Not `kubectl wait --for=condition=Established`: right after an apply the CRD
+        may have no conditions yet, and kubectl then fails at once instead of waiting."""
+
+        def established() -> bool:
+            crd = self.get_json("crd", name)
+            conditions = (crd.get("status") or {}).get("conditions") or []
+            return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+        wait_for(established, timeout=timeout, message=f"CRD {name} Established")
+
     def create_namespace(self, prefix: str = "test") -> str:
         """A fresh namespace (unique name) so tests sharing the session cluster do not see each other."""
         name = f"{prefix}-{uuid.uuid4().hex[:6]}"
