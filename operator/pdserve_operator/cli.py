@@ -25,7 +25,12 @@ log = logging.getLogger("pdserve.operator")
 @click.option("--all-namespaces", "-A", is_flag=True, help="Watch every namespace (cluster-wide mode).")
 @click.option("--metrics-port", type=int, default=8080, show_default=True, help="Prometheus /metrics port; 0=off.")
 @click.option("--health-port", type=int, default=8081, show_default=True, help="Liveness /healthz port; 0=off.")
-@click.option("--bind", default="0.0.0.0", show_default=True, help="Address of the metrics and health servers.")
+@click.option(
+    "--bind",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address of the metrics and health servers (PDSERVE_BIND_HOST wins, as for the router and the simulator).",
+)
 @click.option("--leader-elect/--no-leader-elect", default=True, show_default=True, help="Lease leader election.")
 @click.option("--lease-name", default="pdserve-operator", show_default=True, help="Name of the leader Lease.")
 @click.option("--lease-namespace", help="Namespace of the Lease; default $POD_NAMESPACE, the watched one, or default.")
@@ -95,7 +100,9 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         namespaces=list(namespaces),
         metrics_port=metrics_port,
         health_port=health_port,
-        bind=bind,
+        # Pods on the local cluster's process node share one network namespace: the node names each pod's own
+        # address, so two operator replicas do not both bind 0.0.0.0:8080.
+        bind=os.environ.get("PDSERVE_BIND_HOST") or bind,
         leader_elect=leader_elect,
         lease_name=lease_name,
         lease_namespace=lease_namespace

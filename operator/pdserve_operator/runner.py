@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import kopf
 import prometheus_client
@@ -124,6 +125,10 @@ async def run(options: Options) -> None:
             registry=registry,
             settings=settings,
             standalone=True,  # no kopf peering: leader election is the Lease above
+            # Our identity, or kopf derives one from getpass.getuser(), which raises for a uid without a passwd
+            # entry: the image's user 65532 (found by running the chart's pod as that user on the process node).
+            # kopf types it as a NewType of str that it does not export.
+            identity=cast(Any, options.identity),
             clusterwide=not options.namespaces,
             namespaces=options.namespaces,
             liveness_endpoint=liveness,

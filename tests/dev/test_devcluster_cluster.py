@@ -1,7 +1,7 @@
 """The local cluster end to end: real scheduler, controllers and admission over kwok's simulated GPU nodes.
 
-These tests share the session `cluster` (default topology: 16 H100 nodes, four of them without RDMA); each
-works in its own namespace.
+These tests share the session `cluster` (default topology: 24 GPU nodes, H100 (four without RDMA), H200 and GB200,
+plus two CPU nodes); each works in its own namespace.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def _condition(obj: Obj, kind: str) -> Obj | None:
 def test_kubectl_lists_the_gpu_nodes_with_capacity_and_labels(cluster: ClusterHelper) -> None:
     # Other tests of the session may add kwok nodes of their own (e.g. a CPU node for routers): count the topology's.
     listing = cluster.kubectl("get", "nodes", "--selector=type=kwok", "--no-headers").stdout
-    gpu_lines = [line for line in listing.splitlines() if line.startswith("gpu-")]
-    assert len(gpu_lines) == 16
-    assert all(" Ready " in line for line in gpu_lines)
+    topology_lines = [line for line in listing.splitlines() if line.startswith(("gpu-", "cpu-"))]
+    assert len(topology_lines) == 26
+    assert all(" Ready " in line for line in topology_lines)
     nodes = {name: n for name, n in _nodes(cluster).items() if name.startswith("gpu-")}
-    assert len(nodes) == 16
+    assert len(nodes) == 24
     for name, node in nodes.items():
         capacity = node["status"]["capacity"]
         labels = node["metadata"]["labels"]
@@ -67,13 +67,13 @@ def test_kubectl_lists_the_gpu_nodes_with_capacity_and_labels(cluster: ClusterHe
         assert (RDMA_RESOURCE in capacity) == (labels[RDMA_LABEL] == "true"), name
         assert labels[ZONE_LABEL] in {"zone-a", "zone-b"}
         assert labels[RACK_LABEL].startswith(labels[ZONE_LABEL])
-        assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+        assert labels["nvidia.com/gpu.product"] in {"NVIDIA-H100-80GB-HBM3", "NVIDIA-H200", "NVIDIA-GB200"}
         assert {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"} in node["spec"]["taints"]
     assert sum(RDMA_RESOURCE not in n["status"]["capacity"] for n in nodes.values()) == 4
 
 
 def test_gpu_and_rdma_pods_land_only_on_kwok_nodes_that_have_both(cluster: ClusterHelper, namespace: str) -> None:
-    # Ten 8-GPU pods that also need RDMA: twelve nodes qualify, so all fit, none on the four without RDMA.
+    # Ten 8-GPU pods that also need RDMA: twenty nodes qualify, so all fit, none on the four without RDMA.
     names = [f"engine-{i}" for i in range(10)]
     cluster.apply([_gpu_pod(name, gpus=8, rdma=1) for name in names], namespace=namespace)
 

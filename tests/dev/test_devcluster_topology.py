@@ -20,14 +20,29 @@ from pdserve_dev.cluster.topology import (
 )
 
 
-def test_default_topology_is_two_zones_of_two_racks_of_four_nodes() -> None:
+def test_default_topology_has_every_gpu_product_the_examples_name_and_cpu_nodes() -> None:
     nodes = get_topology("default").nodes()
-    assert len(nodes) == 16
+    gpu = [n for n in nodes if n.pool.gpus > 0]
+    assert len(gpu) == 24 and all(n.pool.gpus == 8 for n in gpu)
     assert {n.zone for n in nodes} == {"zone-a", "zone-b"}
-    assert {n.rack for n in nodes} == {"zone-a-rack-1", "zone-a-rack-2", "zone-b-rack-1", "zone-b-rack-2"}
-    assert all(n.pool.gpus == 8 for n in nodes)
-    without_rdma = sorted(n.name for n in nodes if not n.has_rdma)
+    assert {n.rack for n in gpu} == {f"zone-{z}-rack-{r}" for z in "ab" for r in (1, 2, 3)}
+    products = {n.rack: n.pool.gpu_product for n in gpu}
+    assert products["zone-a-rack-3"] == "NVIDIA-H200" and products["zone-b-rack-3"] == "NVIDIA-GB200"
+    assert sum(p == "NVIDIA-H100-80GB-HBM3" for p in products.values()) == 4
+    without_rdma = sorted(n.name for n in nodes if not n.has_rdma and n.pool.gpus)
     assert without_rdma == [f"gpu-zone-b-rack-2-{i}" for i in range(4)]
+    # The GB200 rack is one NVLink domain (examples/pvc-heterogeneous-tp.yaml needs 10 GPUs in one).
+    assert {n.nvlink_domain for n in gpu if n.rack == "zone-b-rack-3"} == {"zone-b-rack-3-nvl0"}
+    assert sorted(n.name for n in nodes if n.pool.gpus == 0) == ["cpu-zone-a-system-0", "cpu-zone-b-system-0"]
+
+
+def test_cpu_nodes_are_untainted_without_gpu_labels_or_capacity() -> None:
+    objects = {o["metadata"]["name"]: o for o in get_topology("default").node_objects()}
+    cpu = objects["cpu-zone-a-system-0"]
+    assert cpu["spec"]["taints"] == []
+    assert GPU_RESOURCE not in cpu["status"]["capacity"] and RDMA_RESOURCE not in cpu["status"]["capacity"]
+    assert not any(label.startswith("nvidia.com/") for label in cpu["metadata"]["labels"])
+    assert cpu["metadata"]["labels"][ZONE_LABEL] == "zone-a"
 
 
 def test_node_object_carries_capacity_labels_and_gpu_taint() -> None:

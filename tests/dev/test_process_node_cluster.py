@@ -378,8 +378,8 @@ def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: P
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"greeting": "hello"}},
         namespace=namespace,
     )
-    # The script checks the mounted file (its path arrives as $1, which the process node rewrites to the
-    # materialised folder), the downward-API env and the $(VAR) expansion of args, then exits 0.
+    # The script checks the mounted file (at its mountPath in the container's own mount namespace), the
+    # downward-API env and the $(VAR) expansion of args, then exits 0.
     script = 'test "$(cat "$1")" = hello && test "$2" = "$MY_IP" && test -n "$MY_IP" && echo ok'
     job = {
         "name": "check",
@@ -390,8 +390,15 @@ def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: P
         "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}],
     }
     unknown = {"name": "mystery", "image": "quay.io/nobody/mystery:1"}
-    # OnFailure: the first run fails, the immediate restart finds its marker in the pod folder and succeeds.
-    retry = {"name": "retry", "image": "busybox", "command": ["sh", "-c", "test -f done || { touch done; exit 4; }"]}
+    # OnFailure: the first run fails, the immediate restart finds its marker in the pod's emptyDir (its working
+    # folder; a container's own files do not survive a restart) and succeeds.
+    retry = {
+        "name": "retry",
+        "image": "busybox",
+        "command": ["sh", "-c", "test -f done || { touch done; exit 4; }"],
+        "workingDir": "/state",
+        "volumeMounts": [{"name": "state", "mountPath": "/state"}],
+    }
     pods = [
         {
             "apiVersion": "v1",
@@ -404,7 +411,7 @@ def test_volumes_downward_api_and_completion(cluster: ClusterHelper, node_dir: P
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": "retry"},
-            "spec": _pod_spec(retry, restartPolicy="OnFailure"),
+            "spec": _pod_spec(retry, restartPolicy="OnFailure", volumes=[{"name": "state", "emptyDir": {}}]),
         },
     ]
     cluster.apply(pods, namespace=namespace)

@@ -178,7 +178,8 @@ def test_volumes_are_materialised(tmp_path: Path) -> None:
         },
     }
     warnings: list[str] = []
-    folders = materialise(pod, tmp_path, _Objects(), PodAddresses("127.5.0.1", "127.0.0.1"), warn=warnings.append)
+    addresses = PodAddresses("127.5.0.1", "127.0.0.1")
+    folders = materialise(pod, tmp_path, _Objects(), addresses, warn=warnings.append).folders
     assert sorted(folders) == ["config", "info", "kube-api-access", "scratch", "secret"]
     assert (tmp_path / "config" / "r.yaml").read_text() == "port: 80\n"
     assert not (tmp_path / "config" / "other").exists()

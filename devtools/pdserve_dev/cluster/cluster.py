@@ -51,6 +51,9 @@ from pdserve_dev.cluster.topology import Topology, get_topology
 from pdserve_dev.testing.net import free_ports
 
 PROCESS_NODE_NAME = "process-node"
+SYSTEM_NAMESPACE = "pdserve-system"
+"""Where `helm install pdserve charts/pdserve -n pdserve-system` puts the operator; pinned to the process node."""
+PROCESS_NODE_LABEL = "pdserve.io/process-node"
 COMPONENT_PROMETHEUS = prometheus_mod.COMPONENT
 PROCESS_NODE_MODULE = "pdserve_dev.process_node"
 STATE_FILE = "state.json"
@@ -137,6 +140,28 @@ def _insecure_context() -> ssl.SSLContext:
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     return context
+
+
+def pinned_namespace(name: str) -> dict[str, Any]:
+    """A Namespace whose pods run on the process node, whatever their own placement says nothing about.
+
+    The way a cluster admin dedicates a node pool to a namespace: the PodNodeSelector admission plugin merges the
+    namespace's node selector into every pod, PodTolerationRestriction its default tolerations (both plugins are
+    enabled on the local API server). The local cluster creates `pdserve-system` like this, so the chart's
+    operator pods land on the one node that runs them for real with no values of the local cluster's in the chart.
+    """
+    toleration = {"key": PROCESS_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": name,
+            "annotations": {
+                "scheduler.alpha.kubernetes.io/node-selector": f"{PROCESS_NODE_LABEL}=true",
+                "scheduler.alpha.kubernetes.io/defaultTolerations": json.dumps([toleration]),
+            },
+        },
+    }
 
 
 def kill_process_node_pods(process_node_dir: Path, not_before_ticks: int) -> list[int]:
@@ -388,6 +413,7 @@ class LocalCluster:
             self._wait("kwok", lambda: simulated <= self._ready_nodes(api), self.ready_timeout)
             if self.process_node:
                 self._wait(PROCESS_NODE_NAME, lambda: PROCESS_NODE_NAME in self._ready_nodes(api), self.ready_timeout)
+                self._create_system_namespace(api)
             t = self._mark("nodes", t)
         if self.prometheus:
             self._start_prometheus()
@@ -479,8 +505,9 @@ class LocalCluster:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={network.service_cidr}",
             "--authorization-mode=Node,RBAC",
-            # Pods that request nvidia.com/gpu get a toleration for the GPU nodes' taint, as on managed clusters.
-            "--enable-admission-plugins=ExtendedResourceToleration",
+            # Pods that request nvidia.com/gpu get a toleration for the GPU nodes' taint, as on managed clusters;
+            # namespaces may pin their pods to a node pool (see pinned_namespace).
+            "--enable-admission-plugins=ExtendedResourceToleration,PodNodeSelector,PodTolerationRestriction",
             "--allow-privileged=true",
             # The `kubernetes` Service's endpoint would be 127.0.0.1, which Endpoints validation rejects.
             "--endpoint-reconciler-type=none",
@@ -606,6 +633,12 @@ class LocalCluster:
         core = client.CoreV1Api(api)
         for node in self.topology.node_objects(network.kwok_pod_cidr):
             core.create_node(cast(Any, node))  # the client accepts plain dicts as bodies
+
+    @staticmethod
+    def _create_system_namespace(api: Any) -> None:
+        from kubernetes import client
+
+        client.CoreV1Api(api).create_namespace(cast(Any, pinned_namespace(SYSTEM_NAMESPACE)))
 
     @staticmethod
     def _default_service_account(api: Any) -> bool:

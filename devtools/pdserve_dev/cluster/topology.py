@@ -1,8 +1,10 @@
-"""Declarative topologies of simulated GPU nodes, turned into the Node objects kwok then keeps alive.
+"""Declarative topologies of simulated nodes, turned into the Node objects kwok then keeps alive.
 
 A topology is zones -> racks -> nodes, each rack drawing its nodes from a node pool (GPU product, GPU count,
 RDMA devices, CPU, memory, instance type, how many nodes share an NVLink domain). Node names and labels are
-derived deterministically, so a test can name `gpu-zone-a-rack-1-0` and know what it has.
+derived deterministically, so a test can name `gpu-zone-a-rack-1-0` and know what it has. A pool without GPUs
+is a CPU pool (`cpu-zone-a-system-0`): untainted, no GPU labels, where pods that ask for nothing special (the
+routers of a PDService) land, as on the CPU node pools of real clusters.
 
 Labels (what real GPU clusters carry, and what pdserve's placement looks at):
 
@@ -15,6 +17,9 @@ Labels (what real GPU clusters carry, and what pdserve's placement looks at):
   domains; nodes with the same value share one NVLink fabric.
 - `pdserve.io/rdma`: "true" when the node has `rdma/ib` capacity.
 - `type=kwok` plus the annotation `kwok.x-k8s.io/node=fake`: kwok manages exactly the annotated nodes.
+
+The default topology has every GPU product the examples in `examples/` name: H100 racks (one without RDMA),
+an H200 rack with RDMA and a GB200 rack whose four nodes form one NVLink domain, plus one CPU node per zone.
 
 Every GPU node carries the taint `nvidia.com/gpu=present:NoSchedule` like managed GPU pools; the API server's
 ExtendedResourceToleration admission plugin adds the matching toleration to pods that request GPUs.
@@ -63,6 +68,24 @@ class NodePool(_Model):
 
 H100 = NodePool()
 H100_NO_RDMA = NodePool(rdma_devices=0, instance_type="p5e.48xlarge-nordma")
+H200 = NodePool(
+    gpu_product="NVIDIA-H200",
+    gpu_memory_mib=143771,
+    gpus=8,
+    rdma_devices=8,
+    cpu="192",
+    memory="2Ti",
+    instance_type="p5en.48xlarge",
+)
+CPU = NodePool(
+    gpu_product="",
+    gpu_memory_mib=1,
+    gpus=0,
+    rdma_devices=0,
+    cpu="32",
+    memory="128Gi",
+    instance_type="m7i.8xlarge",
+)
 GB200 = NodePool(
     gpu_product="NVIDIA-GB200",
     gpu_memory_mib=189471,
@@ -105,7 +128,7 @@ class SimNode(_Model):
         return self.pool.rdma_devices > 0
 
     def labels(self, region: str) -> dict[str, str]:
-        return {
+        labels = {
             "kubernetes.io/hostname": self.name,
             "kubernetes.io/os": "linux",
             "kubernetes.io/arch": "amd64",
@@ -113,13 +136,17 @@ class SimNode(_Model):
             REGION_LABEL: region,
             ZONE_LABEL: self.zone,
             RACK_LABEL: self.rack,
-            NVLINK_DOMAIN_LABEL: self.nvlink_domain,
-            GPU_PRODUCT_LABEL: self.pool.gpu_product,
-            "nvidia.com/gpu.count": str(self.pool.gpus),
-            "nvidia.com/gpu.memory": str(self.pool.gpu_memory_mib),
             INSTANCE_TYPE_LABEL: self.pool.instance_type,
             RDMA_LABEL: "true" if self.has_rdma else "false",
         }
+        if self.pool.gpus > 0:  # GPU feature discovery only labels GPU nodes
+            labels |= {
+                NVLINK_DOMAIN_LABEL: self.nvlink_domain,
+                GPU_PRODUCT_LABEL: self.pool.gpu_product,
+                "nvidia.com/gpu.count": str(self.pool.gpus),
+                "nvidia.com/gpu.memory": str(self.pool.gpu_memory_mib),
+            }
+        return labels
 
     def capacity(self) -> dict[str, str]:
         resources = {
@@ -127,8 +154,9 @@ class SimNode(_Model):
             "memory": self.pool.memory,
             "pods": str(self.pool.pods),
             "ephemeral-storage": "1Ti",
-            GPU_RESOURCE: str(self.pool.gpus),
         }
+        if self.pool.gpus > 0:
+            resources[GPU_RESOURCE] = str(self.pool.gpus)
         if self.has_rdma:
             resources[RDMA_RESOURCE] = str(self.pool.rdma_devices)
         return resources
@@ -174,7 +202,7 @@ class Topology(_Model):
                     # Consecutive nodes of a rack form NVLink domains of `nvlink_domain_nodes` machines.
                     domain = index // rack.pool.nvlink_domain_nodes
                     yield SimNode(
-                        name=f"gpu-{rack_id}-{index}",
+                        name=f"{'gpu' if rack.pool.gpus > 0 else 'cpu'}-{rack_id}-{index}",
                         zone=zone.name,
                         rack=rack_id,
                         index=index,
@@ -227,8 +255,23 @@ def grid(
 
 
 def default_topology() -> Topology:
-    """2 zones x 2 racks x 4 H100 nodes; zone-b's rack-2 has no RDMA (16 nodes, 128 GPUs, 4 nodes without RDMA)."""
-    return grid("default", 2, 2, 4, overrides={(1, 1): H100_NO_RDMA})
+    """2 zones of 4-node GPU racks (26 nodes, 192 GPUs): in each zone two H100 racks (zone-b's rack-2 without RDMA)
+    and a third rack, H200 with RDMA in zone-a and GB200 (one NVLink domain of 4 nodes) in zone-b; and one CPU
+    node per zone (rack `system`)."""
+    gpu_pools = {"zone-a": (H100, H100, H200), "zone-b": (H100, H100_NO_RDMA, GB200)}
+    return Topology(
+        name="default",
+        zones=tuple(
+            Zone(
+                name=zone,
+                racks=(
+                    *(Rack(name=f"rack-{index + 1}", nodes=4, pool=pool) for index, pool in enumerate(pools)),
+                    Rack(name="system", nodes=1, pool=CPU),
+                ),
+            )
+            for zone, pools in gpu_pools.items()
+        ),
+    )
 
 
 def minimal_topology() -> Topology:

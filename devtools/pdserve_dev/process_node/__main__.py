@@ -10,6 +10,7 @@ from types import FrameType
 
 import click
 
+from pdserve_dev.process_node import launch
 from pdserve_dev.process_node.agent import ProcessNode
 from pdserve_dev.process_node.imagemap import ImageMap, ImageMapError
 from pdserve_dev.process_node.ipam import PodIPAllocator, loopback_cidr
@@ -62,6 +63,13 @@ from pdserve_dev.process_node.podworker import NodeContext, host_environment
 @click.option(
     "--backoff-max", type=float, default=300.0, show_default=True, help="Longest CrashLoopBackOff delay in seconds."
 )
+@click.option(
+    "--sandbox/--no-sandbox",
+    default=True,
+    show_default=True,
+    help="Run containers in their own mount namespace, root, volumes and user when possible (needs root); "
+    "--no-sandbox runs them in the host's file system with the node's kubeconfig.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(
     *,
@@ -73,6 +81,7 @@ def main(
     shutdown_grace: float,
     backoff_initial: float,
     backoff_max: float,
+    sandbox: bool,
     verbose: bool,
 ) -> None:
     """Run the pods bound to NODE-NAME as local processes (see the package docstring for what it emulates)."""
@@ -89,6 +98,11 @@ def main(
     except (ImageMapError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     workdir = workdir.resolve()
+    logger = logging.getLogger(__name__)
+    why_not = launch.probe(workdir / "sandbox-probe") if sandbox else "disabled by --no-sandbox"
+    settings = launch.SandboxSettings(reachable=launch.host_reachable_paths()) if why_not is None else None
+    if settings is None:
+        logger.warning("Running containers without the sandbox (%s): host file system, the node's kubeconfig", why_not)
     ctx = NodeContext(
         kube=Kube(kubeconfig),
         node_name=node_name,
@@ -96,16 +110,17 @@ def main(
         image_map=images,
         allocator=allocator,
         host_ip=HOST_IP,
-        base_env=host_environment(kubeconfig),
+        base_env=host_environment(kubeconfig, sandbox=settings is not None),
         allocatable=dict(CAPACITY),
         shutdown_grace=shutdown_grace,
         backoff_initial=backoff_initial,
         backoff_cap=backoff_max,
+        sandbox=settings,
     )
     node = ProcessNode(ctx)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        logging.getLogger(__name__).info("Received %s, stopping", signal.Signals(signum).name)
+        logger.info("Received %s, stopping", signal.Signals(signum).name)
         node.stop()
 
     signal.signal(signal.SIGTERM, on_signal)

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from pdserve_dev.process_node import apiservice
 from pdserve_dev.process_node.kube import ApiException
 from pdserve_dev.process_node.node import Heartbeat, register
 from pdserve_dev.process_node.podworker import NodeContext, PodWorker
@@ -41,6 +42,7 @@ class ProcessNode:
         self.stopping = threading.Event()
         self._workers: dict[str, PodWorker] = {}
         self._lock = threading.Lock()
+        self._relay: apiservice.ServiceRelay | None = None
 
     def stop(self) -> None:
         self.stopping.set()
@@ -54,6 +56,8 @@ class ProcessNode:
         node = self._register()
         if node is None:
             return
+        if self.ctx.sandbox is not None:
+            self._serve_kubernetes_service()
         Heartbeat(self.ctx.kube, self.ctx.node_name, node.get("metadata", {}).get("uid"), self.stopping).start()
         threading.Thread(target=self._watch_forever, name="pod-watch", daemon=True).start()
         log.info(
@@ -76,6 +80,16 @@ class ProcessNode:
                 delay = min(delay * 2, MAX_BACKOFF)
         return None
 
+    def _serve_kubernetes_service(self) -> None:
+        """The `kubernetes` Service variables for pods, and the relay behind its ClusterIP (see apiservice)."""
+        try:
+            service = apiservice.service_address(self.ctx.kube.read_service("default", "kubernetes"))
+        except Exception as exc:  # the API server's address still works
+            log.warning("Failed to read the kubernetes Service error=%s", exc)
+            service = None
+        env, self._relay = apiservice.start(service, apiservice.upstream_of(self.ctx.kube.server))
+        self.ctx.service_env = env
+
     def _shutdown(self) -> None:
         log.info("Stopping process node node=%s pods=%d", self.ctx.node_name, len(self._workers))
         with self._lock:
@@ -88,6 +102,8 @@ class ProcessNode:
         alive = [w.label for w in workers if w.is_alive()]
         if alive:
             log.warning("Pod workers still stopping at exit pods=%s", alive)
+        if self._relay is not None:
+            self._relay.stop()
         log.info("Stopped process node node=%s", self.ctx.node_name)
 
     # --- the watch --------------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ class ImageRule(BaseModel):
     rewrite: list[Rewrite] = Field(default_factory=list, description="Leading-word rewrites, first wins.")
     passthrough: bool = Field(default=False, description="Run argvs that no rewrite matches as they are.")
     env: dict[str, str] = Field(default_factory=dict, description="The image's ENV.")
+    user: str | None = Field(
+        default=None, pattern=r"^[0-9]+(:[0-9]+)?$", description="The image's USER as uid[:gid]; none means root."
+    )
 
 
 class ImageMapFile(BaseModel):
@@ -82,6 +85,7 @@ class LocalCommand:
     argv: list[str]
     image_env: dict[str, str]
     rule_source: str
+    user: str | None = None
 
 
 def normalize_image(image: str) -> str:
@@ -147,9 +151,9 @@ class ImageMap:
             head = argv[: len(words)]
             if len(head) == len(words) and _same_program(head[0], words[0]) and head[1:] == words[1:]:
                 to = [_substitute(word, self.python) for word in rewrite.to]
-                return LocalCommand(to + argv[len(words) :], env, source)
+                return LocalCommand(to + argv[len(words) :], env, source, rule.user)
         if rule.passthrough:
-            return LocalCommand(argv, env, source)
+            return LocalCommand(argv, env, source, rule.user)
         raise NotMappedError(
             "CommandNotMapped",
             f"image {image!r}: command {argv[0]!r} has no rewrite in the rule from {source} "

@@ -119,6 +119,51 @@ class Kube:
             raise
         return decode_secret(obj.get("data") or {})
 
+    # --- service account tokens and the `kubernetes` Service ----------------------------------------------
+    def request_token(
+        self,
+        namespace: str,
+        service_account: str,
+        *,
+        audience: str | None,
+        expiration_seconds: int,
+        pod_name: str,
+        pod_uid: str,
+    ) -> tuple[str, float]:
+        """A TokenRequest for the ServiceAccount, bound to the pod; returns the token and its expiry (epoch s)."""
+        spec: Obj = {
+            "expirationSeconds": expiration_seconds,
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod_uid},
+        }
+        if audience:
+            spec["audiences"] = [audience]
+        result = _json(
+            self.core.create_namespaced_service_account_token(
+                service_account,
+                namespace,
+                {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
+                _preload_content=False,
+                _request_timeout=30,
+            )
+        )
+        status = result["status"]
+        expires = datetime.fromisoformat(str(status["expirationTimestamp"]).replace("Z", "+00:00")).timestamp()
+        return str(status["token"]), expires
+
+    def read_service(self, namespace: str, name: str) -> Obj | None:
+        try:
+            response = self.core.read_namespaced_service(name, namespace, _preload_content=False, _request_timeout=30)
+            return _json(response)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    @property
+    def server(self) -> str:
+        """The API server URL this client talks to (from the node's kubeconfig)."""
+        return str(self.api_client.configuration.host)
+
     # --- the node and its lease -------------------------------------------------------------------------
     def read_node(self, name: str) -> Obj | None:
         try:

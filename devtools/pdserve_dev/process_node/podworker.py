@@ -16,6 +16,7 @@ A pod leaves the worker in one of three ways:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -29,8 +30,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pdserve_dev.process_node import launch
 from pdserve_dev.process_node.backoff import CrashBackoff
-from pdserve_dev.process_node.imagemap import ImageMap, NotMappedError
+from pdserve_dev.process_node.imagemap import ImageMap, LocalCommand, NotMappedError
 from pdserve_dev.process_node.ipam import PodIPAllocator
 from pdserve_dev.process_node.kube import ApiException, Kube
 from pdserve_dev.process_node.podenv import (
@@ -42,6 +44,8 @@ from pdserve_dev.process_node.podenv import (
 from pdserve_dev.process_node.podstatus import ContainerView, Terminated, pod_status
 from pdserve_dev.process_node.probes import ProbeTracker, container_probes, run_probe
 from pdserve_dev.process_node.process import LocalProcess, signal_group
+from pdserve_dev.process_node.security import container_security
+from pdserve_dev.process_node.tokens import ProjectedToken
 from pdserve_dev.process_node.volumes import Mount, container_mounts, materialise, rewrite_path
 
 log = logging.getLogger(__name__)
@@ -69,6 +73,10 @@ class NodeContext:
     shutdown_grace: float = 10.0
     backoff_initial: float = 10.0
     backoff_cap: float = 300.0
+    sandbox: launch.SandboxSettings | None = None
+    """Set when containers run in the sandbox (see launch); None: the fallback."""
+    service_env: dict[str, str] = field(default_factory=dict)
+    """The `kubernetes` Service variables every container gets (apiservice), set once the node has started."""
 
     def log_path(self, namespace: str, pod: str, container: str) -> Path:
         return self.workdir / "logs" / f"{namespace}_{pod}_{container}.log"
@@ -137,6 +145,8 @@ class PodWorker(threading.Thread):
         self.pod_dir = ctx.workdir / "pods" / f"{self.namespace}_{self.pod_name}_{self.uid[:8]}"
         self.ip: str | None = None
         self._volumes: dict[str, Path] | None = None
+        self._tokens: list[ProjectedToken] = []
+        self._reported: set[str] = set()  # containers whose unemulated settings were reported
         self._last_status: Obj | None = None
         self._start_time = _parse_time(pod.get("status", {}).get("startTime")) or time.time()
         restarts = {
@@ -222,6 +232,7 @@ class PodWorker(threading.Thread):
         if self._volumes is None and not self._materialise(pod):
             self._report(pod)
             return now + _CONFIG_RETRY
+        token_due = self._refresh_tokens(pod)
         for container in self.init:
             if not container.init_done or container.sidecar:
                 self._step(pod, container)
@@ -236,7 +247,21 @@ class PodWorker(threading.Thread):
             for container in self.main:
                 self._probe(pod, container)
         self._report(pod)
-        return min([now + _MAX_SLEEP] + [t for c in self.init + self.main for t in self._due_times(c)])
+        return min([now + _MAX_SLEEP, token_due] + [t for c in self.init + self.main for t in self._due_times(c)])
+
+    def _refresh_tokens(self, pod: Obj) -> float:
+        """Write fresh service account tokens where due; return the monotonic time of the next refresh."""
+        wall = time.time()
+        for token in self._tokens:
+            if token.due(wall):
+                try:
+                    token.refresh(self.ctx.kube, pod)
+                    log.info("Refreshed service account token pod=%s file=%s", self.label, token.path)
+                except Exception as exc:  # the old token stays valid for a while: retry soon
+                    log.warning("Failed to refresh service account token pod=%s error=%s", self.label, exc)
+                    token.refresh_at = wall + _CONFIG_RETRY
+        next_refresh = min((t.refresh_at for t in self._tokens), default=wall + _MAX_SLEEP)
+        return time.monotonic() + max(next_refresh - wall, 0.0)
 
     @staticmethod
     def _due_times(container: Container) -> list[float]:
@@ -247,13 +272,15 @@ class PodWorker(threading.Thread):
 
     def _materialise(self, pod: Obj) -> bool:
         try:
-            self._volumes = materialise(
+            volumes = materialise(
                 pod,
                 self.pod_dir / "volumes",
                 self.ctx.kube,
                 self._addresses(),
                 warn=lambda m: log.warning("%s pod=%s", m, self.label),
+                tokens=self.ctx.kube if self.ctx.sandbox is not None else None,
             )
+            self._volumes, self._tokens = volumes.folders, volumes.tokens
             return True
         except (ContainerConfigError, ApiException, OSError) as exc:
             message = str(exc) if not isinstance(exc, ApiException) else f"API error: {exc.status} {exc.reason}"
@@ -288,7 +315,11 @@ class PodWorker(threading.Thread):
         view = container.view
         try:
             argv, env, cwd = self._prepare(pod, container)
-        except (ContainerConfigError, NotMappedError, ApiException) as exc:
+        except (ContainerConfigError, NotMappedError, ApiException, FileNotFoundError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                # Like a runtime failing to exec the entrypoint: a StartError termination, then back-off.
+                self._start_error(pod, container, exc)
+                return
             before = view.waiting
             retry = _CONFIG_RETRY
             if isinstance(exc, NotMappedError):
@@ -326,11 +357,7 @@ class PodWorker(threading.Thread):
                 on_exit=self._wake.set,
             )
         except OSError as exc:
-            # Like a runtime failing to exec the entrypoint: a StartError termination, then back-off.
-            log.warning("Failed to start container pod=%s container=%s error=%s", self.label, container.name, exc)
-            self._event(pod, "Warning", "Failed", f"Error: failed to start {argv[0]!r}: {exc}", container.name)
-            now = time.time()
-            self._record_exit(pod, container, Terminated(128, "StartError", None, now, str(exc)), ran_for=0.0)
+            self._start_error(pod, container, exc)
             return
         container.process = process
         probes = container_probes(container.spec)
@@ -353,12 +380,64 @@ class PodWorker(threading.Thread):
         )
         self._event(pod, "Normal", "Started", f"Started container {container.name} (pid {process.pid})", container.name)
 
+    def _start_error(self, pod: Obj, container: Container, exc: OSError) -> None:
+        """Like a runtime failing to exec the entrypoint: a StartError termination, then back-off."""
+        log.warning("Failed to start container pod=%s container=%s error=%s", self.label, container.name, exc)
+        self._event(pod, "Warning", "Failed", f"Error: failed to start container: {exc}", container.name)
+        now = time.time()
+        self._record_exit(pod, container, Terminated(128, "StartError", None, now, str(exc)), ran_for=0.0)
+
     def _prepare(self, pod: Obj, container: Container) -> tuple[list[str], dict[str, str], Path]:
         """Resolve the container's argv, environment and working folder."""
         spec = container.spec
         spec_env = container_env(pod, spec, self._addresses(), self.ctx.kube, self.ctx.allocatable)
         command, args = expand_command(spec, spec_env)
         local = self.ctx.image_map.resolve(spec.get("image", ""), command, args)
+        if self.ctx.sandbox is None:
+            return self._prepare_unsandboxed(pod, spec, spec_env, local)
+        security = container_security(pod, spec, local.user)
+        if security.not_emulated and container.name not in self._reported:
+            self._reported.add(container.name)
+            message = f"Not emulated by the process node: {', '.join(security.not_emulated)}"
+            log.info("%s pod=%s container=%s", message, self.label, container.name)
+            self._event(pod, "Normal", "SecurityContextNotEmulated", message, container.name)
+        env = dict(self.ctx.base_env)
+        hostname = pod.get("spec", {}).get("hostname") or self.pod_name
+        env["HOSTNAME"] = hostname
+        if security.uid != 0:
+            env["HOME"] = "/"  # what runtimes set for a user the image's /etc/passwd does not know
+        env.update(local.image_env)
+        env.update(self.ctx.service_env)
+        env["PDSERVE_BIND_HOST"] = self.ip or self.ctx.host_ip
+        env.update(spec_env)
+        _check_executable(local.argv[0], env.get("PATH", ""))
+        volumes = self._volumes or {}
+        mounts = []
+        for mount in spec.get("volumeMounts") or []:
+            folder = volumes.get(mount.get("name", ""))
+            if folder is None:
+                continue  # an unsupported volume (already warned about): the host's folder shows through
+            source = folder / mount["subPath"] if mount.get("subPath") else folder
+            read_only = bool(mount.get("readOnly"))
+            mounts.append({"source": str(source), "target": mount["mountPath"], "readOnly": read_only})
+        spec_path = self.pod_dir / "sandbox" / f"{container.name}.json"
+        root = self.pod_dir / "rootfs" / container.name
+        root.mkdir(parents=True, exist_ok=True)
+        launch.write_spec(
+            spec_path,
+            root=root,
+            mounts=mounts,
+            security=security,
+            working_dir=spec.get("workingDir") or "/",
+            hostname=hostname,
+            reachable=self.ctx.sandbox.reachable,
+        )
+        return self.ctx.sandbox.command(spec_path, local.argv), env, self.pod_dir
+
+    def _prepare_unsandboxed(
+        self, pod: Obj, spec: Obj, spec_env: dict[str, str], local: LocalCommand
+    ) -> tuple[list[str], dict[str, str], Path]:
+        """The fallback: the host's file system, volume paths rewritten, the node's kubeconfig."""
         mounts: list[Mount] = container_mounts(spec, self._volumes or {})
         argv = [rewrite_path(word, mounts) for word in local.argv]
         env = dict(self.ctx.base_env)
@@ -557,16 +636,28 @@ class PodWorker(threading.Thread):
         shutil.rmtree(self.pod_dir, ignore_errors=True)
 
 
-def host_environment(kubeconfig: str) -> dict[str, str]:
+def _check_executable(program: str, path: str) -> None:
+    """FileNotFoundError when `program` cannot be found (what exec would say, reported as StartError)."""
+    if os.sep in program:
+        found = os.path.isfile(program) and os.access(program, os.X_OK)
+    else:
+        found = shutil.which(program, path=path) is not None
+    if not found:
+        raise FileNotFoundError(errno.ENOENT, f"exec: {program!r}: executable file not found in $PATH")
+
+
+def host_environment(kubeconfig: str, *, sandbox: bool) -> dict[str, str]:
     """The base environment of every container: the process node's own, with its Python first on PATH.
 
-    Containers have no image filesystem, so they need the host's PATH, HOME, locale and the like; putting the
+    Containers have no image filesystem, so they need the host's PATH, locale and the like; putting the
     interpreter's folder first lets ``pdserve`` or ``python3`` in passthrough commands find this install.
-    There is no in-cluster API config (no service account token mount), so ``KUBECONFIG`` names the
-    cluster's kubeconfig instead: clients that fall back to it reach the API.
+    With the sandbox, containers find the API the in-cluster way (their ServiceAccount's token at the standard
+    path and the ``kubernetes`` Service variables), so no client configuration of the node's leaks into them.
+    Without it there is no token mount, so ``KUBECONFIG`` names the cluster's kubeconfig instead.
     """
-    env = dict(os.environ)
-    env["KUBECONFIG"] = os.path.abspath(kubeconfig)
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG" and not k.startswith("KUBERNETES_")}
+    if not sandbox:
+        env["KUBECONFIG"] = os.path.abspath(kubeconfig)
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join(dict.fromkeys([venv_bin, *env.get("PATH", "").split(os.pathsep)]))
     return env

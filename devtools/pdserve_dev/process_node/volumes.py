@@ -1,13 +1,18 @@
-"""Volumes materialised as folders, and mount paths rewritten to them.
+"""Volumes materialised as folders in the pod's folder, and (without the sandbox) mount paths rewritten to them.
 
-Processes cannot mount, so each supported volume becomes ``<pod dir>/volumes/<name>`` (written once, when
-the pod starts) and every command word, argument and env value that names a path under a volumeMount's
-``mountPath`` is rewritten to the folder (``subPath`` honoured). A value counts as a path when it starts
-with the mount path, or when it is a ``--flag=PATH`` option whose PATH does. Longer mount paths win.
+Each supported volume becomes ``<pod dir>/volumes/<name>``, written once when the pod starts (projected service
+account tokens are refreshed, see :mod:`.tokens`). With the sandbox (:mod:`.sandbox`) each container sees its
+volumes bind-mounted at their mountPaths. Without it (no mount namespaces, i.e. not root), processes cannot
+mount, so every command word, argument and env value that names a path under a volumeMount's ``mountPath`` is
+rewritten to the folder instead (``subPath`` honoured): a value counts as a path when it starts with the mount
+path, or when it is a ``--flag=PATH`` option whose PATH does; longer mount paths win.
 
-Supported: emptyDir, configMap, secret, downwardAPI, and the configMap/secret/downwardAPI sources of projected
-volumes. Everything else (serviceAccountToken sources, PVCs, hostPath, ...) is skipped with a warning; the
-mount path then stays unrewritten.
+Supported: emptyDir (a folder with mode 0777, like the kubelet's; ``medium: Memory`` is a folder too), configMap,
+secret, downwardAPI, and the configMap/secret/downwardAPI/serviceAccountToken sources of projected volumes
+(tokens only when a token source is given, i.e. with the sandbox: without it no path could put them where
+clients look). ``fsGroup`` makes the files group-owned by it with group read (and write for emptyDir), as the
+kubelet's volume ownership does. Everything else (PVCs, hostPath, ...) is skipped with a warning; the mount path
+then stays unrewritten (and, in the sandbox, shows the host's folder if there is one).
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import base64
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve_dev.process_node.podenv import ContainerConfigError, ObjectLookup, PodAddresses, field_ref
+from pdserve_dev.process_node.tokens import ProjectedToken, TokenSource
 
 log = logging.getLogger(__name__)
 
@@ -126,19 +132,49 @@ class VolumeData:
         return None if data is None else {k: v.encode() for k, v in data.items()}
 
 
+@dataclass
+class Materialised:
+    """The pod's volume folders (volume name -> folder) and the service account tokens to keep fresh."""
+
+    folders: dict[str, Path] = field(default_factory=dict)
+    tokens: list[ProjectedToken] = field(default_factory=list)
+
+
+def apply_fs_group(folder: Path, gid: int, writable: bool) -> None:
+    """Group-own everything in `folder` by `gid` with group read (and write), folders setgid, as the kubelet does."""
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chown(path, -1, gid)
+        mode = path.stat().st_mode & 0o7777
+        if path.is_dir():
+            mode |= 0o2050 | (0o020 if writable else 0)
+        else:
+            mode |= 0o040 | (0o020 if writable else 0)
+        os.chmod(path, mode)
+
+
 def materialise(
-    pod: Obj, root: Path, lookup: ObjectLookup, addresses: PodAddresses, warn: Callable[[str], None] = log.warning
-) -> dict[str, Path]:
-    """Write the pod's supported volumes under ``root``; return volume name -> folder."""
+    pod: Obj,
+    root: Path,
+    lookup: ObjectLookup,
+    addresses: PodAddresses,
+    *,
+    warn: Callable[[str], None] = log.warning,
+    tokens: TokenSource | None = None,
+) -> Materialised:
+    """Write the pod's supported volumes under ``root`` (service account tokens only with a token source)."""
     namespace = pod.get("metadata", {}).get("namespace", "default")
     data = VolumeData(lookup, namespace)
-    folders: dict[str, Path] = {}
+    result = Materialised()
+    folders = result.folders
+    fs_group = (pod.get("spec", {}).get("securityContext") or {}).get("fsGroup")
     for volume in pod.get("spec", {}).get("volumes") or []:
         name = volume.get("name", "")
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
         if "emptyDir" in volume:
-            pass
+            os.chmod(folder, 0o777)  # any container user may write, as with the kubelet's emptyDir
         elif "configMap" in volume:
             source = volume["configMap"]
             _key_items(
@@ -186,15 +222,27 @@ def materialise(
                     )
                 elif "downwardAPI" in source:
                     _downward_items(pod, source["downwardAPI"], addresses, folder)
-                elif "serviceAccountToken" not in source:
-                    # Service account tokens are silent: the API server adds one to every pod.
+                elif "serviceAccountToken" in source:
+                    # Without a token source they are silent: the API server adds one to every pod.
+                    if tokens is not None:
+                        token = ProjectedToken.from_source(
+                            source["serviceAccountToken"],
+                            folder,
+                            projected.get("defaultMode"),
+                            None if fs_group is None else int(fs_group),
+                        )
+                        token.refresh(tokens, pod)
+                        result.tokens.append(token)
+                else:
                     warn(f"Skipped projected volume source volume={name} source={sorted(source)}")
         else:
             warn(f"Skipped unsupported volume volume={name} kind={sorted(k for k in volume if k != 'name')}")
             folder.rmdir()
             continue
+        if fs_group is not None:
+            apply_fs_group(folder, int(fs_group), writable="emptyDir" in volume)
         folders[name] = folder
-    return folders
+    return result
 
 
 def decode_secret(data: dict[str, str]) -> dict[str, str]:
