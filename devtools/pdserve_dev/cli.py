@@ -47,8 +47,8 @@ def dev() -> None:
 )
 @click.option("--keep", is_flag=True, help="Keep everything running at the end (Ctrl-C stops it).")
 def demo(manifest: str | None, keep: bool) -> None:
-    """The whole product on the local cluster: operator, PDService, a routed prefill -> decode request."""
-    from pdserve_dev.demo import main  # imports the operator; only this command needs it
+    """The whole product on the local cluster: Helm install, PDService, a routed prefill -> decode request."""
+    from pdserve_dev.demo import main  # imports the cluster tooling; only this command needs it
 
     raise SystemExit(main(manifest, keep, click.echo))
 

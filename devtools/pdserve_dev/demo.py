@@ -1,11 +1,13 @@
-"""`pdserve dev demo`: the whole product on one machine, in one command.
+"""`pdserve dev demo`: the whole product on one machine, in one command, installed the way users install it.
 
-It starts a local cluster (real control plane, simulated GPU nodes, the process node), runs the operator as a
-process, applies a PDService (default: the embedded `examples/local-sim.yaml`), waits for `Available`, then sends
-a long prompt (routed prefill -> decode, KV pulled over the engine simulator's side channel) and a short one
-(straight to decode) through the router, and prints what happened: the route the router chose, the answer, and
-the decode engines' `vllm:prompt_tokens_by_source_total` proving the KV was transferred, not recomputed.
-Everything is stopped at the end unless `--keep` is given.
+It starts a local cluster (real control plane, simulated GPU nodes, the process node), installs pdserve with Helm
+exactly as the README tells users (`helm install pdserve charts/pdserve -n pdserve-system`: the CRD, RBAC and the
+operator Deployment, whose pods run in-cluster on the process node under the chart's ServiceAccount), applies a
+PDService (default: the embedded `examples/local-sim.yaml`), waits for `Available`, then sends a long prompt
+(routed prefill -> decode, KV pulled over the engine simulator's side channel) and a short one (straight to
+decode) through the router, and prints what happened: the route the router chose, the answer, and the decode
+engines' `vllm:prompt_tokens_by_source_total` proving the KV was transferred, not recomputed. Everything is
+stopped at the end unless `--keep` is given.
 
 The cluster's pod addresses (198.18.0.0/15, see pod_network) must stay on this machine: when it can (root), the
 demo first moves itself into a private network namespace that holds only a loopback interface.
@@ -14,7 +16,9 @@ demo first moves itself into a private network namespace that holds only a loopb
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,14 +30,27 @@ from typing import Any
 
 import yaml
 
-from pdserve.api.crdgen import custom_resource_definition
 from pdserve_dev.cluster import netns
-from pdserve_dev.cluster.cluster import LocalCluster
+from pdserve_dev.cluster.cluster import SYSTEM_NAMESPACE, LocalCluster
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import by_label, scrape_sync
 from pdserve_dev.testing.wait import wait_for
 
 DEMO_NAMESPACE = "demo"
+RELEASE = "pdserve"
+CHART_ENV = "PDSERVE_CHART"
+
+
+class DemoError(Exception):
+    """The demo cannot run (the message says why and what to do)."""
+
+
+def chart_path() -> Path:
+    """The chart to install: $PDSERVE_CHART, else `charts/pdserve` of the checkout pdserve-dev is installed from."""
+    path = Path(os.environ.get(CHART_ENV) or Path(__file__).resolve().parents[2] / "charts" / "pdserve")
+    if not (path / "Chart.yaml").is_file():
+        raise DemoError(f"No Helm chart at {path}: run the demo from a pdserve checkout or set ${CHART_ENV}")
+    return path
 
 
 def default_manifest() -> str:
@@ -62,28 +79,34 @@ def prompt_tokens_by_source(helper: ClusterHelper, namespace: str) -> dict[str, 
     return totals
 
 
+def install_chart(cluster: LocalCluster, chart: Path, echo: Callable[[str], None]) -> float:
+    """`helm install pdserve <chart> -n pdserve-system --wait`; returns the seconds it took."""
+    started = time.monotonic()
+    argv = cluster.helm_command("install", RELEASE, str(chart), f"--namespace={SYSTEM_NAMESPACE}", "--wait")
+    proc = subprocess.run([*argv, "--timeout=3m"], capture_output=True, text=True, timeout=240, check=False)
+    if proc.returncode != 0:
+        raise DemoError(f"helm install failed:\n{proc.stderr.strip() or proc.stdout.strip()}")
+    seconds = time.monotonic() - started
+    echo(f"Installed pdserve with Helm in {seconds:.1f}s: helm install {RELEASE} {chart} -n {SYSTEM_NAMESPACE}")
+    return seconds
+
+
 def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
     """Run the demo; returns a process exit code."""
-    from pdserve_dev.testing.operator import OperatorProcess
-
     doc = yaml.safe_load(manifest)
     doc.setdefault("metadata", {})["namespace"] = DEMO_NAMESPACE
     name = doc["metadata"]["name"]
     model = doc["spec"]["model"]["name"]
+    chart = chart_path()
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-demo-"))
-    crd = json.dumps(custom_resource_definition())
     cluster = LocalCluster(workdir / "cluster", topology="minimal", process_node=True, log=echo)
-    operator: OperatorProcess | None = None
     try:
         cluster.start()
         helper = ClusterHelper.from_cluster(cluster)
-        helper.kubectl("apply", "--server-side", "-f", "-", input=crd)
-        helper.wait_crd_established()
+        install_chart(cluster, chart, echo)
+        echo(helper.kubectl("get", "pods", f"--namespace={SYSTEM_NAMESPACE}", "-o", "wide").stdout)
         helper.kubectl("create", "namespace", DEMO_NAMESPACE)
-        operator = OperatorProcess(cluster.kubeconfig, workdir / "operator.log", namespaces=[DEMO_NAMESPACE])
-        operator.start()
-        operator.wait_ready()
-        echo(f"Operator running (pid {operator.pid}); applying PDService {DEMO_NAMESPACE}/{name}")
+        echo(f"Applying PDService {DEMO_NAMESPACE}/{name}")
         helper.apply(json.dumps(doc))
         started = time.monotonic()
         helper.kubectl(
@@ -118,15 +141,16 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
             f"{body['choices'][0]['message']['content']!r}"
         )
         if keep:
-            echo(f"Kept running. KUBECONFIG={cluster.kubeconfig}; router at {base}. Ctrl-C stops everything.")
+            echo(
+                f"Kept running. KUBECONFIG={cluster.kubeconfig}; router at {base}; the operator's log: "
+                f"{cluster.process_node_workdir / 'logs'}/{SYSTEM_NAMESPACE}_*_operator.log. Ctrl-C stops everything."
+            )
             while True:
                 time.sleep(3600)
         return 0 if moved > 0 else 1
     except KeyboardInterrupt:
         return 130
     finally:
-        if operator is not None:
-            operator.stop()
         cluster.stop()
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -140,4 +164,8 @@ def main(manifest_path: str | None, keep: bool, echo: Callable[[str], None] = pr
             [sys.executable, "-m", "pdserve.cli", "dev", "demo", *args, *(["--keep"] if keep else [])]
         )
     manifest = Path(manifest_path).read_text() if manifest_path else default_manifest()
-    return run_demo(manifest, keep, echo)
+    try:
+        return run_demo(manifest, keep, echo)
+    except DemoError as exc:
+        echo(f"Error: {exc}")
+        return 1

@@ -157,3 +157,48 @@ def test_env_and_tolerations_a_pod_rejects(
     code, output = dry_run(cluster, namespace, _set(example("minimal"), f"spec.decode.{field}", value))
     assert code != 0, f"the CRD admits {field}={value}"
     assert message in output, output
+
+
+def _fields(schema: dict[str, Any], path: str) -> dict[str, dict[str, Any]]:
+    """Every field under `schema` as the dotted path kubectl explain takes (list items and map values are their
+    field's own: `spec.env.name`) -> its schema."""
+    fields: dict[str, dict[str, Any]] = {}
+    for name, node in (schema.get("properties") or {}).items():
+        here = f"{path}.{name}"
+        fields[here] = node
+        inner = node
+        while inner.get("type") == "array" and isinstance(inner.get("items"), dict):
+            inner = inner["items"]
+        fields |= _fields(inner, here)
+    return fields
+
+
+def _explained(text: str, root: str) -> set[str]:
+    """The dotted paths `kubectl explain ROOT --recursive` lists (two spaces of indentation per level)."""
+    paths: set[str] = set()
+    stack: list[str] = []
+    lines = text.splitlines()
+    for line in lines[lines.index("FIELDS:") + 1 :]:
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2 - 1
+        stack[depth:] = [line.split()[0]]
+        paths.add(".".join([root, *stack]))
+    return paths
+
+
+def test_kubectl_explain_documents_every_field(cluster: ClusterHelper, namespace: str) -> None:
+    """What `kubectl explain pdservice.spec...` reads is the API server's published OpenAPI v3 document: every
+    spec and status field there has a description, and `kubectl explain --recursive` lists every one of them."""
+    document = json.loads(cluster.kubectl("get", "--raw", "/openapi/v3/apis/pdserve.io/v1alpha1").stdout)
+    schema = document["components"]["schemas"]["io.pdserve.v1alpha1.PDService"]
+    for root in ("spec", "status"):
+        fields = _fields(schema["properties"][root], root)
+        assert len(fields) > (60 if root == "spec" else 10)
+        assert [path for path, node in fields.items() if not node.get("description")] == []
+        listed = _explained(cluster.kubectl("explain", f"pdservices.{root}", "--recursive").stdout, root)
+        assert listed == set(fields)
+    deep = cluster.kubectl("explain", "pdservices.spec.placement.tolerations.tolerationSeconds").stdout
+    described = _fields(schema["properties"]["spec"], "spec")
+    text = described["spec.placement.tolerations.tolerationSeconds"]["description"]
+    assert " ".join(text.split())[:60] in " ".join(deep.split()), deep

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from pdserve_dev.cli import dev
+from pdserve_dev.cluster import netns
 
 
 def test_status_of_a_missing_cluster_exits_1(tmp_path: Path) -> None:
@@ -33,3 +35,14 @@ def test_up_rejects_an_unknown_topology(tmp_path: Path) -> None:
     result = CliRunner().invoke(dev, ["cluster", "up", "--workdir", str(tmp_path), "--topology", "huge"])
     assert result.exit_code == 2
     assert "huge" in result.output
+
+
+def test_demo_without_a_chart_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo installs pdserve with the checkout's chart; without one it stops before starting anything."""
+    monkeypatch.setenv("PDSERVE_CHART", str(tmp_path))
+    monkeypatch.setattr(netns, "should_isolate", lambda: False)
+    result = CliRunner().invoke(dev, ["demo"])
+    assert result.exit_code == 1
+    assert f"Error: No Helm chart at {tmp_path}: run the demo from a pdserve checkout or set $PDSERVE_CHART" in (
+        result.output
+    )

@@ -1,4 +1,4 @@
-"""`pdserve dev demo`, run as a user runs it: the README's main job."""
+"""`pdserve dev demo`, run as a user runs it: the README's main job, which installs pdserve with its Helm chart."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def test_demo_routes_a_long_prompt_through_prefill_and_pulls_its_kv() -> None:
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
+    assert "Installed pdserve with Helm in " in output and "-n pdserve-system" in output
+    # The operator runs in-cluster: the chart's pods, on the process node (both replicas: one leads).
+    operator_pods = [line for line in output.splitlines() if line.startswith("pdserve-") and " Running " in line]
+    assert len(operator_pods) == 2 and all(" process-node " in line for line in operator_pods), output
     assert "PDService Available" in output
     assert "route=pd " in output
     assert "route=decode-only " in output

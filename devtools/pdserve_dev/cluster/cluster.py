@@ -290,6 +290,10 @@ class LocalCluster:
         """argv for kubectl against this cluster."""
         return [str(build.binary("kubectl")), f"--kubeconfig={self.kubeconfig}", *args]
 
+    def helm_command(self, *args: str) -> list[str]:
+        """argv for helm (built with the cluster's binaries) against this cluster."""
+        return [str(build.binary("helm")), f"--kubeconfig={self.kubeconfig}", *args]
+
     def api_client(self) -> Any:
         """A new `kubernetes.client.ApiClient` for the admin user (close it, or use it as a context manager)."""
         from pdserve.api.kubeclient import new_api_client  # lazy: the kubernetes client is slow to import

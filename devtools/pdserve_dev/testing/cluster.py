@@ -43,6 +43,25 @@ def leaked_listeners(ports: Iterable[int]) -> list[str]:
     return leaked
 
 
+@dataclass(frozen=True)
+class ContainerProcess:
+    """Who a container's process runs as and with which environment, as the kernel sees it."""
+
+    pid: int
+    uid: int
+    gid: int
+    environ: dict[str, str]
+
+    @classmethod
+    def of(cls, pid: int) -> ContainerProcess:
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+        )
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        environ = dict(item.decode(errors="replace").partition("=")[::2] for item in raw if item)
+        return cls(pid, int(status["Uid"].split()[1]), int(status["Gid"].split()[1]), environ)
+
+
 class KubectlError(RuntimeError):
     """kubectl exited non-zero. Not an AssertionError: inside `wait_for` a failed kubectl (an object that does not
     exist yet) means "not yet", while a failed assertion is a verdict."""
@@ -164,6 +183,13 @@ class ClusterHelper:
             args.append(f"--container={container}")
         proc = self.kubectl(*args, check=False)
         return proc.stdout if proc.returncode == 0 else f"(no logs: {proc.stderr.strip()})"
+
+    def container_process(self, namespace: str, pod: str, container: str) -> ContainerProcess:
+        """The running process of a container on the process node (from its PID file and /proc)."""
+        if self.process_node_workdir is None:
+            raise RuntimeError("no process node in this cluster")
+        pid = int((self.process_node_workdir / "pids" / f"{namespace}_{pod}_{container}.pid").read_text())
+        return ContainerProcess.of(pid)
 
     def api_client(self) -> Any:
         """A new `kubernetes.client.ApiClient` (use it in a `with` block)."""

@@ -22,11 +22,15 @@ class HelmError(AssertionError):
     """helm exited non-zero; the message is helm's stderr (e.g. a template's `fail`)."""
 
 
-def helm(*args: str, check: bool = True, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """Run the built helm with `args`; raise HelmError with its stderr when `check` and it fails."""
+def helm(
+    *args: str, check: bool = True, timeout: float = 120.0, kubeconfig: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the built helm with `args` (against the cluster of `kubeconfig`, when given); raise HelmError with its
+    stderr when `check` and it fails."""
     # Built on first use when missing (a few minutes cold), like the cluster's binaries; cached afterwards.
     binary = build.ensure_binaries(("helm",)) / "helm"
-    proc = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout, check=False)
+    flags = [f"--kubeconfig={kubeconfig}"] if kubeconfig is not None else []
+    proc = subprocess.run([str(binary), *flags, *args], capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise HelmError(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip()}")
     return proc
