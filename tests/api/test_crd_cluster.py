@@ -174,12 +174,14 @@ def _fields(schema: dict[str, Any], path: str) -> dict[str, dict[str, Any]]:
 
 
 def _explained(text: str, root: str) -> set[str]:
-    """The dotted paths `kubectl explain ROOT --recursive` lists (two spaces of indentation per level)."""
+    """The dotted paths `kubectl explain ROOT --recursive` lists: lines `NAME <TYPE>` indented two spaces per level
+    (the `enum: ...` lines under a field are not fields)."""
     paths: set[str] = set()
     stack: list[str] = []
     lines = text.splitlines()
     for line in lines[lines.index("FIELDS:") + 1 :]:
-        if not line.strip():
+        words = line.split()
+        if len(words) < 2 or not words[1].startswith("<"):
             continue
         depth = (len(line) - len(line.lstrip(" "))) // 2 - 1
         stack[depth:] = [line.split()[0]]

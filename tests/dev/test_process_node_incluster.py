@@ -16,6 +16,7 @@ import pytest
 
 from pdserve_dev.process_node import apiservice
 from pdserve_dev.process_node.podenv import ContainerConfigError
+from pdserve_dev.process_node.podworker import host_environment
 from pdserve_dev.process_node.tokens import ProjectedToken, refresh_time
 from pdserve_dev.testing.net import free_port
 
@@ -140,3 +141,12 @@ def test_the_relay_carries_bytes_both_ways_and_falls_back_when_it_cannot_listen(
         assert env["KUBERNETES_SERVICE_PORT"] == str(echo_server[1])
     finally:
         relay.stop()
+
+
+def test_no_client_configuration_of_the_node_leaks_into_sandboxed_containers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBECONFIG", "/admin.kubeconfig")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    sandboxed = host_environment("/node.kubeconfig", sandbox=True)
+    assert "KUBECONFIG" not in sandboxed and "KUBERNETES_SERVICE_HOST" not in sandboxed
+    # Without the sandbox there is no token mount: the node's kubeconfig is how containers reach the API.
+    assert host_environment("/node.kubeconfig", sandbox=False)["KUBECONFIG"] == "/node.kubeconfig"
