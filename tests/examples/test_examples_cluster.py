@@ -5,8 +5,10 @@ Each example goes into a namespace of its own (examples name `default` or `infer
 watches them all. The engines of every example but local-sim are kwok pods on the GPU product the example asks
 for (H100, H200, GB200), their routers kwok pods on the CPU nodes; local-sim runs for real on the process node.
 What a user of the example must provide is provided the way they would: the `inference` namespace's model claim
-(a bound PersistentVolume) for pvc-heterogeneous-tp.yaml. The gated model's `hf-token` Secret of pdservice.yaml
-is not needed to schedule (the engines read it at start), so it is left out as a user might forget it.
+(a bound PersistentVolume) for pvc-heterogeneous-tp.yaml, and the administrator's permission for node paths under
+/mnt/models (`--allow-model-host-paths`, the chart's `operator.allowModelHostPaths`) for mla-hostpath-tcp.yaml.
+The gated model's `hf-token` Secret of pdservice.yaml is not needed to schedule (the engines read it at start), so
+it is left out as a user might forget it.
 """
 
 from __future__ import annotations
@@ -89,7 +91,11 @@ def test_every_example_reaches_available(cluster: ClusterHelper, namespaces: dic
         message="the model claim to bind",
     )
     with OperatorProcess(
-        cluster.kubeconfig, tmp_path / "operator.log", namespaces=list(namespaces.values()), identity="examples"
+        cluster.kubeconfig,
+        tmp_path / "operator.log",
+        namespaces=list(namespaces.values()),
+        identity="examples",
+        extra=["--allow-model-host-paths", "/mnt/models"],
     ) as operator:
         operator.wait_ready()
         for path in EXAMPLES:
