@@ -42,7 +42,7 @@ def crd(cluster: ClusterHelper) -> None:
         pytest.skip("the cluster has no process node")
     text = yaml.safe_dump(custom_resource_definition())
     wait_for(lambda: cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=text), 60)
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    cluster.wait_crd_established()
 
 
 class Release:

@@ -48,7 +48,7 @@ def _document(path: Path) -> dict[str, Any]:
 def namespaces(cluster: ClusterHelper) -> Iterator[dict[str, str]]:
     text = yaml.safe_dump(custom_resource_definition())
     wait_for(lambda: cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=text), 60)
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    cluster.wait_crd_established()
     names = {path.stem: cluster.create_namespace("example") for path in EXAMPLES}
     yield names
     for name in names.values():
