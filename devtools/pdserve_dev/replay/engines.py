@@ -28,10 +28,9 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 
+from pdserve.api.latency_buckets import ROUTER_ITL_BUCKETS, ROUTER_TTFT_BUCKETS
 from pdserve_dev.replay.histogram import Histogram
 from pdserve_dev.replay.trace import Request
-from pdserve_runtime.router.metrics import ITL_BUCKETS as ROUTER_ITL_BUCKETS
-from pdserve_runtime.router.metrics import TTFT_BUCKETS as ROUTER_TTFT_BUCKETS
 from pdserve_sim.metrics import (
     ITL_BUCKETS,
     NIXL_XFER_TIME_BUCKETS,

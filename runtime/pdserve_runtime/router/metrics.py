@@ -6,7 +6,9 @@
   (client went away) or timeout.
 - `pdserve_router_time_to_first_token_seconds{route}`, `pdserve_router_inter_token_latency_seconds{route}`,
   `pdserve_router_e2e_request_latency_seconds{route}`: measured at the router, so they include prefill, the
-  KV handoff and the router itself: what a client sees. Buckets follow vLLM's so dashboards can overlay them.
+  KV handoff and the router itself: what a client sees. Buckets follow vLLM's so dashboards can overlay them;
+  the TTFT and ITL bounds live in `pdserve.api.latency_buckets`, where the operator reads them to name the bucket
+  of each PDService's SLO target for the burn-rate alerts.
   ITL is observed per chunk read from the engine; when several SSE events arrive in one read their gap is
   observed once (the client saw them together too).
 - `pdserve_router_routing_decision_seconds`: prompt analysis + scheduling, per request.
@@ -36,13 +38,11 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Met
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pdserve.api.latency_buckets import ROUTER_ITL_BUCKETS as ITL_BUCKETS
+from pdserve.api.latency_buckets import ROUTER_TTFT_BUCKETS as TTFT_BUCKETS
 from pdserve_runtime.router.endpoints import ROLES, EndpointTable
 from pdserve_runtime.router.policy.decision import Route
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
