@@ -27,6 +27,7 @@ from pdserve_operator.kinds import PDSERVICE
 from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.leader import LeaseElector
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.service_metrics import PDServiceCollector
 from pdserve_operator.status import CRASH_RECOVERY_SECONDS
 
 log = logging.getLogger("pdserve.operator")
@@ -101,6 +102,8 @@ async def run(options: Options) -> None:
             retry_period=options.retry_period,
             on_started_leading=controller.enqueue_all,
         )
+    # Each PDService's conditions and SLO targets, read from the controller's cache at scrape time by the leader.
+    metrics.registry.register(PDServiceCollector(controller.store, api_is_leader(lambda: elector)))
     if options.metrics_port:
         prometheus_client.start_http_server(options.metrics_port, addr=options.bind, registry=metrics.registry)
 

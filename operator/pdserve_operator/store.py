@@ -60,6 +60,11 @@ class Store:
         with self._lock:
             return self._owners.get((namespace, name))
 
+    def owners(self) -> list[tuple[OwnerKey, dict[str, Any]]]:
+        """Every PDService, sorted by key (the bodies are the cache's own: read, never mutate)."""
+        with self._lock:
+            return sorted(self._owners.items(), key=lambda item: item[0])
+
     def owner_keys(self) -> list[OwnerKey]:
         with self._lock:
             return sorted(self._owners)
