@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from pdserve_dev.cluster import build, certs, versions
 from pdserve_dev.cluster import prometheus as prom
@@ -113,6 +114,29 @@ def test_static_targets_are_file_sd_groups_carrying_their_job(tmp_path: Path) ->
     for bad in ("", "a/b", ".hidden"):
         with pytest.raises(ValueError, match="plain file name"):
             prom.add_static_target(tmp_path, bad, "127.0.0.1:9000")
+
+
+def test_rule_files_are_read_from_the_rules_folder_written_atomically(tmp_path: Path) -> None:
+    assert "rule_files" not in prom.render_config(tmp_path / "k", tmp_path / "file_sd")
+    rules = tmp_path / "rules"
+    assert prom.render_config(tmp_path / "k", tmp_path / "file_sd", rules)["rule_files"] == [str(rules / "*.yaml")]
+    path = prom.add_rule_file(rules, "pdserve-alerts", "groups: []\n")
+    assert path == rules / "pdserve-alerts.yaml" and path.read_text() == "groups: []\n"
+    assert [p.name for p in rules.iterdir()] == ["pdserve-alerts.yaml"]  # no temporary file left behind
+    prom.remove_rule_file(rules, "pdserve-alerts")
+    prom.remove_rule_file(rules, "pdserve-alerts")
+    assert list(rules.iterdir()) == []
+    for bad in ("", "a/b", ".hidden"):
+        with pytest.raises(ValueError, match="plain file name"):
+            prom.add_rule_file(rules, bad, "groups: []\n")
+
+
+def test_write_config_wipes_the_rule_files_of_an_earlier_run(tmp_path: Path) -> None:
+    paths = prom.PrometheusPaths(tmp_path)
+    prom.add_rule_file(paths.rules, "stale", "groups: []\n")
+    prom.write_config(paths, tmp_path / "prometheus.kubeconfig")
+    assert paths.rules.is_dir() and list(paths.rules.iterdir()) == []
+    assert yaml.safe_load(paths.config.read_text())["rule_files"] == [str(paths.rules / "*.yaml")]
 
 
 def test_command_line_binds_loopback_and_keeps_data_in_the_cluster_workdir(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from pdserve_dev.testing.metrics import series, wait_for_metric
 from pdserve_dev.testing.net import free_port, http_ok, listening
+from pdserve_dev.testing.prometheus import bool_comparisons
 from pdserve_dev.testing.wait import WaitTimeoutError, wait_for, wait_for_async
 
 pytestmark = pytest.mark.timeout(30)
@@ -104,3 +105,10 @@ async def test_probes_see_a_live_server_and_a_closed_port(counting_server: tuple
     closed = free_port()
     assert not listening(closed)
     assert not http_ok(f"http://127.0.0.1:{closed}/hit")
+
+
+def test_bool_comparisons_turns_filters_into_0_1_and_leaves_label_matchers_alone() -> None:
+    expr = 'max(x{a!="b", c=~"d>e"}) > 0 and on (a) y{s="1"} == 1 or z >= bool 2 or w > on (a) v'
+    assert bool_comparisons(expr) == (
+        'max(x{a!="b", c=~"d>e"}) > bool 0 and on (a) y{s="1"} == bool 1 or z >= bool 2 or w > bool on (a) v'
+    )

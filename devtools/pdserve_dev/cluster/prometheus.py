@@ -19,6 +19,9 @@ Prometheus that found the pods through the Kubernetes API, never a hand-made lis
   per-endpoint metrics already carry a `role` label (the engine's role), which a target label of that name would
   rename to `exported_role`. Queries should select on these labels, not on `job`, so they also work with the
   chart's PodMonitor (whose job label differs).
+- **Rules**: `rule_files` reads `<root>/rules/*.yaml`; `add_rule_file` writes one (e.g. the chart's alerts, which
+  the monitoring tests load to see them evaluated) and `reload` makes Prometheus read it: rule files, unlike
+  file_sd targets, are only read at start and on reload.
 - **Static targets** (job given per target): processes outside the cluster, such as the operator run as a host
   process, are added with `add_static_target`, which writes a `file_sd` file; Prometheus notices it within a
   second or two, no reload needed.
@@ -34,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +92,10 @@ def pod_relabel_configs() -> list[dict[str, Any]]:
     return keep + copy
 
 
-def render_config(kubeconfig: Path, file_sd_dir: Path) -> dict[str, Any]:
-    """prometheus.yml: the pod job through `kubeconfig`, plus file-based static targets from `file_sd_dir`."""
+def render_config(kubeconfig: Path, file_sd_dir: Path, rules_dir: Path | None = None) -> dict[str, Any]:
+    """prometheus.yml: the pod job through `kubeconfig`, file-based static targets from `file_sd_dir`, and the rule
+    files in `rules_dir` (none without it)."""
+    rules = {"rule_files": [str(rules_dir / "*.yaml")]} if rules_dir is not None else {}
     return {
         "global": {
             "scrape_interval": SCRAPE_INTERVAL,
@@ -96,6 +103,7 @@ def render_config(kubeconfig: Path, file_sd_dir: Path) -> dict[str, Any]:
             "scrape_timeout": SCRAPE_INTERVAL,
             "evaluation_interval": SCRAPE_INTERVAL,
         },
+        **rules,
         "scrape_configs": [
             {
                 "job_name": POD_JOB,
@@ -178,6 +186,10 @@ class PrometheusPaths:
         return self.root / "file_sd"
 
     @property
+    def rules(self) -> Path:
+        return self.root / "rules"
+
+    @property
     def log(self) -> Path:
         return self.cluster_workdir / "logs" / f"{COMPONENT}.log"
 
@@ -201,11 +213,13 @@ def argv(binary: Path, paths: PrometheusPaths, port: int) -> list[str]:
 
 
 def write_config(paths: PrometheusPaths, kubeconfig: Path) -> None:
-    """Write prometheus.yml and create the data and file_sd folders; the TSDB of an earlier run is wiped."""
+    """Write prometheus.yml and create the data, file_sd and rules folders; the TSDB and rule files of an earlier
+    run are wiped."""
     shutil.rmtree(paths.data, ignore_errors=True)
-    paths.file_sd.mkdir(parents=True, exist_ok=True)
-    paths.data.mkdir(parents=True, exist_ok=True)
-    paths.config.write_text(yaml.safe_dump(render_config(kubeconfig, paths.file_sd), sort_keys=False))
+    shutil.rmtree(paths.rules, ignore_errors=True)
+    for folder in (paths.file_sd, paths.data, paths.rules):
+        folder.mkdir(parents=True, exist_ok=True)
+    paths.config.write_text(yaml.safe_dump(render_config(kubeconfig, paths.file_sd, paths.rules), sort_keys=False))
 
 
 def ready(url: str, timeout: float = 2.0) -> bool:
@@ -218,8 +232,7 @@ def add_static_target(file_sd_dir: Path, job: str, address: str, labels: Mapping
 
     Written to a temporary name first, then renamed, so Prometheus never reads a half-written file.
     """
-    if not job or "/" in job or job.startswith("."):
-        raise ValueError(f"A job name must be a plain file name, got {job!r}")
+    _plain_name(job, "job")
     group = [{"targets": [address], "labels": {**(labels or {}), "job": job}}]
     path = file_sd_dir / f"{job}.json"
     tmp = file_sd_dir / f".{job}.json.tmp"
@@ -227,6 +240,38 @@ def add_static_target(file_sd_dir: Path, job: str, address: str, labels: Mapping
     tmp.write_text(json.dumps(group, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def _plain_name(name: str, what: str) -> None:
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"A {what} name must be a plain file name, got {name!r}")
+
+
+def add_rule_file(rules_dir: Path, name: str, text: str) -> Path:
+    """Write rule file `<name>.yaml` (Prometheus' rule file format) atomically; `reload` makes Prometheus read it."""
+    _plain_name(name, "rule file")
+    rules_dir.mkdir(parents=True, exist_ok=True)
+    path, tmp = rules_dir / f"{name}.yaml", rules_dir / f".{name}.yaml.tmp"
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def remove_rule_file(rules_dir: Path, name: str) -> None:
+    """Delete rule file `<name>.yaml` (effective at the next `reload`)."""
+    with contextlib.suppress(FileNotFoundError):
+        (rules_dir / f"{name}.yaml").unlink()
+
+
+def reload(url: str, timeout: float = 30.0) -> None:
+    """POST /-/reload (the server runs with --web.enable-lifecycle): re-read the config and every rule file.
+    Prometheus answers 500 with its error when a file does not load; that is raised here."""
+    request = urllib.request.Request(f"{url}/-/reload", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            pass
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"Prometheus refused to reload: {exc.read().decode(errors='replace').strip()}") from exc
 
 
 def remove_static_target(file_sd_dir: Path, job: str) -> None:

@@ -1,8 +1,9 @@
 """Query the local cluster's real Prometheus from tests, the demo and benchmarks.
 
 `PrometheusHelper` wraps `prometheus-api-client` (what the autoscaler uses too) with the few things tests need:
-start or attach to a cluster's Prometheus, `query(promql)`, `wait_for_targets(selector, count)`, and static
-targets for processes outside the cluster (the operator run as a host process). Waiting polls `up`, never
+start or attach to a cluster's Prometheus, `query(promql)`, `wait_for_targets(selector, count)`, static
+targets for processes outside the cluster (the operator run as a host process), and rule files (`load_rules`,
+`rules`, `alerts`: the chart's alerts evaluated by the real server). Waiting polls `up`, never
 sleeps: the first scrape lands 5-10 s after Prometheus starts, later ones every second.
 
 Target labels of pdserve pods (`pdserve_dev.cluster.prometheus.TARGET_LABELS`): `namespace`, `pod`, `pool`
@@ -11,7 +12,10 @@ Target labels of pdserve pods (`pdserve_dev.cluster.prometheus.TARGET_LABELS`): 
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +27,27 @@ from pdserve_dev.cluster import prometheus as prometheus_mod
 from pdserve_dev.cluster.cluster import ClusterState, LocalCluster
 from pdserve_dev.testing.wait import wait_for
 
+# Comparison operators outside label matchers and strings, not already `bool` ones.
+_MATCHERS_AND_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\{[^}]*\}')
+_COMPARISON = re.compile(r"(==|!=|>=|<=|>(?!=)|<(?!=))(?!\s*bool\b)")
+
 URL_ENV = "PDSERVE_PROMETHEUS_URL"
 """An already running Prometheus to attach to (`pdserve dev cluster env` prints it)."""
+
+
+def bool_comparisons(expr: str) -> str:
+    """`expr` with every comparison made a `bool` comparison (`x > 0` -> `x > bool 0`).
+
+    An alert's expression returns nothing while its threshold is not crossed; with `bool` it returns 0 or 1 for
+    every series its operands have, so a test can check that the series exist and the joins match without
+    provoking every alert. Label matchers (`{a!="b"}`) and strings are left alone."""
+    out, last = [], 0
+    for skipped in _MATCHERS_AND_STRINGS.finditer(expr):
+        out.append(_COMPARISON.sub(r"\1 bool", expr[last : skipped.start()]))
+        out.append(skipped.group())
+        last = skipped.end()
+    out.append(_COMPARISON.sub(r"\1 bool", expr[last:]))
+    return "".join(out)
 
 
 @dataclass
@@ -34,6 +57,8 @@ class PrometheusHelper:
     url: str
     file_sd_dir: Path | None = None
     """Where `add_target` writes file_sd files (None when attached to a Prometheus we do not manage)."""
+    rules_dir: Path | None = None
+    """Where `load_rules` writes rule files (None when attached to a Prometheus we do not manage)."""
     client: PrometheusConnect = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,7 +70,7 @@ class PrometheusHelper:
     def for_cluster(cls, local: LocalCluster, timeout: float = 60.0) -> PrometheusHelper:
         """The Prometheus of a LocalCluster, started (and built) if it does not run yet; it stops with the cluster."""
         url = local.start_prometheus(timeout)
-        return cls(url, local.prometheus_paths.file_sd)
+        return cls(url, local.prometheus_paths.file_sd, local.prometheus_paths.rules)
 
     @classmethod
     def for_workdir(cls, workdir: Path, timeout: float = 60.0) -> PrometheusHelper:
@@ -125,3 +150,30 @@ class PrometheusHelper:
     def remove_target(self, job: str) -> None:
         if self.file_sd_dir is not None:
             prometheus_mod.remove_static_target(self.file_sd_dir, job)
+
+    # -- rules ---------------------------------------------------------------------------------------------
+
+    def load_rules(self, name: str, text: str) -> None:
+        """Write rule file `name` (Prometheus' rule file format) and reload: its groups evaluate from now on, every
+        evaluation interval (1 s here). Raises when Prometheus refuses the file."""
+        if self.rules_dir is None:
+            raise RuntimeError(f"Prometheus at {self.url} is not managed here; cannot load rules into it")
+        prometheus_mod.add_rule_file(self.rules_dir, name, text)
+        try:
+            prometheus_mod.reload(self.url)
+        except RuntimeError:
+            prometheus_mod.remove_rule_file(self.rules_dir, name)  # leave the server loadable for the next test
+            raise
+
+    def unload_rules(self, name: str) -> None:
+        if self.rules_dir is not None:
+            prometheus_mod.remove_rule_file(self.rules_dir, name)
+            prometheus_mod.reload(self.url)
+
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule group (/api/v1/rules): `name`, `file` and `rules`, each rule with `name`, `query`,
+        `health`, `lastError`, and for alerts `state` and the active `alerts`."""
+        # prometheus-api-client has no call for it.
+        with urllib.request.urlopen(f"{self.url}/api/v1/rules", timeout=30) as response:
+            groups: list[dict[str, Any]] = json.loads(response.read())["data"]["groups"]
+        return groups
