@@ -407,12 +407,17 @@ ROWS: tuple[Row, ...] = (
                 unit="none",
             ),
             Panel(
-                "Autoscaler query errors",
-                "Failed Prometheus queries per query; the autoscaler holds a pool whose signals are missing.",
+                "Autoscaler errors",
+                "Failed Prometheus queries per query (the autoscaler holds a pool whose signals are missing), and "
+                "failed ticks and refused /scale writes per stage (retried with backoff).",
                 (
                     Target(
                         f"sum by ({BY}, query) (rate(pdserve_autoscaler_query_errors_total{{{SVC}}}[{RATE}]))",
-                        "{{pdservice}} {{query}}",
+                        "{{pdservice}} query {{query}}",
+                    ),
+                    Target(
+                        f"sum by ({BY}, stage) (rate(pdserve_autoscaler_errors_total{{{SVC}}}[{RATE}]))",
+                        "{{pdservice}} {{stage}}",
                     ),
                 ),
                 unit="ops",

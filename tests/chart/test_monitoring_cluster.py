@@ -16,8 +16,10 @@ ITL burns 0).
 
 STAND-IN: pdserve's autoscaler does not export its metrics on this branch yet (another change wires it into the
 operator). Until then a static target started here serves `pdserve_autoscaler_*` with the names and labels that
-change exports, as an autoscaler holding `chat`'s decode pool at maxReplicas would; every scrape is one tick. When
-the wiring lands, the operator runs with `--prometheus-url` and the stand-in goes.
+change exports (branch `scaleloop`'s `autoscaler/metrics.py`), as an autoscaler holding `chat`'s decode pool at
+maxReplicas would; every scrape is one tick. When the wiring lands, the operator runs with `--prometheus-url` and
+the stand-in goes; the real error counters (`_query_errors_total`, `_errors_total`) appear only after a first error,
+so the test must then provoke one.
 
 Every dashboard query must return at least one finite value for `chat`'s namespace; every rule expression, with its
 comparisons made `bool` (so that a threshold not crossed still shows the series exist and the joins match), must
@@ -106,6 +108,11 @@ class AutoscalerStandIn(Collector):
         )
         errors.add_metric([*self.labels, "router_ttft"], float(self.ticks))
         yield errors
+        failed = CounterMetricFamily(
+            "pdserve_autoscaler_errors", "failed ticks and /scale writes", labels=["namespace", "pdservice", "stage"]
+        )
+        failed.add_metric([*self.labels, "scale"], float(self.ticks // 10))
+        yield failed
 
 
 @contextlib.contextmanager
@@ -216,7 +223,7 @@ def setup(
     if cluster.process_node_workdir is None:
         pytest.skip("the local cluster runs without its process node")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    cluster.wait_crd_established()
     namespace = cluster.create_namespace("dash")
     rules_file = f"pdserve-{namespace}"
     groups = _rendered_rules()
