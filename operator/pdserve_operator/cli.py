@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+import urllib.parse
 import uuid
 
 import click
@@ -57,6 +58,32 @@ log = logging.getLogger("pdserve.operator")
     show_default=True,
     help="A crashed container counts (Degraded EngineCrashed/CrashLooping) until running and ready this long.",
 )
+@click.option(
+    "--prometheus-url",
+    metavar="URL",
+    help="Prometheus base URL of the SLO autoscaler (e.g. http://prometheus-operated.monitoring.svc:9090). "
+    "Without it, pools scaled by pdserve hold their replicas (ScalingActive=False, PrometheusNotConfigured).",
+)
+@click.option(
+    "--prometheus-timeout",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    show_default=True,
+    help="Seconds one Prometheus query may take.",
+)
+@click.option(
+    "--autoscaler-interval-seconds",
+    type=click.FloatRange(min=0.5),
+    default=15.0,
+    show_default=True,
+    help="Seconds between two decisions of the SLO autoscaler (per PDService).",
+)
+@click.option(
+    "--autoscaler-window-seconds",
+    type=click.FloatRange(min=1.0),
+    help="Rate and quantile window of the autoscaler's queries; default: the interval. Needs a scrape interval "
+    "of at most a third of it.",
+)
 @click.option("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def operator(  # noqa: PLR0917 - click passes every option as an argument
@@ -79,6 +106,10 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
     watch_timeout: int,
     model_host_paths: tuple[str, ...],
     crash_recovery_seconds: float,
+    prometheus_url: str | None,
+    prometheus_timeout: float,
+    autoscaler_interval_seconds: float,
+    autoscaler_window_seconds: float | None,
     log_format: str,
     log_level: str,
 ) -> None:
@@ -91,6 +122,10 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         policy = Policy.allowing(model_host_paths=model_host_paths)
     except PolicyError as exc:
         raise click.BadParameter(str(exc), param_hint=HOST_PATH_FLAG) from None
+    if prometheus_url is not None:
+        parsed = urllib.parse.urlsplit(prometheus_url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise click.BadParameter(f"not an http(s) URL: {prometheus_url!r}", param_hint="--prometheus-url")
     from pdserve_operator import logs
     from pdserve_operator.runner import Options, run
 
@@ -118,6 +153,10 @@ def operator(  # noqa: PLR0917 - click passes every option as an argument
         watch_timeout=watch_timeout,
         policy=policy,
         crash_recovery_seconds=crash_recovery_seconds,
+        prometheus_url=prometheus_url or None,
+        prometheus_timeout=prometheus_timeout,
+        autoscaler_interval=autoscaler_interval_seconds,
+        autoscaler_window=autoscaler_window_seconds,
     )
     try:
         import uvloop

@@ -7,7 +7,9 @@ missed event, is corrected within `resync_seconds`.
 
 The runner hands in what a process has one of: the metrics (`OperatorMetrics`) and the thread pool that applies the
 objects of one wave concurrently (`applier`, shared by all workers; the API server, not the pool, is the limit).
-Without an applier, a reconcile applies one object after the other in its worker thread.
+Without an applier, a reconcile applies one object after the other in its worker thread. It also hands in the
+autoscaler's `ScalingBoard`: the loops (`autoscaler.loop`) leave their reports there and queue the PDService, and
+the reconcile writes them into status with everything else.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from pdserve.api.policy import DEFAULT_POLICY, Policy
+from pdserve_operator.autoscaler.report import ScalingBoard
 from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.metrics import OperatorMetrics
@@ -48,6 +51,7 @@ class Controller:
         applier: Executor | None = None,
         policy: Policy = DEFAULT_POLICY,
         crash_window: float = CRASH_RECOVERY_SECONDS,
+        scaling: ScalingBoard | None = None,
     ) -> None:
         from pdserve_operator.workqueue import WorkQueue
 
@@ -63,6 +67,8 @@ class Controller:
         self.is_leader = is_leader
         self.policy = policy
         self.crash_window = crash_window
+        # The autoscaler loops' reports (the runner's board; None: an operator without the autoscaler wiring).
+        self.scaling = scaling
 
     # ------------------------------------------------------------------------------------------ event intake
 
@@ -166,6 +172,7 @@ class Controller:
                 applier=self.applier,
                 policy=self.policy,
                 crash_window=self.crash_window,
+                scaling=self.scaling,
             )
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)

@@ -25,6 +25,10 @@ from pdserve_operator.kinds import EVENT, PDSERVICE, Kind, kind_of
 from pdserve_operator.metrics import OperatorMetrics
 
 FIELD_MANAGER = "pdserve-operator"
+# The SLO autoscaler's writes to a pool's /scale: a manager of their own, so `kubectl get sts -o yaml
+# --show-managed-fields` tells who set the replicas, and the operator's apply (FIELD_MANAGER) co-owns the field
+# without taking it back (see plan.py).
+AUTOSCALER_FIELD_MANAGER = "pdserve-autoscaler"
 # (connect, read) seconds for every request; applies of big StatefulSets still finish in well under a second.
 REQUEST_TIMEOUT = (5.0, 30.0)
 log = logging.getLogger("pdserve.operator.kube")
@@ -57,7 +61,8 @@ class NotLeaderError(Exception):
 
 
 class KubeIO(Protocol):
-    """The writes a reconcile makes, and nothing else: the seam between the reconciler and the API server.
+    """The writes a reconcile (and the autoscaler's loop) makes, and nothing else: the seam between them and the
+    API server.
 
     `KubeApi` implements it over HTTP. The reconcile unit tests implement it in memory
     (`pdserve_dev.testing.fake_kube.FakeKube`); the contract both keep: every write raises `NotLeaderError` (and
@@ -71,6 +76,8 @@ class KubeIO(Protocol):
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]: ...
 
     def post_event(self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str) -> None: ...
+
+    def scale(self, kind: Kind, namespace: str, name: str, replicas: int) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -189,6 +196,21 @@ class KubeApi:
         path = PDSERVICE.object_path(namespace, name) + "/status"
         return self._request(
             "PATCH", path, PDSERVICE.kind, body={"status": patch}, content_type="application/merge-patch+json"
+        ).body
+
+    def scale(self, kind: Kind, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Set `replicas` through the object's scale subresource (autoscaling/v1 Scale), as the autoscaler's field
+        manager. A merge patch of `spec.replicas` only: it changes nothing else of the object, needs no read first,
+        and is exactly what `kubectl scale` and HPA send. Returns the Scale the API server answered with (its
+        resourceVersion is the object's)."""
+        self._write("scale", kind.kind)
+        return self._request(
+            "PATCH",
+            kind.object_path(namespace, name) + "/scale",
+            kind.kind,
+            query=[("fieldManager", AUTOSCALER_FIELD_MANAGER)],
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
         ).body
 
     def post_event(self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str) -> None:

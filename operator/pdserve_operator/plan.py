@@ -2,10 +2,15 @@
 
 Algorithm:
 1. `desired_objects` takes the renderer's output and adjusts the fields the operator deliberately leaves to others:
-   a StatefulSet's `spec.replicas` while that pool's autoscaling is enabled. The autoscaler scales the StatefulSet
-   (its scale subresource); the operator only keeps the value inside [minReplicas, maxReplicas]. It does so by
-   re-applying the observed value, clamped, so it keeps owning the field (dropping it from the apply would make the
-   API server reset it to 1) without ever fighting the autoscaler. On creation the renderer's value is used.
+   a StatefulSet's `spec.replicas` while that pool's autoscaling is enabled. The scaler (pdserve's autoscaler in
+   mode pdserve, HPA/KEDA in mode external) writes the StatefulSet's scale subresource; the operator re-applies
+   the observed value, so it keeps co-owning the field (dropping it from the apply would make the API server reset
+   it to 1 whenever no other manager owns it yet) without ever changing it. In mode pdserve it also keeps the value
+   inside [minReplicas, maxReplicas] (the bounds hold even while the autoscaler cannot act); in mode external it
+   never changes what the external scaler set. On creation the renderer's value is used.
+   Such an apply carries the observed `metadata.resourceVersion` as a precondition: if a scaler wrote /scale after
+   the informer cache's copy (the watch event is still on its way), the API server answers 409 Conflict instead
+   of letting a stale `replicas` undo that write, and the pass is retried with the fresh object.
 2. Every desired object is stamped with its applied-hash and compared with the observed object of the same kind and
    name (`drift.apply_reason`); only those with a reason are applied.
 3. Every observed child that this PDService controls (controller ownerReference with its UID) but that the render
@@ -74,7 +79,8 @@ class Plan:
 
 
 def clamp_autoscaled_replicas(spec: EffectiveSpec, sts: dict[str, Any], observed: dict[str, Any] | None) -> None:
-    """In place: while autoscaling is on, keep the observed replicas of an existing StatefulSet, within bounds."""
+    """In place: while autoscaling is on, keep the observed replicas of an existing StatefulSet (within bounds in
+    mode pdserve, as they are in mode external), under the observed resourceVersion (see the module docstring)."""
     role = sts["metadata"].get("labels", {}).get(ROLE_LABEL)
     if role not in ENGINE_ROLES or observed is None:
         return
@@ -84,7 +90,10 @@ def clamp_autoscaled_replicas(spec: EffectiveSpec, sts: dict[str, Any], observed
     current = observed.get("spec", {}).get("replicas")
     if not isinstance(current, int):
         return
-    sts["spec"]["replicas"] = scaling.clamp(current)
+    sts["spec"]["replicas"] = current if scaling.mode == "external" else scaling.clamp(current)
+    version = observed.get("metadata", {}).get("resourceVersion")
+    if version:
+        sts["metadata"]["resourceVersion"] = version
 
 
 def desired_objects(

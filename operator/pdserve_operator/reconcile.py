@@ -31,6 +31,7 @@ from pdserve.api.policy import DEFAULT_POLICY, Policy
 from pdserve.api.validation import Validated, validate
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
+from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard
 from pdserve_operator.kube import ApiError, KubeIO
 from pdserve_operator.render import render
 from pdserve_operator.store import Store
@@ -93,6 +94,12 @@ def _transition_events(old: dict[str, Any] | None, new: dict[str, Any]) -> list[
         events.append(("Warning", now["reason"], now.get("message", "")))
     elif now.get("status") == "False" and was.get("status") == "True":
         events.append(("Normal", "Recovered", f"no longer degraded (was {was.get('reason')})"))
+    # The autoscaler going blind (metrics unavailable, no Prometheus configured) and seeing again.
+    was, now = _condition(old, SCALING_ACTIVE), _condition(new, SCALING_ACTIVE)
+    if now.get("status") == "False" and (was.get("status"), was.get("reason")) != ("False", now["reason"]):
+        events.append(("Warning", now["reason"], f"autoscaling holds: {now.get('message', '')}"))
+    elif now.get("status") == "True" and was.get("status") == "False":
+        events.append(("Normal", "ScalingActive", f"autoscaling resumed (was {was.get('reason')})"))
     return events
 
 
@@ -106,12 +113,14 @@ def reconcile(
     applier: Executor | None = None,
     policy: Policy = DEFAULT_POLICY,
     crash_window: float = status_mod.CRASH_RECOVERY_SECONDS,
+    scaling: ScalingBoard | None = None,
 ) -> Outcome:
     """One pass for one PDService. Raises RetryLaterError (transient failure) or NotLeaderError (leadership lost).
 
     `policy` is the administrator's (the operator's flags, e.g. which node paths may hold model weights).
     `crash_window`: how long a crashed container must be running and ready again before it stops counting
-    (`status.CRASH_RECOVERY_SECONDS`)."""
+    (`status.CRASH_RECOVERY_SECONDS`). `scaling`: the autoscaler loops' reports, placed in status as they are
+    (None: an operator without an autoscaler, like one started without --prometheus-url)."""
     body = store.owner(namespace, name)
     if body is None:
         return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
@@ -175,6 +184,8 @@ def reconcile(
         applied=bool(outcome.applied or outcome.pruned),
         now=moment,
         crash_window=crash_window,
+        scaling=scaling.get((namespace, name)) if scaling is not None else None,
+        scaling_configured=scaling is not None and scaling.configured,
     )
     outcome.requeue_after = status_mod.next_check_seconds(observed, moment, crash_window)
     _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)

@@ -1,9 +1,10 @@
 """Composition root of the operator process: API client, cache, controller, leader election, kopf, servers.
 
 Everything a process has one of is created here and passed down: the API client (by `pdserve.api.kubeclient`'s
-order: --kubeconfig, $KUBECONFIG, in-cluster), the metrics and their registry (served on --metrics-port), and the
-thread pool that applies a wave's objects concurrently (shut down on exit). Importing the operator's modules
-creates none of them.
+order: --kubeconfig, $KUBECONFIG, in-cluster), the metrics and their registry (served on --metrics-port), the
+thread pool that applies a wave's objects concurrently, and, with --prometheus-url, the SLO autoscaler's loops
+(`autoscaler.loop.Autoscalers`) with their own thread pool for Prometheus queries and /scale writes (both pools are
+shut down on exit). Importing the operator's modules creates none of them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from kubernetes import client as k8s
 from pdserve.api.kubeclient import new_api_client
 from pdserve.api.policy import DEFAULT_POLICY, Policy
 from pdserve_operator import handlers
+from pdserve_operator.autoscaler.loop import Autoscalers, LoopSettings
+from pdserve_operator.autoscaler.metrics import AutoscalerMetrics
+from pdserve_operator.autoscaler.report import ScalingBoard
 from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import PDSERVICE
 from pdserve_operator.kube import ApiError, KubeApi
@@ -56,6 +60,13 @@ class Options:
     policy: Policy = DEFAULT_POLICY
     # How long a crashed container must be running and ready again before it stops counting as crashed.
     crash_recovery_seconds: float = CRASH_RECOVERY_SECONDS
+    # The SLO autoscaler: its Prometheus (None: autoscaling-enabled pools hold, PrometheusNotConfigured), the
+    # timeout of one query, the tick, the rate window (None: the tick), and the threads its loops share.
+    prometheus_url: str | None = None
+    prometheus_timeout: float = 5.0
+    autoscaler_interval: float = 15.0
+    autoscaler_window: float | None = None
+    autoscaler_threads: int = 4
 
 
 def connection_pool_size(options: Options) -> int:
@@ -63,8 +74,9 @@ def connection_pool_size(options: Options) -> int:
     the same time (every reconcile worker, every apply thread, the Lease elector, a relist, the CRD wait) plus
     headroom. The library's default (5 per CPU: 10 on two cores) is smaller than that, and a full pool does not
     block: it opens a fresh TLS connection for the extra request and throws it away afterwards (urllib3 logs
-    "Connection pool is full, discarding connection"), a handshake per request exactly when the API is busiest."""
-    return options.workers + options.apply_threads + 4
+    "Connection pool is full, discarding connection"), a handshake per request exactly when the API is busiest.
+    The autoscaler's threads count too: they write /scale and post Events."""
+    return options.workers + options.apply_threads + options.autoscaler_threads + 4
 
 
 def api_client(options: Options) -> k8s.ApiClient:
@@ -76,6 +88,7 @@ async def run(options: Options) -> None:
     client = api_client(options)
     metrics = OperatorMetrics(process_metrics=True)
     applier = ThreadPoolExecutor(max_workers=options.apply_threads, thread_name_prefix="pdserve-apply")
+    scaling = ScalingBoard(configured=bool(options.prometheus_url))
     elector: LeaseElector | None = None
     api = KubeApi(client, is_leader=lambda: elector.is_leader() if elector else True, metrics=metrics)
     controller = Controller(
@@ -89,7 +102,9 @@ async def run(options: Options) -> None:
         applier=applier,
         policy=options.policy,
         crash_window=options.crash_recovery_seconds,
+        scaling=scaling,
     )
+    autoscalers, scaler_pool = autoscaler_loops(options, controller, api, scaling, AutoscalerMetrics(metrics.registry))
     if options.leader_elect:
         # A separate KubeApi so lease traffic is not counted as reconcile traffic (`requests`, `writes`).
         elector = LeaseElector(
@@ -114,15 +129,18 @@ async def run(options: Options) -> None:
     stop = asyncio.Event()
     liveness = f"http://{options.bind}:{options.health_port}/healthz" if options.health_port else None
     log.info(
-        "Starting operator identity=%s namespaces=%s leader_elect=%s",
+        "Starting operator identity=%s namespaces=%s leader_elect=%s prometheus=%s",
         options.identity,
         ",".join(options.namespaces) or "*",
         options.leader_elect,
+        options.prometheus_url or "-",
     )
     await wait_for_crd(KubeApi(client, metrics=metrics))
     tasks = [asyncio.create_task(controller.run(stop))]
     if elector is not None:
         tasks.append(asyncio.create_task(elector.run(stop)))
+    if autoscalers is not None:
+        tasks.append(asyncio.create_task(autoscalers.run(stop)))
     try:
         await kopf.operator(
             registry=registry,
@@ -140,7 +158,36 @@ async def run(options: Options) -> None:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         applier.shutdown(wait=False, cancel_futures=True)
+        if scaler_pool is not None:
+            scaler_pool.shutdown(wait=False, cancel_futures=True)
         log.info("Stopped operator identity=%s", options.identity)
+
+
+def autoscaler_loops(
+    options: Options, controller: Controller, api: KubeApi, board: ScalingBoard, metrics: AutoscalerMetrics
+) -> tuple[Autoscalers | None, ThreadPoolExecutor | None]:
+    """The SLO autoscaler's loops and their thread pool, when the operator has a Prometheus (else None, None:
+    status then says PrometheusNotConfigured for every pool scaled by pdserve)."""
+    url = options.prometheus_url
+    if not url:
+        return None, None
+    from pdserve_operator.autoscaler.collector import Collector, connect  # the Prometheus client: only when used
+
+    pool = ThreadPoolExecutor(max_workers=options.autoscaler_threads, thread_name_prefix="pdserve-autoscaler")
+    settings = LoopSettings(interval_s=options.autoscaler_interval, window_s=options.autoscaler_window)
+    loops = Autoscalers(
+        controller.store,
+        api,
+        board,
+        lambda: Collector(connect(url, options.prometheus_timeout)),
+        metrics=metrics,
+        executor=pool,
+        settings=settings,
+        is_leader=controller.is_leader,
+        enqueue=controller.enqueue,
+        policy=options.policy,
+    )
+    return loops, pool
 
 
 async def wait_for_crd(api: KubeApi, max_delay: float = 30.0) -> None:

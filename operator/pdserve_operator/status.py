@@ -41,6 +41,12 @@ too), derived from the three above so that exactly one of them is True at any ti
 Together with `observedGeneration` (written on every status write; kstatus reports InProgress until it equals
 `metadata.generation`) this gives GitOps tools a verdict that never passes vacuously.
 
+Autoscaling (`autoscaler.report.status_view`): while a pool has autoscaling enabled, `status.<pool>.autoscaling`
+says who scales it and what was decided last, and while a pool is scaled by pdserve the HPA-style conditions
+`ScalingActive`, `AbleToScale` and `ScalingLimited` follow the six above. They come from the autoscaler's latest
+report (`ScalingReport`, left on the board by its loop); they never feed Available/Progressing/Degraded or the
+kstatus verdict: an autoscaler that cannot act leaves a service exactly as ready as it was.
+
 `merge_conditions` keeps `lastTransitionTime` of a condition whose status did not change, so an unchanged world
 computes a byte-identical status and the reconcile writes nothing.
 """
@@ -56,6 +62,7 @@ from pdserve.api.defaults import EffectiveRouting, EffectiveSpec, effective
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
+from pdserve_operator.autoscaler.report import SCALING_CONDITION_TYPES, ScalingReport, status_view
 from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
 from pdserve_operator.render.router import router_endpoint
 
@@ -495,6 +502,14 @@ def _desired(spec: EffectiveSpec | None, role: EngineRole, sts: Mapping[str, Any
     return _int(sts, "spec", "replicas")
 
 
+def _spec_replicas(body: Mapping[str, Any], snapshot: Snapshot, role: EngineRole) -> int | None:
+    """The pool StatefulSet's spec.replicas (what its scaler asked for), None while it does not exist."""
+    meta = body["metadata"]
+    sts = snapshot.child("StatefulSet", meta.get("namespace", "default"), child_name(meta["name"], role))
+    replicas = (sts or {}).get("spec", {}).get("replicas")
+    return replicas if isinstance(replicas, int) else None
+
+
 def compute_status(
     body: Mapping[str, Any],
     snapshot: Snapshot,
@@ -505,8 +520,13 @@ def compute_status(
     applied: bool = False,
     now: str,
     crash_window: float = CRASH_RECOVERY_SECONDS,
+    scaling: ScalingReport | None = None,
+    scaling_configured: bool = False,
 ) -> dict[str, Any]:
-    """The complete `.status` for a PDService (`pds` is None when the spec could not be parsed at all)."""
+    """The complete `.status` for a PDService (`pds` is None when the spec could not be parsed at all).
+
+    `scaling`: the autoscaler's latest report for this service, if its loop has one; `scaling_configured`: whether
+    the operator has a Prometheus (`--prometheus-url`) at all."""
     old: Mapping[str, Any] = body.get("status") or {}
     generation = body["metadata"].get("generation")
     spec = effective(pds.spec) if pds is not None else None
@@ -525,11 +545,31 @@ def compute_status(
         )
         degraded = degraded_condition(facts, apply_errors, previous.get("reason"))
     conditions = [available, progressing, degraded, *gitops_conditions(available, progressing, degraded)]
+    pools: dict[str, dict[str, Any]] = {role: dict(facts.pools[role]) for role in ENGINE_ROLES}
+    if spec is not None and not problems:
+        replicas = {role: _spec_replicas(body, snapshot, role) for role in ENGINE_ROLES}
+        scaling_fields, scaling_conditions = status_view(
+            spec, replicas, configured=scaling_configured, report=scaling, old_status=old
+        )
+        for role, fields in scaling_fields.items():
+            pools[role]["autoscaling"] = fields
+        conditions += [ConditionValue(c.type, c.status, c.reason, c.message) for c in scaling_conditions]
+    else:
+        # Children and the autoscaler stay as they were while the spec is invalid: so does what status says of them.
+        for role in ENGINE_ROLES:
+            kept = (old.get(role) or {}).get("autoscaling")
+            if kept:
+                pools[role]["autoscaling"] = kept
+        conditions += [
+            ConditionValue(c["type"], c["status"], c["reason"], c.get("message", ""))
+            for c in old.get("conditions") or []
+            if c.get("type") in SCALING_CONDITION_TYPES
+        ]
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions") or [], conditions, generation, now),
-        "prefill": facts.pools["prefill"],
-        "decode": facts.pools["decode"],
+        "prefill": pools["prefill"],
+        "decode": pools["decode"],
     }
     if pds is not None and spec is not None and not problems:
         status["routerEndpoint"] = router_endpoint(pds, spec)
@@ -556,11 +596,23 @@ def next_check_seconds(snapshot: Snapshot, now: str, crash_window: float = CRASH
 
 
 def status_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A JSON merge patch turning `old` into `new` (None when equal): removed keys become null."""
+    """A JSON merge patch turning `old` into `new` (None when equal): removed keys become null, at any depth (a
+    merge patch merges nested maps, so a key dropped inside `prefill` must be nulled there too); lists and
+    scalars are replaced whole."""
     old = old or {}
     if dict(old) == dict(new):
         return None
-    patch: dict[str, Any] = dict(new)
+    return _merge_patch(old, new)
+
+
+def _merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            patch[key] = _merge_patch(before, value)
+        else:
+            patch[key] = value
     for key in old:
         if key not in new:
             patch[key] = None

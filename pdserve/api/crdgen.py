@@ -144,16 +144,25 @@ def _root_schema() -> dict[str, Any]:
 
 
 def _printer_columns() -> list[dict[str, Any]]:
-    def column(name: str, path: str, kind: str = "string", **extra: Any) -> dict[str, Any]:
-        return {"name": name, "type": kind, "jsonPath": path, **extra}
+    def column(name: str, path: str, kind: str = "string", *, priority: int = 0) -> dict[str, Any]:
+        return {"name": name, "type": kind, "jsonPath": path, **({"priority": priority} if priority else {})}
 
+    # `kubectl get pds -o wide` (priority 1) adds each pool's current pods, why its scaler decided what it did and
+    # the client-visible latencies the SLO autoscaler saw; the default view stays narrow.
+    wide = 1
     return [
         column("Model", ".spec.model.name"),
         column("Prefill-Ready", ".status.prefill.readyReplicas", "integer"),
+        column("Prefill-Current", ".status.prefill.replicas", "integer", priority=wide),
         column("Prefill-Desired", ".status.prefill.desiredReplicas", "integer"),
         column("Decode-Ready", ".status.decode.readyReplicas", "integer"),
+        column("Decode-Current", ".status.decode.replicas", "integer", priority=wide),
         column("Decode-Desired", ".status.decode.desiredReplicas", "integer"),
         column("Available", '.status.conditions[?(@.type=="Available")].status'),
+        column("Prefill-Scaling", ".status.prefill.autoscaling.reason", priority=wide),
+        column("Decode-Scaling", ".status.decode.autoscaling.reason", priority=wide),
+        column("TTFT-ms", ".status.prefill.autoscaling.observedMilliseconds", "number", priority=wide),
+        column("ITL-ms", ".status.decode.autoscaling.observedMilliseconds", "number", priority=wide),
         column("Age", ".metadata.creationTimestamp", "date"),
     ]
 

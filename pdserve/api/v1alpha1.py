@@ -441,7 +441,10 @@ class Condition(ApiModel):
     """A metav1.Condition."""
 
     type: str = Field(
-        description="Condition type: Available, Progressing, Degraded; Ready, Reconciling, Stalled (kstatus, GitOps)."
+        description=(
+            "Condition type: Available, Progressing, Degraded; Ready, Reconciling, Stalled (kstatus, GitOps); "
+            "ScalingActive, AbleToScale, ScalingLimited (the SLO autoscaler, while a pool is scaled by pdserve)."
+        )
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     observed_generation: int | None = Field(default=None, description="Generation the condition was set for.")
@@ -450,12 +453,51 @@ class Condition(ApiModel):
     message: str = Field(default="", description="Human-readable details.")
 
 
+class PoolAutoscalingStatus(ApiModel):
+    """What scales one pool, what it decided last and why (pdserve's SLO autoscaler, or an external one)."""
+
+    mode: AutoscalingMode = Field(description="pdserve (the SLO autoscaler) or external (HPA, KEDA).")
+    current_replicas: int = Field(default=0, description="Replicas the pool was asked for before the decision.")
+    desired_replicas: int = Field(default=0, description="Replicas the decision asked for.")
+    reason: str = Field(
+        description=(
+            "CamelCase reason of the last decision: ScaledUp, ScaledDown, WithinTolerance, ScaleDownStabilizing, "
+            "MetricsUnavailable, PodsPending, ScalingInProgress, AtMaxReplicas, AtMinReplicas, BudgetExhausted, "
+            "RatioBound, ExternallyScaled, PrometheusNotConfigured, WaitingForMetrics, FailedUpdateScale."
+        )
+    )
+    message: str = Field(default="", description="The numbers behind the decision.")
+    metric: Literal["TTFT", "ITL"] = Field(description="The latency this pool is scaled on.")
+    percentile: int | None = Field(default=None, description="The SLO percentile the latencies are quantiles at.")
+    observed_milliseconds: float | None = Field(
+        default=None, description="Client-visible quantile of the metric over the window (the routers' view)."
+    )
+    target_milliseconds: float | None = Field(default=None, description="The SLO target of the metric.")
+    pool_milliseconds: float | None = Field(
+        default=None, description="The pool's own engines' quantile: prefill engine TTFT, decode ITL."
+    )
+    capacity_per_replica: float | None = Field(
+        default=None, description="Load one replica carries within the SLO, estimated (in loadUnit)."
+    )
+    demand: float | None = Field(default=None, description="Load expected over the next interval (in loadUnit).")
+    load_unit: str | None = Field(
+        default=None, description="Unit of capacityPerReplica and demand (tokens per second)."
+    )
+    capacity_basis: Literal["prior", "learned"] | None = Field(
+        default=None, description="prior: the engine profile's; learned: fitted from this pool's settled replicas."
+    )
+    last_scale_time: str | None = Field(default=None, description="When pdserve last changed the replicas (RFC 3339).")
+
+
 class PoolStatus(ApiModel):
     """Observed state of one pool."""
 
     replicas: int = Field(default=0, description="Pods created by the StatefulSet.")
     ready_replicas: int = Field(default=0, description="Pods ready to serve.")
     desired_replicas: int = Field(default=0, description="Pods wanted (spec or autoscaler).")
+    autoscaling: PoolAutoscalingStatus | None = Field(
+        default=None, description="While autoscaling is enabled: who scales the pool, its last decision and why."
+    )
 
 
 class PDServiceStatus(ApiModel):

@@ -74,7 +74,7 @@ def test_api_surface() -> None:
     version = spec["versions"][0]
     assert version["name"] == "v1alpha1"
     assert version["subresources"] == {"status": {}}
-    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
     assert columns == [
         "Model",
         "Prefill-Ready",
@@ -84,6 +84,16 @@ def test_api_surface() -> None:
         "Available",
         "Age",
     ]
+    # `kubectl get pds -o wide`: current pods, the scalers' reasons, the latencies the autoscaler saw.
+    wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert wide == {
+        "Prefill-Current": ".status.prefill.replicas",
+        "Decode-Current": ".status.decode.replicas",
+        "Prefill-Scaling": ".status.prefill.autoscaling.reason",
+        "Decode-Scaling": ".status.decode.autoscaling.reason",
+        "TTFT-ms": ".status.prefill.autoscaling.observedMilliseconds",
+        "ITL-ms": ".status.decode.autoscaling.observedMilliseconds",
+    }
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert {"observedGeneration", "conditions", "prefill", "decode", "routerEndpoint", "kvCompatHash"} <= set(status)
     conditions = status["conditions"]

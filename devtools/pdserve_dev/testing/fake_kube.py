@@ -1,14 +1,17 @@
 """FakeKube: an in-memory fake of the operator's Kubernetes IO layer (`pdserve_operator.kube.KubeIO`).
 
-This is a fake of the *IO layer*, not a mock of the API server: it implements the four writes a reconcile makes
-(apply, delete, status patch, event) over a dict of objects, so the reconcile unit tests can drive the failure
-contract scenario by scenario (kube-rs style) without a cluster. What it keeps of `KubeApi`'s contract:
+This is a fake of the *IO layer*, not a mock of the API server: it implements the writes a reconcile makes
+(apply, delete, status patch, event) and the autoscaler's (a /scale write) over a dict of objects, so the
+reconcile and autoscaler-loop unit tests can drive the failure contract scenario by scenario (kube-rs style)
+without a cluster. What it keeps of `KubeApi`'s contract:
 
 - every write first asks the leader guard and raises `NotLeaderError` without writing once leadership is gone;
   `post_event` swallows both `NotLeaderError` and `ApiError` (events are advisory), as `KubeApi` does;
 - failures are `ApiError(code, message, reason)`, with code 0 for a connection failure;
 - apply returns the stored object with server-set metadata (uid, resourceVersion, generation bumped when the
-  spec changes), status patch merge-patches the PDService's `.status` and returns the whole object.
+  spec changes) and refuses with 409 an object whose `metadata.resourceVersion` is set and stale (the optimistic
+  lock the planner relies on), status patch merge-patches the PDService's `.status` and returns the whole object,
+  scale sets a stored object's `spec.replicas` and returns a Scale.
 
 What it does not model (the API server's validation, defaulting, field ownership, admission, watches) is what the
 cluster tests cover against the real kube-apiserver. Every write attempt is recorded in `calls`, in order, with
@@ -172,6 +175,10 @@ class FakeKube:
             self._begin("apply", obj["kind"], meta["name"])
             key = _key(obj)
             previous = self.objects.get(key)
+            precondition = meta.get("resourceVersion")
+            if precondition and previous is not None and previous["metadata"]["resourceVersion"] != precondition:
+                self.calls[-1] = Call("apply", obj["kind"], meta["name"], "409")
+                raise ApiError(409, "the object has been modified; please apply your changes to the latest version")
             stored = copy.deepcopy(obj)
             stored_meta = stored["metadata"]
             stored_meta["uid"] = previous["metadata"]["uid"] if previous else f"uid-{next(self._uids)}"
@@ -199,6 +206,35 @@ class FakeKube:
             current = self.objects[key]
             current["status"] = merge_patch(current.get("status") or {}, patch)
             current["metadata"]["resourceVersion"] = str(next(self._versions))
+            return copy.deepcopy(current)
+
+    def scale(self, kind: Kind, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        with self._lock:
+            self._begin("scale", kind.kind, name)
+            current = self.objects.get((kind.kind, namespace, name))
+            if current is None:
+                self.calls[-1] = Call("scale", kind.kind, name, "404")
+                raise ApiError(404, f'{kind.plural} "{name}" not found', "NotFound")
+            before = copy.deepcopy(current)
+            current.setdefault("spec", {})["replicas"] = replicas
+            current["metadata"]["resourceVersion"] = str(next(self._versions))
+            current["metadata"]["generation"] = _next_generation(before, current)
+            return {
+                "apiVersion": "autoscaling/v1",
+                "kind": "Scale",
+                "metadata": {k: current["metadata"].get(k) for k in ("name", "namespace", "uid", "resourceVersion")},
+                "spec": {"replicas": replicas},
+                "status": {"replicas": int((current.get("status") or {}).get("replicas", 0))},
+            }
+
+    def set_replicas(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Another writer (HPA, `kubectl scale`) sets an object's replicas; returns the object for the cache."""
+        with self._lock:
+            current = self.objects[(kind, namespace, name)]
+            before = copy.deepcopy(current)
+            current["spec"]["replicas"] = replicas
+            current["metadata"]["resourceVersion"] = str(next(self._versions))
+            current["metadata"]["generation"] = _next_generation(before, current)
             return copy.deepcopy(current)
 
     def post_event(self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str) -> None:

@@ -1,59 +1,59 @@
-"""What phase 2 wires: the actuator, and what the autoscaler's loop reads from the operator.
+"""The actuator (IO): a pool's desired replicas written to its StatefulSet's /scale; and the pure mapping from the
+operator's cached Pod objects to the autoscaler's view of them (`pod_states`).
 
-No implementation against the Kubernetes API lives here yet; these are the interfaces the loop is written
-against, and `pod_states`, the pure mapping from the operator's cached Pod objects to the autoscaler's view.
+Where the replicas go (decision): the pool StatefulSet's scale subresource, not a per-role scale object of our
+own (LWS's RoleScaler, Dynamo's DGDSA):
 
-The loop (phase 2), per PDService with a pool whose autoscaling is enabled in mode pdserve, on the leader only,
-every `AutoscalerConfig.interval_s`:
+- HPA and KEDA target any object with a /scale, and a StatefulSet already has one: a pool handed to them
+  (`autoscaling.mode: external`) is scaled through exactly the same field as one scaled by pdserve, with nothing
+  extra to install, watch or garbage-collect, and `kubectl scale sts/NAME-decode` works as users expect.
+- GitOps never sees the autoscaler: it writes neither the PDService spec (a per-role object mirrored into the
+  spec would) nor anything else a user applies, so Argo CD and Flux report no drift of their manifests.
+- One owner per field: the write is a merge patch of `spec.replicas` under its own field manager
+  (`kube.AUTOSCALER_FIELD_MANAGER`, `pdserve-autoscaler`), so `managedFields` tell who set the replicas. The
+  operator's server-side apply re-applies the observed value (co-owning, never changing it; clamped into bounds
+  in mode pdserve) under a resourceVersion precondition, so a stale cache can never undo a scale (`plan.py`).
+- What a per-role object would add (a status of its own, a selector for HPA's pod metrics) the PDService's
+  status already says (`status.<pool>.autoscaling`), and the StatefulSet's /scale carries the selector too.
 
-1. `config_from_spec(pds)` (cheap; the spec may have changed) -> `Autoscaler.reconfigure`.
-2. `Target(namespace, name, percentile, desired={role: StatefulSet spec.replicas})` and
-   `pod_states(pods, now)` from the informer cache (the pods of the service's two engine StatefulSets) plus the
-   names of its router pods.
-3. `await asyncio.to_thread(collector.collect, target, pods, time.time(), routers)`.
-4. `decision = autoscaler.step(signals)`.
-5. For each pool in `decision.actions()`: `await actuator.scale(namespace, name, role, desired, reason)`, one
-   Event per action (`PoolDecision.event()`, reason `Scaled`), the pool's status fields, the conditions
-   (`Decision.conditions()`), and the metrics (`pdserve_autoscaler_*`).
-A collector that raised would be a bug (it reports failures in `signals.errors`); an actuator error is logged,
-reported in the AbleToScale condition and retried at the next tick with the same decision logic.
+The price: the scale target's name is derived (`<pdservice>-<pool>`), which is how the chart's and the README's
+HPA and ScaledObject examples name it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from pdserve_operator.autoscaler.signals import PodPhase, PodState, Role
-
-ROLE_LABEL = "pdserve.io/role"
+from pdserve_operator.kinds import STATEFUL_SET
+from pdserve_operator.kube import KubeIO
+from pdserve_operator.render.names import ROLE_LABEL, child_name
 
 
 class Actuator(Protocol):
-    """Writes a pool's desired replicas.
+    """Writes a pool's desired replicas. A pool in mode external is never passed here: HPA/KEDA own its /scale."""
 
-    Phase 2's implementation patches the pool StatefulSet's /scale subresource (`replicas` only, under a field
-    manager of its own, so the operator's server-side apply of the rest of the StatefulSet and the autoscaler
-    never fight over the field, and a GitOps tool applying the PDService never sees a diff: the PDService spec is
-    never written). A pool in mode external is never passed here; HPA/KEDA own its /scale.
-    """
-
-    async def scale(self, namespace: str, name: str, role: Role, replicas: int, reason: str) -> None:
-        """Set `role`'s replicas of PDService `namespace/name` to `replicas`; `reason` is the decision's text."""
+    async def scale(self, namespace: str, name: str, role: Role, replicas: int) -> dict[str, Any]:
+        """Set `role`'s replicas of PDService `namespace/name` to `replicas`; returns the Scale the API answered
+        with. Raises `kube.ApiError` when refused, `kube.NotLeaderError` when this replica no longer leads."""
         ...
 
 
-class PodSource(Protocol):
-    """The operator's view of a service's pods (its informer cache)."""
+class StatefulSetScaler:
+    """The actuator: `KubeIO.scale` of the pool's StatefulSet, in a worker thread (the client is synchronous)."""
 
-    def engine_pods(self, namespace: str, name: str) -> Sequence[Mapping[str, Any]]:
-        """The Pod objects of the service's prefill and decode StatefulSets, as the API server returns them."""
-        ...
+    def __init__(self, api: KubeIO, executor: Executor | None = None) -> None:
+        self.api = api
+        self.executor = executor
 
-    def router_pods(self, namespace: str, name: str) -> Sequence[str]:
-        """The names of the service's router pods that exist now."""
-        ...
+    async def scale(self, namespace: str, name: str, role: Role, replicas: int) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        target = child_name(name, role)
+        return await loop.run_in_executor(self.executor, self.api.scale, STATEFUL_SET, namespace, target, replicas)
 
 
 def pod_states(pods: Sequence[Mapping[str, Any]], now: datetime.datetime) -> list[PodState]:

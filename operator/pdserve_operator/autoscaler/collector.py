@@ -9,7 +9,9 @@ scraped at all.
 
 The client is synchronous (requests); the operator's loop calls `collect` in a worker thread. Retries are the
 loop's business (the next tick), so the client is built without its own retry adapter, with a short timeout,
-and with POST queries (a pod regex of hundreds of pods outgrows a URL).
+and with POST queries (a pod regex of hundreds of pods outgrows a URL). Once a query of a tick finds Prometheus
+unreachable (connection refused or timed out), the tick's remaining queries are not sent: they fail at once with
+the same error, so an outage costs one timeout per tick rather than one per query.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import requests
 from prometheus_api_client import PrometheusConnect
 from urllib3.util.retry import Retry
 
@@ -76,13 +79,16 @@ class Target:
     desired: Mapping[Role, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Tick:
     """What every query of one tick shares."""
 
     now: float
     quantile: float
     errors: list[str]
+    failed: list[str] = field(default_factory=list)
+    #: Set by the first query that could not reach Prometheus: the rest of the tick is not sent.
+    unreachable: str | None = None
 
 
 @dataclass
@@ -166,6 +172,7 @@ class Collector:
             decode=pools["decode"],
             router=router,
             errors=tuple(tick.errors),
+            failed_queries=tuple(tick.failed),
         )
 
     # ---------------------------------------------------------------------------------------------- queries
@@ -182,12 +189,20 @@ class Collector:
     def _ask(self, queries: Sequence[Query], selector: str, tick: _Tick, scope: str) -> _Answers:
         answers = _Answers()
         for query in queries:
+            answers.values[query.name] = None
+            tick.failed.append(query.name)
+            if tick.unreachable is not None:
+                continue  # reported once, by the query that found Prometheus unreachable
             promql = render(query, selector=selector, window_s=self.window_s, quantile=tick.quantile)
             try:
                 answers.values[query.name] = self.client.custom_query(promql, params={"time": tick.now})
             except Exception as exc:  # a failing dependency is reported, never raised: the policy holds
-                answers.values[query.name] = None
-                tick.errors.append(f"{scope} {query.name}: {type(exc).__name__}: {exc}"[:300])
+                error = f"{scope} {query.name}: {type(exc).__name__}: {exc}"[:300]
+                tick.errors.append(error)
+                if isinstance(exc, requests.ConnectionError | requests.Timeout):
+                    tick.unreachable = error
+                continue
+            tick.failed.pop()
         return answers
 
     # ------------------------------------------------------------------------------------------------ pools

@@ -146,6 +146,8 @@ class ServiceSignals:
     router: RouterSignals = field(default_factory=RouterSignals)
     #: Queries that failed ("name: error"), for the decision's message.
     errors: tuple[str, ...] = ()
+    #: Names of the queries that failed (`queries.py`), for the operator's query error counter.
+    failed_queries: tuple[str, ...] = ()
 
     def pool(self, role: Role) -> PoolSignals:
         """The signals of one pool."""

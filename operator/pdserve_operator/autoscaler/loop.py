@@ -1,0 +1,338 @@
+"""The autoscaler in the operator (IO): one control loop per PDService that has a pool scaled by pdserve.
+
+`Autoscalers` keeps the set of loops equal to what it should be, re-checked every `check_s` (1 s): a loop for
+every PDService in the informer cache with a pool whose autoscaling is enabled in mode pdserve, while this
+replica is the leader and has a Prometheus (`--prometheus-url`). A PDService deleted, its autoscaling turned off
+or handed to an external scaler, leadership lost: its loop is cancelled, its metrics removed, its report dropped.
+
+A `ServiceLoop` ticks every `interval_s` on its own task, never blocking the event loop or the reconciles:
+
+1. The spec from the cache, validated as the reconcile validates it (an invalid spec: hold, the reconcile reports
+   it), `config_from_spec` (the spec may have changed; what the model learned is kept).
+2. The pools' StatefulSets (spec.replicas = what each pool is asked for now) and pods from the cache:
+   `pod_states` (ready, starting, pending, terminating, ready for how long) and the router pods that exist.
+3. `collector.collect` in the autoscaler's own thread pool (the Prometheus client is synchronous; a hung
+   Prometheus holds a thread of that pool, never a reconcile worker's).
+4. `Autoscaler.step` -> `Decision`; for each pool it changes, the actuator writes the StatefulSet's /scale, the
+   cache adopts the new replicas at once (so the next reconcile's apply re-asserts the new value, not the old
+   one), and an Event says why ("Scaled prefill 1 -> 2: TTFT p90 1.2 s > 800 ms target; ...").
+5. Metrics (`metrics.py`) and the `ScalingReport` on the board; when the report changed, the PDService is queued
+   for a reconcile, which writes it into status (the one status writer).
+
+Failures never crash anything and are retried with backoff: a tick that raised (a bug), a /scale the API server
+refused, or Prometheus answering with errors makes the next tick come later (interval x 2^failures, at most
+`max_backoff` x interval); the first clean tick resets it. Metrics missing, stale or partial are the policy's
+fail-static hold (MetricsUnavailable), reported in status, conditions and metrics like any decision. Leadership
+lost mid-tick (a write refused with NotLeaderError) ends the loop at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from pdserve.api.defaults import effective
+from pdserve.api.policy import DEFAULT_POLICY, Policy
+from pdserve.api.validation import validate
+from pdserve_operator.autoscaler.actuator import Actuator, StatefulSetScaler, pod_states
+from pdserve_operator.autoscaler.collector import Target
+from pdserve_operator.autoscaler.core import Autoscaler, AutoscalerConfig, NoSloTargetError, config_from_spec
+from pdserve_operator.autoscaler.metrics import AutoscalerMetrics
+from pdserve_operator.autoscaler.report import ScalingBoard, from_decision, holding
+from pdserve_operator.autoscaler.signals import ROLES, PodState, Role, ServiceSignals
+from pdserve_operator.kube import ApiError, KubeIO, NotLeaderError
+from pdserve_operator.render.names import ROLE_LABEL, child_name
+from pdserve_operator.store import OwnerKey, Store
+
+log = logging.getLogger("pdserve.operator.autoscaler")
+
+NO_SLO_TARGET = "NoSloTarget"
+
+
+class SignalSource(Protocol):
+    """What the loop reads signals from: `collector.Collector` (Prometheus), or a fake in unit tests."""
+
+    window_s: float
+    warmup_s: float
+
+    def collect(
+        self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
+    ) -> ServiceSignals: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSettings:
+    """Timing of every loop (the operator's flags)."""
+
+    #: Seconds between ticks (`--autoscaler-interval-seconds`).
+    interval_s: float = 15.0
+    #: Rate and quantile window (`--autoscaler-window-seconds`); None: the interval.
+    window_s: float | None = None
+    #: How often the set of loops is checked against the cache and the leadership.
+    check_s: float = 1.0
+    #: Backoff after failed ticks stops growing at this many intervals.
+    max_backoff: float = 4.0
+
+    @property
+    def window(self) -> float:
+        return self.window_s if self.window_s is not None else self.interval_s
+
+
+def wants_loop(body: Mapping[str, Any] | None) -> bool:
+    """Whether a PDService (as stored) has a pool scaled by pdserve: autoscaling enabled, mode pdserve (the
+    default). Read from the raw object: it runs every second over the whole cache."""
+    if not body or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    spec = body.get("spec") or {}
+    for role in ROLES:
+        scaling = (spec.get(role) or {}).get("autoscaling") or {}
+        if scaling.get("enabled") is True and scaling.get("mode", "pdserve") in (None, "pdserve"):
+            return True
+    return False
+
+
+def _iso(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Autoscalers:
+    """Starts, runs and stops the service loops (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        api: KubeIO,
+        board: ScalingBoard,
+        sources: Callable[[], SignalSource],
+        *,
+        metrics: AutoscalerMetrics,
+        executor: Executor | None = None,
+        settings: LoopSettings | None = None,
+        is_leader: Callable[[], bool] = lambda: True,
+        enqueue: Callable[[OwnerKey], None] = lambda key: None,
+        policy: Policy = DEFAULT_POLICY,
+        actuator: Actuator | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.store, self.api, self.board, self.sources = store, api, board, sources
+        self.metrics, self.executor = metrics, executor
+        self.settings = settings or LoopSettings()
+        self.is_leader, self.enqueue, self.policy, self.clock, self.sleep = is_leader, enqueue, policy, clock, sleep
+        self.actuator = actuator or StatefulSetScaler(api, executor)
+        self.loops: dict[OwnerKey, ServiceLoop] = {}
+        self._tasks: dict[OwnerKey, asyncio.Task[None]] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep the loops in step with the cache and the leadership until `stop`; then stop them all."""
+        try:
+            while not stop.is_set():
+                self.sync()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.settings.check_s)
+        finally:
+            await self.stop_all()
+
+    def wanted(self) -> set[OwnerKey]:
+        if not self.is_leader():
+            return set()
+        return {key for key in self.store.owner_keys() if wants_loop(self.store.owner(*key))}
+
+    def sync(self) -> None:
+        """Start the loops that should run, stop those that should not (or that ended: leadership lost)."""
+        wanted = self.wanted()
+        for key in list(self._tasks):
+            if key not in wanted or self._tasks[key].done():
+                self._stop(key)
+        for key in sorted(wanted - set(self._tasks)):
+            loop = ServiceLoop(key, self)
+            self.loops[key] = loop
+            self._tasks[key] = asyncio.create_task(loop.run(), name=f"autoscaler {key[0]}/{key[1]}")
+            log.info("Started autoscaler loop pdservice=%s/%s", *key)
+
+    def _stop(self, key: OwnerKey) -> None:
+        task = self._tasks.pop(key)
+        self.loops.pop(key, None)
+        task.cancel()
+        self.metrics.forget(*key)
+        self.board.drop(key)
+        log.info("Stopped autoscaler loop pdservice=%s/%s", *key)
+
+    async def stop_all(self) -> None:
+        tasks = list(self._tasks.values())
+        for key in list(self._tasks):
+            self._stop(key)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ServiceLoop:
+    """The loop of one PDService: its Autoscaler (model and policy state), its signal source, its backoff."""
+
+    def __init__(self, key: OwnerKey, owner: Autoscalers) -> None:
+        self.key, self.owner = key, owner
+        self.source = owner.sources()
+        self.autoscaler: Autoscaler | None = None
+        self.failures = 0
+        self.ticks = 0
+        body = owner.store.owner(*key) or {}
+        status = body.get("status") or {}
+        # Carried over from the previous leader's status, so "last scale time" survives a takeover.
+        self.last_scale_time: dict[Role, str | None] = {
+            role: ((status.get(role) or {}).get("autoscaling") or {}).get("lastScaleTime") for role in ROLES
+        }
+
+    async def run(self) -> None:
+        settings = self.owner.settings
+        while True:
+            try:
+                healthy = await self.tick()
+            except NotLeaderError:
+                log.warning("Stopped autoscaler loop: leadership lost pdservice=%s/%s", *self.key)
+                return
+            except Exception:
+                healthy = False
+                log.exception("Autoscaler tick failed pdservice=%s/%s", *self.key)
+            self.ticks += 1
+            self.failures = 0 if healthy else self.failures + 1
+            delay = settings.interval_s * min(2.0**self.failures, settings.max_backoff)
+            if not healthy:
+                log.warning(
+                    "Retrying autoscaler tick pdservice=%s/%s failures=%d delay=%.1fs",
+                    *self.key,
+                    self.failures,
+                    delay,
+                )
+            await self.owner.sleep(delay)
+
+    async def tick(self) -> bool:
+        """One tick (module docstring); True when it was clean (no query error, no refused write)."""
+        owner, (namespace, name) = self.owner, self.key
+        body = owner.store.owner(namespace, name)
+        if not wants_loop(body):
+            return True  # deleted or no longer scaled by pdserve: the next sync stops this loop
+        assert body is not None
+        checked = validate({k: v for k, v in body.items() if k != "status"}, owner.policy)
+        if not checked.ok:
+            return True  # the reconcile reports InvalidSpec; nothing is scaled until the spec is fixed
+        pds, _ = checked.require()
+        snapshot = owner.store.snapshot(namespace, name)
+        statefulsets = {role: snapshot.child("StatefulSet", namespace, child_name(name, role)) for role in ROLES}
+        if any(sts is None for sts in statefulsets.values()):
+            return True  # the reconcile creates them first
+        desired: dict[Role, int] = {
+            role: int((sts or {}).get("spec", {}).get("replicas", 0)) for role, sts in statefulsets.items()
+        }
+        try:
+            config = self._config(config_from_spec(pds))
+        except NoSloTargetError as exc:
+            self._report(holding(effective(pds.spec), desired, NO_SLO_TARGET, str(exc)))
+            return True
+        if self.autoscaler is None:
+            self.autoscaler = Autoscaler(config)
+        else:
+            self.autoscaler.reconfigure(config)
+        self.source.window_s, self.source.warmup_s = config.window_s, config.warmup_s
+
+        now = owner.clock()
+        engine_pods = [p for p in snapshot.pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in ROLES]
+        routers = sorted(
+            p["metadata"]["name"]
+            for p in snapshot.pods
+            if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "router"
+            and not p["metadata"].get("deletionTimestamp")
+        )
+        target = Target(namespace, name, config.model.slo.percentile, desired)
+        pods = pod_states(engine_pods, datetime.fromtimestamp(now, UTC))
+        loop = asyncio.get_running_loop()
+        try:
+            signals = await loop.run_in_executor(owner.executor, self.source.collect, target, pods, now, routers)
+        except Exception:
+            owner.metrics.error(namespace, name, "collect")
+            raise
+        try:
+            decision = self.autoscaler.step(signals)
+        except Exception:
+            owner.metrics.error(namespace, name, "decide")
+            raise
+
+        failed: dict[Role, str] = {}
+        for pool in decision.actions():
+            try:
+                scale = await owner.actuator.scale(namespace, name, pool.role, pool.desired)
+            except ApiError as exc:
+                failed[pool.role] = str(exc)
+                owner.metrics.error(namespace, name, "scale")
+                log.warning(
+                    "Failed to scale pdservice=%s/%s pool=%s from=%d to=%d error=%s",
+                    namespace,
+                    name,
+                    pool.role,
+                    pool.current,
+                    pool.desired,
+                    exc,
+                )
+                message = f"Failed to scale {pool.role} {pool.current} -> {pool.desired}: {exc}"
+                await self._event(body, "Warning", "FailedUpdateScale", message, now)
+                continue
+            self._adopt(statefulsets[pool.role], pool.desired, scale)
+            log.info(
+                "Scaled pdservice=%s/%s pool=%s from=%d to=%d reason=%s message=%s",
+                namespace,
+                name,
+                pool.role,
+                pool.current,
+                pool.desired,
+                pool.reason,
+                pool.message,
+            )
+            await self._event(body, "Normal", "Scaled", pool.event() or "", now)
+        owner.metrics.record(namespace, name, decision, signals)
+        report = from_decision(
+            decision,
+            signals,
+            config.model.slo,
+            now=_iso(now),
+            last_scale_time=self.last_scale_time,
+            failed=failed,
+        )
+        for role, line in report.pools.items():
+            self.last_scale_time[role] = line.last_scale_time
+        self._report(report)
+        return not signals.errors and not failed
+
+    # ---------------------------------------------------------------------------------------------- helpers
+
+    def _config(self, config: AutoscalerConfig) -> AutoscalerConfig:
+        settings = self.owner.settings
+        model = replace(config.model, interval_s=settings.interval_s)
+        return replace(config, model=model, interval_s=settings.interval_s, window_s=settings.window)
+
+    def _report(self, report: Any) -> None:
+        if self.owner.board.put(self.key, report):
+            self.owner.enqueue(self.key)
+
+    def _adopt(self, sts: Mapping[str, Any] | None, replicas: int, scale: Mapping[str, Any]) -> None:
+        """Put the scaled StatefulSet into the cache at the version the /scale write produced, so that a reconcile
+        running before its watch event re-applies the new replicas rather than the old ones (the watch event,
+        of the same or a later version, replaces this copy)."""
+        version = (scale.get("metadata") or {}).get("resourceVersion")
+        if sts is None or not version:
+            return
+        updated = copy.deepcopy(dict(sts))
+        updated.setdefault("spec", {})["replicas"] = replicas
+        updated["metadata"]["resourceVersion"] = version
+        self.owner.store.put(updated)
+
+    async def _event(self, body: Mapping[str, Any], type_: str, reason: str, message: str, now: float) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            self.owner.executor, self.owner.api.post_event, dict(body), type_, reason, message, _iso(now)
+        )

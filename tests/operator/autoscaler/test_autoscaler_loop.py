@@ -1,0 +1,513 @@
+"""The autoscaler's loops in the operator, against a fake of the operator's IO layer and a fake signal source.
+
+What is under test here is the wiring, not the brain (the model and policy have their own tables): which
+PDServices get a loop and when it stops (leadership, deletion, mode), what a tick writes (/scale, Events,
+metrics, the report the reconcile turns into status) and how failures are retried. So the two outside parts are
+fakes, and say so: `FakeKube` (pdserve_dev.testing.fake_kube) for the Kubernetes writes and `Scripted`, a signal
+source that answers each tick with the signals a test scripts, built on the very target and pods the loop read
+from the informer cache (the real collector against a real Prometheus is covered by test_autoscaler_collector.py
+and, end to end, by tests/e2e/test_e2e_autoscaling.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from pdserve_dev.testing.fake_kube import FakeKube
+from pdserve_dev.testing.metrics import samples
+from pdserve_operator.autoscaler.collector import Target
+from pdserve_operator.autoscaler.loop import Autoscalers, LoopSettings, ServiceLoop, wants_loop
+from pdserve_operator.autoscaler.metrics import AutoscalerMetrics
+from pdserve_operator.autoscaler.report import ScalingBoard
+from pdserve_operator.autoscaler.signals import ROLES, PodState, PoolSignals, RouterSignals, ServiceSignals
+from pdserve_operator.reconcile import reconcile
+from pdserve_operator.store import Store
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pdservice.yaml"
+NAMESPACE, NAME = "default", "llama-8b"
+KEY = (NAMESPACE, NAME)
+
+
+def document(prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> dict[str, Any]:
+    """examples/pdservice.yaml with prefill (1-4 replicas) scaled by pdserve, decode left alone unless given."""
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["prefill"]["replicas"] = 1
+    doc["spec"]["prefill"]["autoscaling"] = prefill or {"enabled": True, "minReplicas": 1, "maxReplicas": 4}
+    doc["spec"]["decode"]["autoscaling"] = decode or {"enabled": False}
+    return doc
+
+
+@dataclass
+class Scripted:
+    """A fake signal source (see the module docstring): `load` is prefill's uncached prompt tokens/s, `ttft_s` the
+    routers' TTFT, `broken` makes every query fail (Prometheus down), `crash` makes collect raise (a bug)."""
+
+    load: float = 1000.0
+    ttft_s: float = 0.2
+    broken: bool = False
+    crash: bool = False
+    window_s: float = 15.0
+    warmup_s: float = 60.0
+    seen: list[tuple[Target, list[PodState], list[str]]] = field(default_factory=list)
+
+    def collect(
+        self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
+    ) -> ServiceSignals:
+        self.seen.append((target, list(pods), list(routers)))
+        if self.crash:
+            raise RuntimeError("collector bug")
+        if self.broken:
+            pools = {role: PoolSignals(role, target.desired[role]) for role in ROLES}
+            return ServiceSignals(
+                now, self.window_s, target.percentile, pools["prefill"], pools["decode"],
+                errors=("prefill uncached_tokens: ConnectionError: refused",), failed_queries=("uncached_tokens",),
+            )  # fmt: skip
+        prefill = PoolSignals(
+            "prefill",
+            target.desired["prefill"],
+            ready=target.desired["prefill"],
+            request_rate=self.load / 2000,
+            prompt_tokens_rate=self.load,
+            uncached_tokens_rate=self.load,
+            prompt_tokens_quantile=2000.0,
+            waiting=0.0,
+            engine_ttft_s=self.ttft_s * 0.8,
+            freshness_s=1.0,
+            completeness=1.0,
+        )
+        decode = PoolSignals("decode", target.desired["decode"], ready=target.desired["decode"])
+        router = RouterSignals(ttft_s=self.ttft_s, ttft_pd_s=self.ttft_s, itl_s=0.02, freshness_s=1.0)
+        return ServiceSignals(now, self.window_s, target.percentile, prefill, decode, router)
+
+
+class World:
+    """FakeKube, the informer cache, the board and an `Autoscalers` over them, with a clock that ticks 15 s a call."""
+
+    def __init__(self, doc: dict[str, Any] | None = None, settings: LoopSettings | None = None) -> None:
+        self.kube = FakeKube()
+        self.store = Store()
+        self.board = ScalingBoard(configured=True)
+        self.source = Scripted()
+        self.registry = CollectorRegistry()
+        self.queued: list[tuple[str, str]] = []
+        self.leader = True
+        self._clock = itertools.count(1_800_000_000, 15)
+        self.delays: list[float] = []
+        self.budget = 1_000_000
+        self.scalers = Autoscalers(
+            self.store,
+            self.kube,
+            self.board,
+            lambda: self.source,
+            metrics=AutoscalerMetrics(self.registry),
+            settings=settings or LoopSettings(),
+            is_leader=lambda: self.leader,
+            enqueue=self.queued.append,
+            clock=lambda: float(next(self._clock)),
+            sleep=self.sleep,
+        )
+        self.put_spec(doc or document())
+        self.reconcile()
+        for obj in self.kube.finish_rollouts():
+            self.store.put(obj)
+        self.add_pods()
+        self.reconcile()
+
+    async def sleep(self, delay: float) -> None:
+        """The loops' sleep: records how long a loop would wait, then only yields (time is the clock's); once
+        `budget` sleeps are used up it waits until cancelled (`run_ticks` runs a loop for so many ticks)."""
+        self.delays.append(delay)
+        self.budget -= 1
+        if self.budget <= 0:
+            await asyncio.Event().wait()
+        await asyncio.sleep(0)
+
+    def put_spec(self, doc: dict[str, Any]) -> None:
+        self.store.put_owner(self.kube.add_owner(doc))
+
+    def reconcile(self) -> None:
+        reconcile(NAMESPACE, NAME, self.store, self.kube, lambda: "2026-01-01T00:00:00Z", scaling=self.board)
+
+    def sts(self, role: str) -> dict[str, Any]:
+        return self.kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-{role}")]
+
+    def add_pods(self) -> None:
+        """Ready engine pods for each StatefulSet's replicas and a router pod, as the cache would hold them."""
+        for role in ("prefill", "decode"):
+            for index in range(int(self.sts(role)["spec"]["replicas"])):
+                self.store.put(pod(f"{NAME}-{role}-{index}", role))
+        self.store.put(pod(f"{NAME}-router-abc", "router"))
+
+    def loop(self) -> ServiceLoop:
+        return ServiceLoop(KEY, self.scalers)
+
+    def status(self) -> dict[str, Any]:
+        return cast(dict[str, Any], self.kube.owner(NAMESPACE, NAME).get("status") or {})
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        found = [c for c in self.status().get("conditions", []) if c["type"] == type_]
+        assert len(found) == 1, self.status().get("conditions")
+        return dict(found[0])
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        from prometheus_client import generate_latest
+
+        key = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        return samples(generate_latest(self.registry).decode()).get(key)
+
+
+def pod(name: str, role: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "resourceVersion": "1",
+            "labels": {"app.kubernetes.io/instance": NAME, "pdserve.io/role": role},
+        },
+        "status": {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2020-01-01T00:00:00Z"}],
+        },
+    }
+
+
+async def tick(world: World, loop: ServiceLoop | None = None) -> tuple[ServiceLoop, bool]:
+    loop = loop or world.loop()
+    return loop, await loop.tick()
+
+
+# ------------------------------------------------------------------------------------------- which services
+
+
+def test_wants_a_loop_only_for_a_pool_scaled_by_pdserve() -> None:
+    assert wants_loop(document())
+    assert wants_loop(document(prefill={"enabled": False}, decode={"enabled": True, "mode": "pdserve"}))
+    assert not wants_loop(document(prefill={"enabled": True, "mode": "external"}))
+    assert not wants_loop(document(prefill={"enabled": False}))
+    deleting = document()
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert not wants_loop(deleting)
+    assert not wants_loop(None)
+
+
+async def test_loops_run_on_the_leader_for_scaled_services_and_stop_when_that_ends() -> None:
+    world = World()
+    other = document(prefill={"enabled": True, "mode": "external"})
+    other["metadata"]["name"] = "external-only"
+    world.put_spec(other)
+    world.scalers.sync()
+    assert set(world.scalers.loops) == {KEY}
+    await asyncio.sleep(0)  # the loop's first tick
+    await wait_until(lambda: world.board.get(KEY) is not None)
+    assert world.metric("pdserve_autoscaler_desired_replicas", namespace=NAMESPACE, pdservice=NAME, pool="prefill")
+
+    # Leadership lost: the loop stops, its series and its report go (only the leader exports them).
+    world.leader = False
+    world.scalers.sync()
+    assert world.scalers.loops == {}
+    assert world.board.get(KEY) is None
+    assert (
+        world.metric("pdserve_autoscaler_desired_replicas", namespace=NAMESPACE, pdservice=NAME, pool="prefill") is None
+    )
+
+    # Leader again: the loop comes back; the PDService handed to an external scaler stops it.
+    world.leader = True
+    world.scalers.sync()
+    assert set(world.scalers.loops) == {KEY}
+    world.put_spec(document(prefill={"enabled": True, "mode": "external"}))
+    world.scalers.sync()
+    assert world.scalers.loops == {}
+
+    # Deleted: no loop.
+    world.put_spec(document())
+    world.scalers.sync()
+    assert set(world.scalers.loops) == {KEY}
+    world.store.delete_owner(NAMESPACE, NAME)
+    world.scalers.sync()
+    assert world.scalers.loops == {}
+    await world.scalers.stop_all()
+
+
+async def test_run_stops_every_loop_when_the_operator_stops() -> None:
+    world = World(settings=LoopSettings(interval_s=0.01, check_s=0.01))
+    stop = asyncio.Event()
+    runner = asyncio.create_task(world.scalers.run(stop))
+    await wait_until(lambda: len(world.source.seen) >= 3)
+    stop.set()
+    await asyncio.wait_for(runner, 5)
+    assert world.scalers.loops == {}
+
+
+# ------------------------------------------------------------------------------------------------ one tick
+
+
+async def test_a_breach_scales_prefill_through_its_statefulset_scale_and_says_why() -> None:
+    world = World()
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    _, healthy = await tick(world)
+    assert healthy
+    target, pods, routers = world.source.seen[-1]
+    # The loop read the cache: each StatefulSet's replicas, the engine pods, the live router pods.
+    assert target.desired == {"prefill": 1, "decode": 4}
+    assert sorted(p.name for p in pods) == [f"{NAME}-decode-{i}" for i in range(4)] + [f"{NAME}-prefill-0"]
+    assert routers == [f"{NAME}-router-abc"]
+
+    [write] = [c for c in world.kube.calls if c.verb == "scale"]
+    assert (write.kind, write.name, write.outcome) == ("StatefulSet", f"{NAME}-prefill", "ok")
+    desired = world.sts("prefill")["spec"]["replicas"]
+    assert desired > 1
+    [event] = [e for e in world.kube.events if e["reason"] == "Scaled"]
+    assert event["type"] == "Normal"
+    assert event["message"].startswith(f"Scaled prefill 1 -> {desired}: TTFT p90 1.2 s > 800 ms target")
+    # The cache adopted the new size at the version the write produced, before any watch event.
+    cached = world.store.snapshot(NAMESPACE, NAME).child("StatefulSet", NAMESPACE, f"{NAME}-prefill")
+    assert cached is not None and cached["spec"]["replicas"] == desired
+    assert cached["metadata"]["resourceVersion"] == world.sts("prefill")["metadata"]["resourceVersion"]
+    # Decode is not scaled by pdserve: never written.
+    assert world.sts("decode")["spec"]["replicas"] == 4
+
+    labels = {"namespace": NAMESPACE, "pdservice": NAME}
+    assert world.metric("pdserve_autoscaler_desired_replicas", **labels, pool="prefill") == desired
+    assert world.metric("pdserve_autoscaler_current_replicas", **labels, pool="prefill") == 1
+    assert world.metric("pdserve_autoscaler_ready_replicas", **labels, pool="prefill") == 1
+    assert world.metric("pdserve_autoscaler_decisions_total", **labels, pool="prefill", reason="ScaledUp") == 1
+    assert world.metric("pdserve_autoscaler_decisions_total", **labels, pool="decode", reason="AutoscalingDisabled")
+    assert world.metric("pdserve_autoscaler_observed_latency_seconds", **labels, kind="ttft") == 1.2
+    assert (world.metric("pdserve_autoscaler_capacity_per_replica", **labels, pool="prefill") or 0) > 0
+    assert (world.metric("pdserve_autoscaler_demand", **labels, pool="prefill") or 0) >= 100_000
+    # The report changed: the PDService is queued, and its reconcile writes the report into status.
+    assert world.queued == [KEY]
+    world.reconcile()
+    scaling = world.status()["prefill"]["autoscaling"]
+    assert scaling["mode"] == "pdserve" and scaling["reason"] == "ScaledUp"
+    assert (scaling["currentReplicas"], scaling["desiredReplicas"]) == (1, desired)
+    assert (scaling["metric"], scaling["percentile"]) == ("TTFT", 90)
+    assert (scaling["observedMilliseconds"], scaling["targetMilliseconds"]) == (1200.0, 800.0)
+    assert scaling["capacityPerReplica"] > 0 and scaling["demand"] >= 100_000
+    assert scaling["loadUnit"] == "uncached prompt tokens/s" and scaling["capacityBasis"] in ("prior", "learned")
+    assert scaling["lastScaleTime"] == "2027-01-15T08:00:00Z"
+    assert "autoscaling" not in world.status()["decode"]  # disabled: nothing to say
+    assert world.condition("ScalingActive")["status"] == "True"
+    assert world.condition("AbleToScale")["status"] == "True"
+    assert world.condition("ScalingLimited")["status"] == "False"
+    # The scaling conditions follow the reconcile's own six, which keep their meaning.
+    assert [c["type"] for c in world.status()["conditions"]] == [
+        "Available",
+        "Progressing",
+        "Degraded",
+        "Ready",
+        "Reconciling",
+        "Stalled",
+        "ScalingActive",
+        "AbleToScale",
+        "ScalingLimited",
+    ]
+
+    # Nothing changed: the next pass writes nothing.
+    mark = world.kube.mark()
+    world.reconcile()
+    assert [c for c in world.kube.calls_since(mark) if c.verb == "status"] == []
+
+
+async def test_the_operator_apply_keeps_what_the_autoscaler_wrote() -> None:
+    world = World()
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    await tick(world)
+    desired = world.sts("prefill")["spec"]["replicas"]
+    # A spec change re-applies the StatefulSet: with the autoscaler's replicas, not the spec's.
+    doc = document()
+    doc["spec"]["prefill"]["env"] = [{"name": "CHANGED", "value": "1"}]
+    world.put_spec(doc)
+    mark = world.kube.mark()
+    world.reconcile()
+    assert any(c.verb == "apply" and c.name == f"{NAME}-prefill" for c in world.kube.calls_since(mark))
+    assert world.sts("prefill")["spec"]["replicas"] == desired
+
+
+def test_a_stale_cache_cannot_undo_a_scale() -> None:
+    world = World(document(prefill={"enabled": True, "minReplicas": 1, "maxReplicas": 4}))
+    # A scaler writes /scale; the watch event has not reached the cache yet when the spec changes.
+    world.kube.set_replicas("StatefulSet", NAMESPACE, f"{NAME}-prefill", 3)
+    doc = document()
+    doc["spec"]["prefill"]["env"] = [{"name": "CHANGED", "value": "1"}]
+    world.put_spec(doc)
+    with pytest.raises(Exception, match="has been modified"):
+        world.reconcile()
+    assert world.sts("prefill")["spec"]["replicas"] == 3
+    # The watch event arrives; the retried pass applies the change and keeps 3.
+    world.store.put(copy.deepcopy(world.sts("prefill")))
+    world.reconcile()
+    assert world.sts("prefill")["spec"]["replicas"] == 3
+    env = world.sts("prefill")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "CHANGED", "value": "1"} in env
+
+
+def test_an_external_pool_keeps_what_its_scaler_set_even_outside_the_bounds() -> None:
+    world = World(document(decode={"enabled": True, "mode": "external", "minReplicas": 2, "maxReplicas": 6}))
+    # HPA-like: sets decode to 9 through /scale (beyond the spec's maxReplicas: the HPA's bounds are its own).
+    world.store.put(world.kube.set_replicas("StatefulSet", NAMESPACE, f"{NAME}-decode", 9))
+    doc = document(decode={"enabled": True, "mode": "external", "minReplicas": 2, "maxReplicas": 6})
+    doc["spec"]["decode"]["env"] = [{"name": "CHANGED", "value": "1"}]
+    world.put_spec(doc)
+    world.reconcile()
+    assert world.sts("decode")["spec"]["replicas"] == 9
+    scaling = world.status()["decode"]["autoscaling"]
+    assert (scaling["mode"], scaling["reason"], scaling["currentReplicas"]) == ("external", "ExternallyScaled", 9)
+
+
+async def test_an_external_pool_is_never_scaled_by_the_loop() -> None:
+    world = World(document(decode={"enabled": True, "mode": "external", "minReplicas": 1, "maxReplicas": 6}))
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    await tick(world)
+    assert [c.name for c in world.kube.calls if c.verb == "scale"] == [f"{NAME}-prefill"]
+    report = world.board.get(KEY)
+    assert report is not None and report.pools["decode"].reason == "ExternallyScaled"
+
+
+# --------------------------------------------------------------------------------------------------- failures
+
+
+async def test_metrics_unavailable_holds_and_says_why() -> None:
+    world = World()
+    world.source.broken = True
+    loop, healthy = await tick(world)
+    assert not healthy  # counted as a failure: the next tick backs off
+    assert [c for c in world.kube.calls if c.verb == "scale"] == []
+    world.reconcile()
+    active = world.condition("ScalingActive")
+    assert (active["status"], active["reason"]) == ("False", "MetricsUnavailable")
+    assert "ConnectionError" in active["message"]
+    assert world.status()["prefill"]["autoscaling"]["reason"] == "MetricsUnavailable"
+    [warning] = [e for e in world.kube.events if e["reason"] == "MetricsUnavailable"]
+    assert warning["type"] == "Warning"
+    labels = {"namespace": NAMESPACE, "pdservice": NAME}
+    assert world.metric("pdserve_autoscaler_query_errors_total", **labels, query="uncached_tokens") == 1
+    # Back: active again, and a Normal event says so.
+    world.source.broken = False
+    _, healthy = await tick(world, loop)
+    assert healthy
+    world.reconcile()
+    assert world.condition("ScalingActive")["status"] == "True"
+    assert [e["type"] for e in world.kube.events if e["reason"] == "ScalingActive"] == ["Normal"]
+
+
+async def test_a_refused_scale_is_reported_and_retried_with_backoff() -> None:
+    world = World(settings=LoopSettings(interval_s=0.01, max_backoff=4.0))
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    world.kube.fail("scale", 422, "admission webhook denied the request", times=3)
+    loop = world.loop()
+    _, healthy = await tick(world, loop)
+    assert not healthy
+    [warning] = [e for e in world.kube.events if e["reason"] == "FailedUpdateScale"]
+    assert warning["type"] == "Warning" and "admission webhook denied" in warning["message"]
+    report = world.board.get(KEY)
+    assert report is not None
+    able = next(c for c in report.conditions if c.type == "AbleToScale")
+    assert (able.status, able.reason) == ("False", "FailedUpdateScale")
+    assert report.pools["prefill"].reason == "FailedUpdateScale"
+    assert report.pools["prefill"].last_scale_time is None
+    labels = {"namespace": NAMESPACE, "pdservice": NAME}
+    assert world.metric("pdserve_autoscaler_errors_total", **labels, stage="scale") == 1
+    # The loop backs off (2, then 4 intervals), then the write goes through and the backoff resets.
+    delays = await run_ticks(world, loop, 3)
+    assert delays == [pytest.approx(0.02), pytest.approx(0.04), pytest.approx(0.01)]
+    assert world.sts("prefill")["spec"]["replicas"] > 1
+
+
+async def test_a_crashing_collector_never_stops_the_loop() -> None:
+    world = World(settings=LoopSettings(interval_s=0.01, max_backoff=4.0))
+    world.source.crash = True
+    loop = world.loop()
+    delays = await run_ticks(world, loop, 4)
+    assert delays == [pytest.approx(d) for d in (0.02, 0.04, 0.04, 0.04)]  # backoff capped at 4 intervals
+    labels = {"namespace": NAMESPACE, "pdservice": NAME}
+    assert world.metric("pdserve_autoscaler_errors_total", **labels, stage="collect") == 4
+    world.source.crash = False
+    assert await run_ticks(world, loop, 1) == [pytest.approx(0.01)]
+
+
+async def test_leadership_lost_mid_tick_ends_the_loop() -> None:
+    world = World(settings=LoopSettings(interval_s=0.01))
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    world.kube.leader = False
+    await asyncio.wait_for(world.loop().run(), 5)  # returns instead of retrying
+    assert [c.outcome for c in world.kube.calls if c.verb == "scale"] == ["not-leader"]
+
+
+async def test_no_slo_target_holds_and_says_how_to_fix_it() -> None:
+    doc = document()
+    del doc["spec"]["slo"]
+    world = World(doc)
+    _, healthy = await tick(world)
+    assert healthy and world.source.seen == []  # nothing to decide: not even a query
+    world.reconcile()
+    active = world.condition("ScalingActive")
+    assert (active["status"], active["reason"]) == ("False", "NoSloTarget")
+    assert "spec.slo.ttftMilliseconds" in active["message"]
+
+
+def test_without_prometheus_pools_hold_and_status_says_so() -> None:
+    world = World()
+    world.board.configured = False
+    world.reconcile()
+    active = world.condition("ScalingActive")
+    assert (active["status"], active["reason"]) == ("False", "PrometheusNotConfigured")
+    assert "--prometheus-url" in active["message"]
+    scaling = world.status()["prefill"]["autoscaling"]
+    assert (scaling["reason"], scaling["currentReplicas"], scaling["desiredReplicas"]) == (
+        "PrometheusNotConfigured",
+        1,
+        1,
+    )
+    [warning] = [e for e in world.kube.events if e["reason"] == "PrometheusNotConfigured"]
+    assert warning["type"] == "Warning"
+
+
+def test_turning_autoscaling_off_removes_its_status_and_conditions() -> None:
+    world = World()
+    world.board.configured = False
+    world.reconcile()
+    assert "autoscaling" in world.status()["prefill"]
+    world.put_spec(document(prefill={"enabled": False}))
+    world.reconcile()
+    assert "autoscaling" not in world.status()["prefill"]
+    types = {c["type"] for c in world.status()["conditions"]}
+    assert not types & {"ScalingActive", "AbleToScale", "ScalingLimited"}
+
+
+# -------------------------------------------------------------------------------------------------- helpers
+
+
+async def wait_until(predicate: Callable[[], object], within: float = 5.0) -> None:
+    from pdserve_dev.testing.wait import wait_for_async
+
+    async def check() -> bool:
+        return bool(predicate())
+
+    await wait_for_async(check, within=within, interval=0.005)
+
+
+async def run_ticks(world: World, loop: ServiceLoop, count: int) -> list[float]:
+    """Run `loop` for `count` more ticks; returns the delay it waited after each (its backoff), read from the
+    `sleep` the loops are given (the world's, which records the delay and yields without waiting)."""
+    first = len(world.delays)
+    world.budget = count
+    task = asyncio.create_task(loop.run())
+    try:
+        await wait_until(lambda: len(world.delays) >= first + count)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return world.delays[first : first + count]
