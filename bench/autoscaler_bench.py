@@ -1,6 +1,7 @@
 """Benchmark: SLO attainment and GPU-seconds of pdserve's autoscaler against static, HPA-style and llm-d's SLO law.
 
-Run: ``.venv/bin/python bench/autoscaler_bench.py [--quick] [--json FILE] [--only chat,code,synthetic,large]``
+Run: ``.venv/bin/python bench/autoscaler_bench.py [--quick] [--json FILE] [--only chat,code,synthetic,large]
+[--cluster]``
 
 Every policy replays the same requests through the same simulated service (`pdserve_dev.replay`): a PD router,
 a prefill and a decode pool of engines stepping with the simulator's `h200-8b` cost model, pods that take
@@ -19,6 +20,15 @@ step, a ramp, a sine and a burst) and ``large`` (the chat trace's busiest 20 min
 lengths drawn from requests within a minute of it (k times the users, `pdserve_dev.replay.trace.shape`), and
 replayed in real time (compression 1; `--compression` changes it). ``--quick`` replays the chat hour at half
 the rate and a shorter synthetic trace.
+
+``--cluster`` adds the closed loop: a two-minute slice of the chat trace (minutes 22-34, time compression 6, rate
+scale 0.2: ~9 requests/s) replayed through the real product on a fresh local cluster (`pdserve_dev.replay.live`:
+the operator with its autoscaler loop, `pdserve sim` engines with `h200-8b` timing on the process node, the router,
+the cluster's Prometheus), printed beside the discrete-event replay of the very same requests with the same SLO
+(TTFT 300 ms / ITL 40 ms p90), bounds (prefill 1-3, decode 1-2), tick (2 s), window (6 s), warm-up (10 s) and
+scale-down window (30 s). It runs in real time (about four minutes with the cluster's start) and on this machine's
+CPUs, which also run every engine, the router and the load: a check that the loop in the product behaves as the
+model of it does, not a measurement at scale.
 
 Reported per policy: attainment (share of requests with TTFT <= target and mean time per output token <=
 target), GPU-seconds (replica lifetime from creation to removal, start-up and drain included, x GPUs per
@@ -39,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve_dev.cluster import netns
 from pdserve_dev.replay.cluster import Outcome, ReplayCluster, ReplayConfig, Scaler
 from pdserve_dev.replay.scalers import (
     HpaScaler,
@@ -263,13 +274,13 @@ def _slice_text(slice_s: tuple[float, float | None]) -> str:
     return f"{start:.0f} s to the end" if length is None else f"{start:.0f}-{start + length:.0f} s"
 
 
-def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: float) -> dict[str, Any]:
+def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: float, slo: Slo = SLO) -> dict[str, Any]:
     timeline = outcome.timeline
     ttft = [job.first_token - job.arrival for job in outcome.jobs if job.first_token is not None]
     tpot = [job.tpot for job in outcome.jobs if job.output > 1]
     return {
         "name": name,
-        "attainment": round(outcome.attainment(SLO), 5),
+        "attainment": round(outcome.attainment(slo), 5),
         "gpu_seconds": round(outcome.gpu_seconds, 1),
         "ratio_to_static": round(outcome.gpu_seconds / static_gpu, 4) if static_gpu else None,
         "actions": outcome.actions,
@@ -290,14 +301,15 @@ def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: floa
 
 def _print_table(results: list[dict[str, Any]], log: Callable[[str], None]) -> None:
     log(
-        f"   {'policy':<12} {'attainment':>10} {'GPU-s':>10} {'vs static':>9} {'actions':>7} "
+        f"   {'policy':<22} {'attainment':>10} {'GPU-s':>10} {'vs static':>9} {'actions':>7} "
         f"{'mean P/D':>11} {'max P/D':>9} {'p90 TTFT':>9} {'p90 TPOT':>9}"
     )
     for r in results:
         mean = f"{r['mean_replicas']['prefill']:.1f}/{r['mean_replicas']['decode']:.1f}"
         peak = f"{r['max_replicas']['prefill']}/{r['max_replicas']['decode']}"
+        name = f"{r['name']} ({r['mode']})" if "mode" in r else r["name"]
         log(
-            f"   {r['name']:<12} {r['attainment']:>10.2%} {r['gpu_seconds']:>10.0f} {r['ratio_to_static']:>9.3f} "
+            f"   {name:<22} {r['attainment']:>10.2%} {r['gpu_seconds']:>10.0f} {r['ratio_to_static']:>9.3f} "
             f"{r['actions']:>7} {mean:>11} {peak:>9} {r['ttft_p90_s'] * 1000:>7.0f}ms "
             f"{r['tpot_p90_s'] * 1000:>7.1f}ms"
         )
@@ -328,6 +340,142 @@ def check_floor(result: dict[str, Any]) -> list[str]:
     return [("PASS " if ok else "FAIL ") + text for ok, text in checks]
 
 
+#: The closed-loop slice (`--cluster`): small enough for one machine's CPUs, busy enough that the pools move.
+LIVE_SLO = Slo(ttft_s=0.3, itl_s=0.040, percentile=90)
+LIVE_SLICE = {"start_s": 22 * 60.0, "duration_s": 12 * 60.0, "compression": 6.0, "rate_scale": 0.2}
+LIVE_INTERVAL_S, LIVE_WINDOW_S, LIVE_WARMUP_S, LIVE_SCALE_DOWN_S, LIVE_STARTUP_S = 2.0, 6.0, 10, 30, 5.0
+
+
+def live_requests() -> list[Request]:
+    requests = load_azure(TRACES / "azure-llm-2023-conv.csv")
+    sliced = shape(requests, **LIVE_SLICE, jitter_s=10.0, mix_s=60.0, seed=1)
+    # The live engines serve up to 16k tokens of context: the slice's few longer prompts are cut (in both replays).
+    return [Request(r.arrival, min(r.prompt, 12_000), min(r.output, 2_000)) for r in sliced]
+
+
+def run_closed_loop(log: Callable[[str], None]) -> dict[str, Any]:
+    """The chat slice through the discrete-event replay (every policy) and through the product on the local
+    cluster (pdserve); the result dict of the JSON output's `closed_loop`."""
+    from pdserve_dev.replay.live import LiveConfig, run_live
+
+    requests = live_requests()
+    profile = profile_from_timing(H200_8B)
+    model = ModelConfig(
+        slo=LIVE_SLO,
+        prefill_profile=profile,
+        decode_profile=profile,
+        interval_s=LIVE_INTERVAL_S,
+        horizon_s=LIVE_STARTUP_S + LIVE_INTERVAL_S,
+        disaggregation_threshold=THRESHOLD,
+    )
+    bounds = PolicyConfig(
+        prefill=PoolBounds(1, 3), decode=PoolBounds(1, 2), scale_down_window_s=float(LIVE_SCALE_DOWN_S)
+    )
+    peak_p, peak_d, _ = static_peak(model, requests, 60.0 / LIVE_SLICE["compression"], THRESHOLD)
+    log(
+        f"\n== closed loop: chat trace minutes 22-34, compression {LIVE_SLICE['compression']:g}, rate scale "
+        f"{LIVE_SLICE['rate_scale']:g}: {len(requests)} requests over {requests[-1].arrival:.0f} s; SLO TTFT "
+        f"{LIVE_SLO.ttft_s * 1000:.0f} ms / ITL {LIVE_SLO.itl_s * 1000:.0f} ms p90; bounds prefill 1-3, decode 1-2; "
+        f"static-peak {peak_p}+{peak_d}"
+    )
+    results: list[dict[str, Any]] = []
+    static_gpu = 0.0
+    for name in POLICIES:
+        scaler: Scaler
+        start: tuple[int, int] = (1, 1)
+        if name == "static-peak":
+            scaler, start = StaticScaler(peak_p, peak_d), (peak_p, peak_d)
+        elif name == "hpa-style":
+            scaler = HpaScaler(bounds)
+        elif name == "llm-d-slo":
+            scaler = LlmdSloScaler(bounds, LIVE_SLO.ttft_s, LIVE_SLO.itl_s)
+        else:
+            config = AutoscalerConfig(
+                model=model,
+                policy=bounds,
+                warmup_s=float(LIVE_WARMUP_S),
+                interval_s=LIVE_INTERVAL_S,
+                window_s=LIVE_WINDOW_S,
+            )
+            scaler = PdserveScaler(config)
+        replay = ReplayConfig(
+            H200_8B,
+            H200_8B,
+            LIVE_SLO,
+            start,
+            startup_s=LIVE_STARTUP_S,
+            interval_s=LIVE_INTERVAL_S,
+            window_s=LIVE_WINDOW_S,
+            warmup_s=float(LIVE_WARMUP_S),
+            disaggregation_threshold=THRESHOLD,
+        )
+        began = time.perf_counter()
+        outcome = ReplayCluster(replay, requests, scaler).run()
+        if name == "static-peak":
+            static_gpu = outcome.gpu_seconds
+        result = _policy_result(name, outcome, static_gpu, time.perf_counter() - began, LIVE_SLO)
+        results.append({**result, "mode": "discrete-event"})
+
+    began = time.perf_counter()
+    live = run_live(
+        requests,
+        LiveConfig(
+            ttft_s=LIVE_SLO.ttft_s,
+            itl_s=LIVE_SLO.itl_s,
+            percentile=LIVE_SLO.percentile,
+            prefill=(1, 3),
+            decode=(1, 2),
+            threshold=THRESHOLD,
+            interval_s=LIVE_INTERVAL_S,
+            window_s=LIVE_WINDOW_S,
+            warmup_s=LIVE_WARMUP_S,
+            scale_down_s=LIVE_SCALE_DOWN_S,
+        ),
+        log,
+    )
+    timeline = live.timeline
+    ttft = [a.ttft_s for a in live.answers]
+    tpot = [a.tpot_s for a in live.answers if a.output_tokens > 1]
+    results.append(
+        {
+            "name": "pdserve",
+            "mode": "cluster",
+            "attainment": round(live.attainment(LIVE_SLO.ttft_s, LIVE_SLO.itl_s), 5),
+            "gpu_seconds": round(live.gpu_seconds, 1),
+            "ratio_to_static": round(live.gpu_seconds / static_gpu, 4) if static_gpu else None,
+            "actions": live.actions,
+            "mean_replicas": {
+                "prefill": round(sum(t[1] for t in timeline) / max(len(timeline), 1), 2),
+                "decode": round(sum(t[2] for t in timeline) / max(len(timeline), 1), 2),
+            },
+            "max_replicas": {
+                "prefill": max((t[1] for t in timeline), default=0),
+                "decode": max((t[2] for t in timeline), default=0),
+            },
+            "ttft_p90_s": round(_quantile(ttft, 0.9), 4),
+            "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
+            "failed": live.failed,
+            "replay_seconds": round(time.perf_counter() - began, 1),
+        }
+    )
+    _print_table(results, log)
+    for event in live.events[:6]:
+        log(f"   cluster event: {event}")
+    if live.failures:
+        log(f"   cluster failures ({live.failed}): {live.failures[:3]}")
+    return {
+        "trace": "azure-llm-2023-conv.csv",
+        "slice_s": [LIVE_SLICE["start_s"], LIVE_SLICE["duration_s"]],
+        "time_compression": LIVE_SLICE["compression"],
+        "rate_scale": LIVE_SLICE["rate_scale"],
+        "requests": len(requests),
+        "slo": {"ttft_s": LIVE_SLO.ttft_s, "itl_s": LIVE_SLO.itl_s, "percentile": LIVE_SLO.percentile},
+        "static_peak": {"prefill": peak_p, "decode": peak_d},
+        "policies": results,
+        "cluster_events": live.events,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the chat hour at half the rate, a short synthetic")
@@ -335,7 +483,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated scenario names (chat, code, synthetic, large)")
     parser.add_argument("--startup", type=float, default=30.0, help="seconds from pod creation to ready")
     parser.add_argument("--compression", type=float, default=1.0, help="time compression of the Azure traces")
+    parser.add_argument(
+        "--cluster", action="store_true", help="also replay a short slice closed-loop on a local cluster"
+    )
     args = parser.parse_args(argv)
+    if args.cluster and netns.should_isolate():
+        # The local cluster's pod addresses must stay on this machine: run in a namespace that has only loopback.
+        return netns.run_in_fresh([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
 
     chosen = scenarios(args.quick, args.compression)
     if args.only:
@@ -356,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in floor_lines:
         print(line)
     passed = all(line.split(": ", 1)[1].startswith("PASS") for line in floor_lines)
+    closed_loop = run_closed_loop(print) if args.cluster else None
     print(f"\nfloor {'PASS' if passed else 'FAIL'}; {time.perf_counter() - began:.0f} s")
     if args.json:
         main_policies = next((r["policies"] for r in results if r["name"] == "chat"), results[0]["policies"])
@@ -371,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "scenarios": results,
             "floor": {"passed": passed, "checks": floor_lines},
         }
+        if closed_loop is not None:
+            document["closed_loop"] = closed_loop
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     return 0 if passed else 1
 

@@ -6,8 +6,11 @@ operator Deployment, whose pods run in-cluster on the process node under the cha
 PDService (default: the embedded `examples/local-sim.yaml`), waits for `Available`, then sends a long prompt
 (routed prefill -> decode, KV pulled over the engine simulator's side channel) and a short one (straight to
 decode) through the router, and prints what happened: the route the router chose, the answer, and the decode
-engines' `vllm:prompt_tokens_by_source_total` proving the KV was transferred, not recomputed. Everything is
-stopped at the end unless `--keep` is given.
+engines' `vllm:prompt_tokens_by_source_total` proving the KV was transferred, not recomputed. Then it turns on the
+SLO autoscaler for the prefill pool (the chart's `operator.prometheusUrl` points the operator at the cluster's
+Prometheus; a `kubectl patch` sets a tight TTFT target), sends a burst of long prompts that breaches the target,
+and prints the autoscaler's `Scaled` Event and `kubectl get pds -o wide`. Everything is stopped at the end unless
+`--keep` is given.
 
 The cluster's pod addresses (198.18.0.0/15, see pod_network) must stay on this machine: when it can (root), the
 demo first moves itself into a private network namespace that holds only a loopback interface.
@@ -15,6 +18,7 @@ demo first moves itself into a private network namespace that holds only a loopb
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -38,6 +42,17 @@ from pdserve_dev.testing.wait import wait_for
 
 DEMO_NAMESPACE = "demo"
 RELEASE = "pdserve"
+#: Turns on the SLO autoscaler for the demo's prefill pool with a TTFT target its burst breaches; short warm-up
+#: and a long scale-down window, so the demo shows one decision and then holds.
+AUTOSCALING_PATCH = {
+    "spec": {
+        "prefill": {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2}},
+        "slo": {"ttftMilliseconds": 500, "itlMilliseconds": 50, "percentile": 90},
+        "autoscaling": {"warmupSeconds": 5, "scaleDownStabilizationSeconds": 120},
+    }
+}
+#: The operator's autoscaler timing for the demo: a decision every 2 s over a 6 s window (defaults: 15 s, 15 s).
+AUTOSCALER_FLAGS = ("--autoscaler-interval-seconds=2", "--autoscaler-window-seconds=6")
 CHART_ENV = "PDSERVE_CHART"
 
 
@@ -79,16 +94,67 @@ def prompt_tokens_by_source(helper: ClusterHelper, namespace: str) -> dict[str, 
     return totals
 
 
-def install_chart(cluster: LocalCluster, chart: Path, echo: Callable[[str], None]) -> float:
-    """`helm install pdserve <chart> -n pdserve-system --wait`; returns the seconds it took."""
+def install_chart(
+    cluster: LocalCluster, chart: Path, echo: Callable[[str], None], prometheus_url: str | None = None
+) -> float:
+    """`helm install pdserve <chart> -n pdserve-system --wait` (with `operator.prometheusUrl` and the demo's fast
+    autoscaler timing when a Prometheus is given); returns the seconds it took."""
     started = time.monotonic()
-    argv = cluster.helm_command("install", RELEASE, str(chart), f"--namespace={SYSTEM_NAMESPACE}", "--wait")
+    values: list[str] = []
+    if prometheus_url:
+        values = [
+            f"--set=operator.prometheusUrl={prometheus_url}",
+            f"--set-json=operator.extraArgs={json.dumps(list(AUTOSCALER_FLAGS))}",
+        ]
+    argv = cluster.helm_command("install", RELEASE, str(chart), f"--namespace={SYSTEM_NAMESPACE}", "--wait", *values)
     proc = subprocess.run([*argv, "--timeout=3m"], capture_output=True, text=True, timeout=240, check=False)
     if proc.returncode != 0:
         raise DemoError(f"helm install failed:\n{proc.stderr.strip() or proc.stdout.strip()}")
     seconds = time.monotonic() - started
-    echo(f"Installed pdserve with Helm in {seconds:.1f}s: helm install {RELEASE} {chart} -n {SYSTEM_NAMESPACE}")
+    shown = f" --set operator.prometheusUrl={prometheus_url}" if prometheus_url else ""
+    echo(f"Installed pdserve with Helm in {seconds:.1f}s: helm install {RELEASE} {chart} -n {SYSTEM_NAMESPACE}{shown}")
     return seconds
+
+
+def scaled_events(helper: ClusterHelper, namespace: str, name: str) -> list[str]:
+    """The autoscaler's `Scaled` Events about PDService `name`, oldest first."""
+    items = helper.get_json(
+        "events", f"--namespace={namespace}", f"--field-selector=involvedObject.name={name},reason=Scaled"
+    )["items"]
+    return [e["message"] for e in sorted(items, key=lambda e: e.get("lastTimestamp") or "")]
+
+
+async def _burst(helper: ClusterHelper, base: str, model: str, name: str, within: float) -> list[str]:
+    """Long prompts faster than one prefill engine computes them, until the autoscaler scales (or `within` s)."""
+    from pdserve_dev.testing.load import Load
+
+    async with Load(base, model, seed=5) as load:
+        load.arrivals(20.0, 1500, 4)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while loop.time() < deadline:
+            events = await asyncio.to_thread(scaled_events, helper, DEMO_NAMESPACE, name)
+            if events:
+                return events
+            await asyncio.sleep(1.0)
+    return []
+
+
+def show_autoscaling(helper: ClusterHelper, name: str, base: str, model: str, echo: Callable[[str], None]) -> bool:
+    """Turn on the prefill pool's SLO autoscaling, breach its TTFT target with a burst, print the decision."""
+    patch = json.dumps(AUTOSCALING_PATCH, separators=(",", ":"))
+    echo(f"Turning on SLO autoscaling: kubectl patch pds {name} -n {DEMO_NAMESPACE} --type merge -p '{patch}'")
+    helper.kubectl("patch", "pds", name, f"--namespace={DEMO_NAMESPACE}", "--type=merge", f"--patch={patch}")
+    echo("Sending long prompts faster than one prefill engine computes them (TTFT target 500 ms)...")
+    started = time.monotonic()
+    events = asyncio.run(_burst(helper, base, model, name, within=90.0))
+    if not events:
+        echo("No scaling decision within 90 s; the PDService's status says why:")
+        echo(helper.kubectl("get", "pds", name, f"--namespace={DEMO_NAMESPACE}", "-o", "yaml").stdout)
+        return False
+    echo(f"Event after {time.monotonic() - started:.0f}s: {events[0]}")
+    echo(helper.kubectl("get", "pds", name, f"--namespace={DEMO_NAMESPACE}", "-o", "wide").stdout)
+    return True
 
 
 def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
@@ -103,7 +169,8 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
     try:
         cluster.start()
         helper = ClusterHelper.from_cluster(cluster)
-        install_chart(cluster, chart, echo)
+        prometheus = cluster.start_prometheus()
+        install_chart(cluster, chart, echo, prometheus)
         echo(helper.kubectl("get", "pods", f"--namespace={SYSTEM_NAMESPACE}", "-o", "wide").stdout)
         helper.kubectl("create", "namespace", DEMO_NAMESPACE)
         echo(f"Applying PDService {DEMO_NAMESPACE}/{name}")
@@ -140,14 +207,16 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
             f"Short chat: route={headers.get('X-Pdserve-Route')} in {seconds * 1000:.0f} ms -> "
             f"{body['choices'][0]['message']['content']!r}"
         )
+        scaled = show_autoscaling(helper, name, base, model, echo)
         if keep:
             echo(
-                f"Kept running. KUBECONFIG={cluster.kubeconfig}; router at {base}; the operator's log: "
-                f"{cluster.process_node_workdir / 'logs'}/{SYSTEM_NAMESPACE}_*_operator.log. Ctrl-C stops everything."
+                f"Kept running. KUBECONFIG={cluster.kubeconfig}; router at {base}; Prometheus at {prometheus}; the "
+                f"operator's log: {cluster.process_node_workdir / 'logs'}/{SYSTEM_NAMESPACE}_*_operator.log. Ctrl-C "
+                "stops everything."
             )
             while True:
                 time.sleep(3600)
-        return 0 if moved > 0 else 1
+        return 0 if moved > 0 and scaled else 1
     except KeyboardInterrupt:
         return 130
     finally:

@@ -470,7 +470,11 @@ class PoolAutoscalingStatus(ApiModel):
     metric: Literal["TTFT", "ITL"] = Field(description="The latency this pool is scaled on.")
     percentile: int | None = Field(default=None, description="The SLO percentile the latencies are quantiles at.")
     observed_milliseconds: float | None = Field(
-        default=None, description="Client-visible quantile of the metric over the window (the routers' view)."
+        default=None,
+        description=(
+            "Client-visible quantile of the metric over the window (the routers' view; the pool's engines' when "
+            "the routers saw none, e.g. no streamed answer)."
+        ),
     )
     target_milliseconds: float | None = Field(default=None, description="The SLO target of the metric.")
     pool_milliseconds: float | None = Field(

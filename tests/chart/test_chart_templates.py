@@ -256,6 +256,8 @@ def operator_needs() -> tuple[set[Rule], set[Rule]]:
     need |= {(kinds.PDSERVICE.group, kinds.PDSERVICE.plural, verb) for verb in read}
     need.add((kinds.PDSERVICE.group, f"{kinds.PDSERVICE.plural}/status", "patch"))
     need.add((kinds.EVENT.group, kinds.EVENT.plural, "create"))
+    # The SLO autoscaler's actuator: KubeApi.scale, a PATCH of the pool StatefulSet's /scale.
+    need.add((kinds.STATEFUL_SET.group, f"{kinds.STATEFUL_SET.plural}/scale", "patch"))
     lease = {(kinds.LEASE.group, kinds.LEASE.plural, verb) for verb in ("get", "create", "update")}
     return need, lease
 
@@ -362,6 +364,15 @@ def test_monitoring_is_off_by_default_and_complete_when_on() -> None:
     assert pods["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pdserve-operator"}
     assert pods["spec"]["namespaceSelector"] == {"any": True}
     assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    # The labels the SLO autoscaler's queries select on (namespace and pod are the Prometheus Operator's own).
+    from pdserve_operator.autoscaler.collector import SeriesLabels
+
+    relabel = {r["targetLabel"]: r["sourceLabels"] for r in pods["spec"]["podMetricsEndpoints"][0]["relabelings"]}
+    labels = SeriesLabels()
+    assert relabel == {
+        labels.service: ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"],
+        labels.pool: ["__meta_kubernetes_pod_label_pdserve_io_role"],
+    }
     rule = one(objects, "PrometheusRule")
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     assert rules and all(r["expr"] for r in rules)
@@ -411,10 +422,6 @@ def test_scaler_targets_the_pool_statefulset() -> None:
     ("values", "message"),
     [
         ({"scalers": [hpa(), {**hpa(), "kind": "ScaledObject"}]}, "pool team-a/llama-8b/decode would have two owners"),
-        (
-            {"scalers": [hpa()], "operator.prometheusUrl": "http://prometheus:9090"},
-            "would have two owners: scalers[0] (HorizontalPodAutoscaler) and pdserve's SLO autoscaler",
-        ),
         ({**NAMESPACED, "scalers": [{**hpa(), "namespace": "elsewhere"}]}, "which this operator does not watch"),
         ({"scalers": [hpa(minReplicas=5)]}, "minReplicas 5 is greater than maxReplicas 4"),
         ({"watch": {"mode": "namespaced", "namespaces": []}}, "needs at least one namespace"),
@@ -432,6 +439,16 @@ def test_render_fails_on_a_bad_combination(values: dict[str, Any], message: str)
 def test_two_scalers_on_different_pools_are_fine() -> None:
     objects = template(CHART, values={"scalers": [hpa("decode"), hpa("prefill")]})
     assert len(by_kind(objects, "HorizontalPodAutoscaler")) == 2
+
+
+def test_scalers_and_pdserves_autoscaler_live_side_by_side() -> None:
+    """Per-pool ownership (`autoscaling.mode`): an HPA on one pool and pdserve's autoscaler on others render
+    together (the PDService hands the HPA's pool over with mode external)."""
+    values = {"scalers": [hpa("decode")], "operator.prometheusUrl": "http://prometheus:9090"}
+    objects = template(CHART, values=values)
+    assert one(objects, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == "llama-8b-decode"
+    assert "--prometheus-url=http://prometheus:9090" in container(objects)["args"]
+    assert lint(CHART, values=values).returncode == 0
 
 
 # --------------------------------------------------------------------------------------------------------- yamllint

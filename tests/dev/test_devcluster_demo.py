@@ -31,3 +31,7 @@ def test_demo_routes_a_long_prompt_through_prefill_and_pulls_its_kv() -> None:
     assert "route=pd " in output
     assert "route=decode-only " in output
     assert ", 0 computed locally" in output
+    # The SLO autoscaler's decision on the burst, as its Event says it, and in `kubectl get pds -o wide`.
+    assert "Event after" in output and "Scaled prefill 1 -> 2: TTFT p90" in output
+    assert "> 500 ms target" in output
+    assert "PREFILL-SCALING" in output

@@ -104,9 +104,11 @@ render (`helm template`, `helm install`, Argo CD, Flux) before anything is appli
 {{- end -}}
 
 {{/*
-One owner per pool: an HPA/KEDA object from `scalers` must not share a pool with another entry, nor with pdserve's
-SLO autoscaler (running whenever operator.prometheusUrl is set, and scaling every pool that enables
-spec.<pool>.autoscaling, which a pool scaled by an HPA must enable so that the operator leaves its replicas alone).
+One owner per pool: an HPA/KEDA object from `scalers` must not share a pool with another entry. pdserve's SLO
+autoscaler (operator.prometheusUrl) runs beside them: it scales only pools with spec.<pool>.autoscaling.mode
+pdserve (the default), and a pool given to a scaler here sets mode external, which makes pdserve leave its
+replicas alone (neither scaling nor clamping them). That lives in the PDService, which the chart does not render,
+so NOTES.txt reminds of it rather than a check here.
 */}}
 {{- define "pdserve.validateScalers" -}}
 {{- $seen := dict -}}
@@ -117,9 +119,6 @@ spec.<pool>.autoscaling, which a pool scaled by an HPA must enable so that the o
 {{- fail (printf "pool %s would have two owners: %s and %s; give each pool one scaler" $pool (get $seen $pool) $here) -}}
 {{- end -}}
 {{- $_ := set $seen $pool $here -}}
-{{- if $.Values.operator.prometheusUrl -}}
-{{- fail (printf "pool %s would have two owners: %s and pdserve's SLO autoscaler (operator.prometheusUrl is set, and it scales every pool with spec.%s.autoscaling.enabled, which an externally scaled pool needs); remove the scaler or unset operator.prometheusUrl" $pool $here $scaler.pool) -}}
-{{- end -}}
 {{- if and (eq $.Values.watch.mode "namespaced") (not (has $scaler.namespace $.Values.watch.namespaces)) -}}
 {{- fail (printf "%s targets namespace %s, which this operator does not watch (watch.namespaces: %v)" $here $scaler.namespace $.Values.watch.namespaces) -}}
 {{- end -}}

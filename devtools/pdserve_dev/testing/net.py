@@ -1,8 +1,11 @@
-"""Free TCP ports for servers a test or the local cluster starts (bound to loopback by default)."""
+"""Free TCP ports for servers a test or the local cluster starts (bound to loopback by default), and a TCP
+forwarder a test can cut (`TcpForwarder`)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -42,3 +45,85 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+class TcpForwarder:
+    """A TCP forwarder on loopback that a test can cut and restore: `port` forwards to `target` while open;
+    `close()` closes the listener and every forwarded connection (clients then get "connection refused", as from a
+    stopped server), `open()` listens on the same port again. It stands in for a dependency going away (the
+    autoscaler's Prometheus) without stopping the real one, which other tests share.
+
+    Threads, not asyncio: its users' clients are synchronous or run on the test's own event loop."""
+
+    def __init__(self, target: tuple[str, int], host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.target, self.host = target, host
+        self.port = port if port is not None else free_port(host)
+        self._listener: socket.socket | None = None
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def open(self) -> TcpForwarder:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), name="tcp-forwarder", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        with self._lock:
+            connections, self._connections = self._connections, set()
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def __enter__(self) -> TcpForwarder:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:
+                    client.close()
+                    upstream.close()
+                    return
+                self._connections |= {client, upstream}
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()  # the other direction's pump then ends too
+            with self._lock:
+                self._connections -= {source, sink}

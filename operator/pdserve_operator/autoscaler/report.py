@@ -59,7 +59,8 @@ class PoolReport:
     reason: str
     message: str
     percentile: int | None = None
-    #: Client-visible quantile of the pool's metric (router TTFT for prefill, router ITL for decode), seconds.
+    #: Client-visible quantile of the pool's metric (router TTFT for prefill, router ITL for decode), seconds;
+    #: the pool's engines' when the routers saw none in the window.
     observed_s: float | None = None
     target_s: float | None = None
     #: The pool's own engines' quantile (prefill engine TTFT, decode ITL), seconds.
@@ -144,9 +145,12 @@ def from_decision(
     `last_scale_time`: when each pool was last scaled before this tick; `now` stamps the pools scaled now."""
     failed = failed or {}
     last_scale_time = last_scale_time or {}
+    # What clients saw (the routers' quantiles), else the pools' own engines' when the routers saw nothing in the
+    # window (no streamed answer has an inter-token latency at the router): the same choice the model makes.
+    router = signals.router
     observed: dict[Role, float | None] = {
-        "prefill": signals.router.ttft_pd_s if signals.router.ttft_pd_s is not None else signals.router.ttft_s,
-        "decode": signals.router.itl_s,
+        "prefill": _first(router.ttft_pd_s, router.ttft_s, signals.prefill.engine_ttft_s),
+        "decode": _first(router.itl_s, signals.decode.engine_itl_s),
     }
     targets: dict[Role, float] = {"prefill": slo.ttft_s, "decode": slo.itl_s}
     pools: dict[Role, PoolReport] = {}
@@ -322,6 +326,10 @@ def _old_conditions(old_status: Mapping[str, Any]) -> list[Condition]:
         Condition(t, str(found[t].get("status")), str(found[t].get("reason")), str(found[t].get("message") or ""))
         for t in SCALING_CONDITION_TYPES
     ]
+
+
+def _first(*values: float | None) -> float | None:
+    return next((value for value in values if value is not None), None)
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:

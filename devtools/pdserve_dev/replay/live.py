@@ -1,0 +1,207 @@
+"""Closed-loop replay on the local cluster: the same requests as the discrete-event replay, through the real product.
+
+A fresh local cluster (control plane, the process node running engine pods as `pdserve sim` processes with the
+`h200-8b` timing model, the cluster's Prometheus), the operator as a process with `--prometheus-url` (its real
+autoscaler loop), a PDService sized and bounded like the replay's, and the requests sent through the PD router at
+their arrival times (`pdserve_dev.testing.load`, streamed so that TTFT and time per output token are the
+client's). What it measures is what `Outcome` measures in the discrete-event replay:
+
+- attainment: the share of requests answered with TTFT <= target and mean time per output token <= ITL target
+  (failed requests count as misses);
+- GPU-seconds: the pools' existing pods (StatefulSet `status.replicas`: starting, serving or draining) sampled every
+  second over the replay, x GPUs per pod (1 here);
+- scaling actions: the autoscaler's `Scaled` Events.
+
+It is slow (real time) and small (one machine's CPUs run every engine, the router and the load): a slice of a
+trace at a rate of a few requests per second, with pods that start in seconds. The benchmark prints it beside the
+discrete-event results of the same slice (`bench/autoscaler_bench.py --cluster`).
+
+The caller runs in a network namespace with only loopback (the cluster's pod addresses must stay on the machine);
+`bench/autoscaler_bench.py` re-executes itself in one, as `pdserve dev demo` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.api.crdgen import custom_resource_definition
+from pdserve_dev.cluster.cluster import LocalCluster
+from pdserve_dev.replay.trace import Request
+from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.load import Answer, Load
+from pdserve_dev.testing.operator import OperatorProcess
+from pdserve_dev.testing.prometheus import PrometheusHelper
+from pdserve_dev.testing.wait import wait_for
+
+NAMESPACE = "replay"
+NAME = "live"
+MODEL = "tiny-llama"
+
+
+@dataclass(frozen=True, slots=True)
+class LiveConfig:
+    """The PDService and the operator's timing for a live replay."""
+
+    ttft_s: float
+    itl_s: float
+    percentile: int = 90
+    prefill: tuple[int, int] = (1, 3)
+    decode: tuple[int, int] = (1, 2)
+    initial: tuple[int, int] = (1, 1)
+    threshold: int = 256
+    interval_s: float = 2.0
+    window_s: float = 6.0
+    warmup_s: int = 10
+    scale_down_s: int = 30
+    max_model_len: int = 16384
+
+
+@dataclass
+class LiveOutcome:
+    """What the live replay measured."""
+
+    answers: list[Answer]
+    failed: int
+    failures: list[str]
+    gpu_seconds: float
+    actions: int
+    #: (seconds since the first arrival, prefill pods, decode pods), one per second.
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def attainment(self, ttft_s: float, itl_s: float) -> float:
+        total = len(self.answers) + self.failed
+        good = sum(1 for a in self.answers if a.ttft_s <= ttft_s and a.tpot_s <= itl_s)
+        return good / total if total else 0.0
+
+
+def manifest(config: LiveConfig) -> dict[str, Any]:
+    process_node = {"pdserve.io/process-node": "true"}
+    toleration = {"key": "pdserve.io/process-node", "operator": "Exists", "effect": "NoSchedule"}
+
+    def pool(bounds: tuple[int, int], initial: int) -> dict[str, Any]:
+        return {
+            "replicas": initial,
+            "autoscaling": {"enabled": True, "minReplicas": bounds[0], "maxReplicas": bounds[1]},
+        }
+
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDService",
+        "metadata": {"name": NAME, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"name": MODEL, "uri": "hf://pdserve/tiny-llama"},
+            "engine": {
+                "image": "vllm/vllm-openai:v0.32.0",
+                "maxModelLen": config.max_model_len,
+                "env": [{"name": "PDSERVE_SIM_PRESET", "value": "h200-8b"}],
+                "args": ["--shutdown-timeout", "30"],
+            },
+            "prefill": pool(config.prefill, config.initial[0]),
+            "decode": pool(config.decode, config.initial[1]),
+            "placement": {"gpuNodeSelector": process_node, "tolerations": [toleration], "rdma": "off"},
+            "router": {
+                "replicas": 1,
+                "nodeSelector": process_node,
+                "tolerations": [toleration],
+                "routing": {"disaggregationThreshold": config.threshold},
+            },
+            "slo": {
+                "ttftMilliseconds": config.ttft_s * 1000,
+                "itlMilliseconds": config.itl_s * 1000,
+                "percentile": config.percentile,
+            },
+            "autoscaling": {"warmupSeconds": config.warmup_s, "scaleDownStabilizationSeconds": config.scale_down_s},
+        },
+    }
+
+
+def run_live(
+    requests: Sequence[Request], config: LiveConfig, log: Callable[[str], None], workdir: Path | None = None
+) -> LiveOutcome:
+    """Replay `requests` through the product on a fresh local cluster (module docstring); everything it starts is
+    stopped before it returns."""
+    root = workdir or Path(tempfile.mkdtemp(prefix="pdserve-live-"))
+    cluster = LocalCluster(root / "cluster", topology="minimal", process_node=True, log=log)
+    operator: OperatorProcess | None = None
+    try:
+        cluster.start()
+        helper = ClusterHelper.from_cluster(cluster)
+        prometheus = PrometheusHelper.for_cluster(cluster)
+        helper.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(custom_resource_definition()))
+        helper.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+        helper.kubectl("create", "namespace", NAMESPACE)
+        flags = [
+            f"--prometheus-url={prometheus.url}",
+            f"--autoscaler-interval-seconds={config.interval_s}",
+            f"--autoscaler-window-seconds={config.window_s}",
+        ]
+        operator = OperatorProcess(cluster.kubeconfig, root / "operator.log", namespaces=[NAMESPACE], extra=flags)
+        operator.start().wait_ready()
+        helper.apply(manifest(config))
+        helper.kubectl(
+            "wait", "--for=condition=Available", f"pds/{NAME}", f"--namespace={NAMESPACE}", "--timeout=180s",
+            timeout=200,
+        )  # fmt: skip
+        prometheus.wait_for_targets(f'namespace="{NAMESPACE}"', sum(config.initial) + 1, timeout=60)
+        router = wait_for(lambda: helper.pod_ips(NAMESPACE, "pdserve.io/role=router"), timeout=60)[0]
+        log(f"   live: PDService ready, replaying {len(requests)} requests through the router at {router}")
+        return asyncio.run(_replay(helper, f"http://{router}:8080", requests, log))
+    finally:
+        if operator is not None:
+            operator.stop()
+        cluster.stop()
+
+
+async def _replay(
+    helper: ClusterHelper, base: str, requests: Sequence[Request], log: Callable[[str], None]
+) -> LiveOutcome:
+    timeline: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+    began = time.monotonic()
+
+    def sample() -> None:
+        # Pods that exist (starting, serving or draining) are what GPUs are held for.
+        while not stop.is_set():
+            sets = helper.get_json("statefulsets", f"--namespace={NAMESPACE}")["items"]
+            pods = {s["metadata"]["name"]: int((s.get("status") or {}).get("replicas", 0)) for s in sets}
+            timeline.append((time.monotonic() - began, pods.get(f"{NAME}-prefill", 0), pods.get(f"{NAME}-decode", 0)))
+            stop.wait(1.0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    async with Load(base, MODEL, seed=11) as load:
+        for request in requests:
+            delay = request.arrival - (time.monotonic() - began)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            load.send(request.prompt, request.output, stream=True)
+        await load.close(drain=True, within=120.0)
+    stop.set()
+    sampler.join(5)
+    elapsed = time.monotonic() - began
+    gpu_seconds = sum((p + d) * (timeline[i + 1][0] - t) for i, (t, p, d) in enumerate(timeline[:-1]))
+    events = helper.get_json(
+        "events", f"--namespace={NAMESPACE}", f"--field-selector=involvedObject.name={NAME},reason=Scaled"
+    )["items"]
+    messages = [e["message"] for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")]
+    log(f"   live: {load.stats.ok} answered, {load.stats.failed} failed, {len(messages)} scaling actions")
+    return LiveOutcome(
+        answers=load.stats.answers,
+        failed=load.stats.failed,
+        failures=load.stats.failures,
+        gpu_seconds=gpu_seconds,
+        actions=len(messages),
+        timeline=timeline,
+        events=messages,
+        seconds=elapsed,
+    )
