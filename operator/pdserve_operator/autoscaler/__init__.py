@@ -22,5 +22,9 @@ The loop, collector -> model -> policy -> actuator (Kthena, Dynamo's planner and
   events, metrics).
 - `core`: `Autoscaler`, the state carried from one tick to the next (learned capacity, demand forecast,
   recommendation history), composing model and policy; the benchmark drives exactly this.
-- `actuator`: the interfaces the operator implements in phase 2 (`Actuator`, what the loop reads from it).
+- `actuator`: the pools' replicas written to their StatefulSets' /scale (why there, not a per-role object), and
+  the autoscaler's view of the cached Pod objects.
+- `loop`: the loops in the operator (which services, when they stop, one tick, failures and backoff).
+- `report` + `metrics`: what users read: status fields and conditions (written by the reconcile, the one status
+  writer), Events, and `pdserve_autoscaler_*` on the operator's /metrics.
 """
