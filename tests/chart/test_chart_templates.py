@@ -364,15 +364,6 @@ def test_monitoring_is_off_by_default_and_complete_when_on() -> None:
     assert pods["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pdserve-operator"}
     assert pods["spec"]["namespaceSelector"] == {"any": True}
     assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "http"
-    # The labels the SLO autoscaler's queries select on (namespace and pod are the Prometheus Operator's own).
-    from pdserve_operator.autoscaler.collector import SeriesLabels
-
-    relabel = {r["targetLabel"]: r["sourceLabels"] for r in pods["spec"]["podMetricsEndpoints"][0]["relabelings"]}
-    labels = SeriesLabels()
-    assert relabel == {
-        labels.service: ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"],
-        labels.pool: ["__meta_kubernetes_pod_label_pdserve_io_role"],
-    }
     rule = one(objects, "PrometheusRule")
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     assert rules and all(r["expr"] for r in rules)
