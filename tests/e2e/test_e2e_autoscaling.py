@@ -154,7 +154,7 @@ def service(
     if cluster.process_node_workdir is None:
         pytest.skip("the local cluster runs without its process node")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    cluster.wait_crd_established()
     namespace = cluster.create_namespace("autoscale")
     target = urllib.parse.urlsplit(prometheus.url)
     forwarder = TcpForwarder((target.hostname or "127.0.0.1", target.port or 9090)).open()

@@ -138,7 +138,7 @@ def run_live(
         helper = ClusterHelper.from_cluster(cluster)
         prometheus = PrometheusHelper.for_cluster(cluster)
         helper.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(custom_resource_definition()))
-        helper.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+        helper.wait_crd_established()
         helper.kubectl("create", "namespace", NAMESPACE)
         flags = [
             f"--prometheus-url={prometheus.url}",

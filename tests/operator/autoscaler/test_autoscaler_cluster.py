@@ -65,7 +65,7 @@ def replicas_owners(sts: dict[str, Any]) -> set[str]:
 def namespace(cluster: ClusterHelper) -> Iterator[str]:
     text = yaml.safe_dump(custom_resource_definition())
     wait_for(lambda: cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=text), 60)
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    cluster.wait_crd_established()
     ensure_cpu_node(cluster)
     name = cluster.create_namespace("scale")
     yield name
