@@ -301,7 +301,7 @@ def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: floa
 
 def _print_table(results: list[dict[str, Any]], log: Callable[[str], None]) -> None:
     log(
-        f"   {'policy':<22} {'attainment':>10} {'GPU-s':>10} {'vs static':>9} {'actions':>7} "
+        f"   {'policy':<30} {'attainment':>10} {'GPU-s':>10} {'vs static':>9} {'actions':>7} "
         f"{'mean P/D':>11} {'max P/D':>9} {'p90 TTFT':>9} {'p90 TPOT':>9}"
     )
     for r in results:
@@ -309,7 +309,7 @@ def _print_table(results: list[dict[str, Any]], log: Callable[[str], None]) -> N
         peak = f"{r['max_replicas']['prefill']}/{r['max_replicas']['decode']}"
         name = f"{r['name']} ({r['mode']})" if "mode" in r else r["name"]
         log(
-            f"   {name:<22} {r['attainment']:>10.2%} {r['gpu_seconds']:>10.0f} {r['ratio_to_static']:>9.3f} "
+            f"   {name:<30} {r['attainment']:>10.2%} {r['gpu_seconds']:>10.0f} {r['ratio_to_static']:>9.3f} "
             f"{r['actions']:>7} {mean:>11} {peak:>9} {r['ttft_p90_s'] * 1000:>7.0f}ms "
             f"{r['tpot_p90_s'] * 1000:>7.1f}ms"
         )
