@@ -2,7 +2,10 @@
 
 - `wait`: `wait_for` (poll a predicate, sync) and `wait_for_async`. A failed assertion inside a predicate
   propagates at once; timing out is a test failure.
-- `net`: `free_port`, `free_ports`, and the probes `listening` (a TCP port) and `http_ok` (a GET answers 200).
+- `net`: `free_port`, `free_ports`, the probes `listening` (a TCP port) and `http_ok` (a GET answers 200), and
+  `TcpForwarder`, a forwarder a test can cut to play a dependency going away.
+- `load`: `Load`, requests through an OpenAI-compatible server (open-loop arrivals, closed-loop streams, trace
+  replay) counting what clients saw.
 - `metrics`: one Prometheus text parser (`samples`, `series`, `metric_value`, `by_label`, `scrape`) and
   `wait_for_metric`: wait until a server's counter reaches a count, then assert on that exposition.
 - `cluster`: `ClusterHelper` (kubectl, apply, pods) over a running cluster.
