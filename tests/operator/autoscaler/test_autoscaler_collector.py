@@ -125,6 +125,7 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: Prom
         await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', len(targets))
 
         session = await stack.enter_async_context(aiohttp.ClientSession())
+        load_started = time.monotonic()
         routes = await asyncio.gather(
             *(_complete(session, router, LONG + f" Request {i}.", 8) for i in range(24)),
             *(_complete(session, router, SHORT + f" {i}", 8) for i in range(12)),
@@ -141,11 +142,18 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: Prom
             idle = await _query(
                 prometheus, f'vllm:num_requests_running{{{ns},pod=~"chat-decode-0|chat-decode-1"}} == 0'
             )
-            return bool(finished) and float(finished[0]["value"][1]) >= 24 and bool(busy) and len(idle) == 2
+            # And the router's counters scraped after every PD request ended (its histograms are observed
+            # before its counters, so they are in the same scrape or an earlier one).
+            routed = await _query(prometheus, f'sum(pdserve_router_requests_total{{{ns},route="pd"}})')
+            done = bool(finished) and float(finished[0]["value"][1]) >= 24
+            return done and bool(routed) and float(routed[0]["value"][1]) >= 24 and bool(busy) and len(idle) == 2
 
         await wait_for_async(settled, within=60.0, interval=0.5, message="the load scraped, the ghost busy")
 
-        collector = Collector(connect(prometheus.url), window_s=30.0, warmup_s=60.0)
+        # The rate window spans the whole load however long a busy machine took to settle: a window that starts
+        # after the last PD request leaves no increase to read.
+        window_s = max(30.0, time.monotonic() - load_started + 15.0)
+        collector = Collector(connect(prometheus.url), window_s=window_s, warmup_s=60.0)
         target = Target(namespace, SERVICE, percentile=90, desired={"prefill": 2, "decode": 2})
         live = {name: role for name, role in roles.items() if name != ghost}
         now = time.time()
