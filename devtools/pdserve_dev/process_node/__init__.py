@@ -31,8 +31,10 @@ What it emulates
 * Pod status through the ``status`` subresource: phase, podIP(s), hostIP, startTime, the usual conditions,
   container statuses with state/lastState/restartCount/ready/started, so the real EndpointSlice controller
   publishes reachable endpoints.
-* Graceful deletion: SIGTERM to the process group, SIGKILL after the grace period, then the pod object is
-  deleted with grace period 0 like the kubelet does.
+* Graceful deletion like the kubelet's: each container's ``preStop`` hook (sleep, exec, httpGet; :mod:`.lifecycle`)
+  within the grace period, then SIGTERM to the process group with what is left of it (at least 2 s), SIGKILL
+  when it is up; readiness keeps being probed and the status reported meanwhile (liveness and startup probes
+  stop), then the pod object is deleted with grace period 0.
 
 What it does not emulate
 ------------------------
@@ -44,7 +46,8 @@ What it does not emulate
   is rewritten to the materialised folder; paths built at run time inside the program (or inside a
   ``sh -c`` script) are not. Service account tokens are skipped silently (every pod has one); PVCs,
   hostPath and the rest are skipped with a logged warning.
-* No exec or gRPC probes (they count as success), no lifecycle hooks, no service env vars
+* No exec or gRPC probes (they count as success), no postStart hooks (exec preStop hooks run on the host with
+  the container's environment), no service env vars
   (``FOO_SERVICE_HOST``), no in-cluster API config: processes inherit the process node's environment with
   ``KUBECONFIG`` set to the cluster's kubeconfig instead (and ``HOSTNAME`` set to the pod name, as a
   container runtime would). Sidecars are stopped together with the other containers, not after them.
