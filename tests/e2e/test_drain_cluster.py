@@ -128,7 +128,7 @@ async def run_scale_down(
     removed = [f"{NAME}-{role}-{i}" for i in range(after, before)]
     clients = int(load["concurrency"])
     async with MixedLoad(router, MODEL, concurrency=clients, mix=load["mix"]) as mixed:
-        await mixed.wait_succeeded(clients, within=180)
+        await mixed.wait_succeeded(2 * clients, within=180)  # every client has run a few requests: steady
         offsets = await asyncio.to_thread(log_sizes, cluster, namespace, removed)
         await asyncio.to_thread(scale, cluster, namespace, role, after)
 

@@ -45,13 +45,17 @@ class Shape:
 
 
 def default_mix(max_tokens: tuple[int, ...] = (30, 120, 400)) -> list[Shape]:
-    """Every combination of endpoint, streaming and prompt length, each with every output length."""
+    """Every combination of endpoint, streaming and prompt length, each with every output length.
+
+    The output length varies fastest, so every worker sends every length within a few requests and workers that
+    start at neighbouring places of the mix (`MixedLoad` spreads them) run different lengths at any time.
+    """
     return [
         Shape(chat, stream, long, tokens)
-        for tokens in max_tokens
         for long in (True, False)
         for stream in (True, False)
         for chat in (False, True)
+        for tokens in max_tokens
     ]
 
 
