@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,8 +48,7 @@ class Shape:
 def default_mix(max_tokens: tuple[int, ...] = (30, 120, 400)) -> list[Shape]:
     """Every combination of endpoint, streaming and prompt length, each with every output length.
 
-    The output length varies fastest, so every worker sends every length within a few requests and workers that
-    start at neighbouring places of the mix (`MixedLoad` spreads them) run different lengths at any time.
+    (`MixedLoad` gives each client its own order of it.)
     """
     return [
         Shape(chat, stream, long, tokens)
@@ -140,7 +140,11 @@ class MixedLoad:
     # -- one worker ---------------------------------------------------------------------------------------------
 
     async def _worker(self, index: int) -> None:
-        shapes = itertools.cycle(self.mix[index % len(self.mix) :] + self.mix[: index % len(self.mix)])
+        # Each client runs the whole mix in its own fixed order: clients started together do not stay in step
+        # (all in long streams at once, then all in short ones), so at any moment the lengths are mixed.
+        order = list(self.mix)
+        random.Random(index).shuffle(order)
+        shapes = itertools.cycle(order)
         while not self._stopping:
             await self._one(next(shapes), next(self._numbers))
 
