@@ -19,6 +19,7 @@ import asyncio
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import pytest
 import yaml
 
 from pdserve_dev.testing.cluster import ClusterHelper
-from pdserve_dev.testing.load import MixedLoad, default_mix
+from pdserve_dev.testing.load import MixedLoad, Shape, default_mix
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.wait import wait_for, wait_for_async
@@ -38,12 +39,27 @@ NAME = "drain"
 MODEL = "tiny-llama"
 # Sized so that each scenario has work in hand when SIGTERM comes, 5 s (the preStop hook) after the scale-down:
 # - decode: streams of up to 800 tokens (~11 s on the simulator's cpu-tiny timing) on 4 engines of 4 sequences;
+#   the scale-down comes while several long streams have just started (so some run on the engines removed). Then
+#   the demand drops to what one engine serves without queueing, as it does when an autoscaler scales down;
 # - prefill: 1 decode engine of 4 sequences behind 16 clients, so a request waits at decode (~8 s) before its KV
-#   is pulled: prefill engines hold KV nobody has pulled yet. Both stay well inside the router's 30 s first-byte
-#   timeout.
+#   is pulled: prefill engines hold KV nobody has pulled yet.
+# Queueing stays well inside the router's 30 s first-byte timeout.
 MAX_NUM_SEQS = 4
-DECODE_LOAD = {"concurrency": 12, "mix": default_mix((30, 120, 800))}
-PREFILL_LOAD = {"concurrency": 16, "mix": default_mix((30, 120, 400))}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    role: str
+    before: int
+    after: int
+    clients: int
+    mix: list[Shape]
+    clients_after: int
+    young_long: int = 0  # scale down once this many of the longest requests started less than 2 s ago
+
+
+DECODE = Scenario("decode", 4, 1, clients=12, mix=default_mix((30, 120, 800)), clients_after=4, young_long=3)
+PREFILL = Scenario("prefill", 2, 1, clients=16, mix=default_mix((30, 120, 400)), clients_after=16)
 DRAINING = re.compile(r"Draining in-flight requests count=(\d+) held_kv=(\d+)")
 
 
@@ -119,30 +135,38 @@ def drained(cluster: ClusterHelper, namespace: str, since: dict[str, int]) -> li
 
 
 async def run_scale_down(
-    cluster: ClusterHelper, namespace: str, router: str, role: str, *, before: int, after: int, load: dict[str, Any]
+    cluster: ClusterHelper, namespace: str, router: str, scenario: Scenario
 ) -> tuple[MixedLoad, list[tuple[int, int]]]:
-    """Scale `role` from `before` to `after` under load; returns the load (stopped) and the drains seen.
+    """Scale a pool down under load; returns the load (stopped) and the drains the removed engines logged.
 
     kubectl runs in threads: the load's clients share this event loop and must not stall while the test waits.
     """
-    removed = [f"{NAME}-{role}-{i}" for i in range(after, before)]
-    clients = int(load["concurrency"])
-    async with MixedLoad(router, MODEL, concurrency=clients, mix=load["mix"]) as mixed:
-        await mixed.wait_succeeded(2 * clients, within=180)  # every client has run a few requests: steady
+    role, after = scenario.role, scenario.after
+    removed = [f"{NAME}-{role}-{i}" for i in range(after, scenario.before)]
+    async with MixedLoad(router, MODEL, concurrency=scenario.clients, mix=scenario.mix) as load:
+        await load.wait_succeeded(2 * scenario.clients, within=180)  # every client has run a few requests: steady
+        if scenario.young_long:
+            longest = max(shape.max_tokens for shape in scenario.mix)
+
+            async def long_streams_starting() -> bool:
+                return load.young(longest, within=2.0) >= scenario.young_long
+
+            await wait_for_async(long_streams_starting, within=120, message="long requests starting together")
         offsets = await asyncio.to_thread(log_sizes, cluster, namespace, removed)
         await asyncio.to_thread(scale, cluster, namespace, role, after)
+        load.set_concurrency(scenario.clients_after)
 
         async def gone() -> bool:
             pods = await asyncio.to_thread(cluster.pods, namespace, f"pdserve.io/role={role}")
             return len(pods) == after
 
         await wait_for_async(
-            gone, within=180, interval=0.5, message=lambda: f"{role} down to {after} ({mixed.results.summary()})"
+            gone, within=180, interval=0.5, message=lambda: f"{role} down to {after} ({load.results.summary()})"
         )
         # Keep the load on the smaller pool for a while: requests that raced the scale-down are counted too.
-        await mixed.wait_succeeded(mixed.results.succeeded + clients, within=180)
-        await mixed.stop()
-    return mixed, await asyncio.to_thread(drained, cluster, namespace, offsets)
+        await load.wait_succeeded(load.results.succeeded + scenario.clients_after, within=180)
+        await load.stop()
+    return load, await asyncio.to_thread(drained, cluster, namespace, offsets)
 
 
 def assert_nothing_lost(load: MixedLoad) -> None:
@@ -161,10 +185,10 @@ async def test_decode_scale_down_4_to_1_under_load_loses_no_request(
 ) -> None:
     scale(cluster, namespace, "decode", 4)
     wait_pool(cluster, namespace, "decode", 4, router)
-    load, drains = await run_scale_down(cluster, namespace, router, "decode", before=4, after=1, load=DECODE_LOAD)
+    load, drains = await run_scale_down(cluster, namespace, router, DECODE)
     assert_nothing_lost(load)
     # The removed engines had streams running when SIGTERM came (after the preStop hook), and finished them.
-    assert len(drains) == 3 and sum(count for count, _ in drains) > 0, drains
+    assert len(drains) == 3 and sum(count for count, _ in drains) > 0, (drains, load.results.summary())
 
 
 async def test_prefill_scale_down_2_to_1_under_load_loses_no_request(
@@ -177,7 +201,7 @@ async def test_prefill_scale_down_2_to_1_under_load_loses_no_request(
     [decode_ip] = cluster.pod_ips(namespace, "pdserve.io/role=decode")
     failed_pulls = "vllm:nixl_num_failed_transfers_total"
     failed_before = metric_value(scrape_sync(f"http://{decode_ip}:8000/metrics"), failed_pulls)
-    load, drains = await run_scale_down(cluster, namespace, router, "prefill", before=2, after=1, load=PREFILL_LOAD)
+    load, drains = await run_scale_down(cluster, namespace, router, PREFILL)
     assert_nothing_lost(load)
     # The removed prefill engine had handed out KV that decode had not pulled yet when SIGTERM came...
     assert len(drains) == 1 and drains[0][1] > 0, drains

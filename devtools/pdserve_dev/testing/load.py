@@ -104,6 +104,8 @@ class MixedLoad:
         self.results = LoadResults()
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
         self._stopping = False
+        self._clients = concurrency
+        self._running: dict[int, tuple[Shape, float]] = {}
         self._numbers = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self._workers: list[asyncio.Task[None]] = []
@@ -127,6 +129,17 @@ class MixedLoad:
             self._session = None
         return self.results
 
+    def set_concurrency(self, clients: int) -> None:
+        """Keep `clients` clients sending (at most the starting number); the others stop after their request."""
+        self._clients = clients
+
+    def young(self, min_tokens: int, within: float) -> int:
+        """Requests under way that asked for at least `min_tokens` tokens and started less than `within` s ago."""
+        now = time.monotonic()
+        return sum(
+            1 for shape, started in self._running.values() if shape.max_tokens >= min_tokens and now - started < within
+        )
+
     async def wait_succeeded(self, count: int, within: float = 120.0) -> None:
         """Wait until `count` requests in all have succeeded (a counted event, whatever the wall clock says)."""
 
@@ -145,7 +158,7 @@ class MixedLoad:
         order = list(self.mix)
         random.Random(index).shuffle(order)
         shapes = itertools.cycle(order)
-        while not self._stopping:
+        while not self._stopping and index < self._clients:
             await self._one(next(shapes), next(self._numbers))
 
     async def _one(self, shape: Shape, number: int) -> None:
@@ -164,7 +177,24 @@ class MixedLoad:
         results = self.results
         results.sent += 1
         started = time.monotonic()
+        self._running[number] = (shape, started)
         label = f"#{number} {path} stream={shape.stream} long={shape.long} max_tokens={shape.max_tokens}"
+        try:
+            await self._send(session, path, body, shape=shape, started=started, label=label)
+        finally:
+            del self._running[number]
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        path: str,
+        body: dict[str, Any],
+        *,
+        shape: Shape,
+        started: float,
+        label: str,
+    ) -> None:
+        results = self.results
         try:
             async with session.post(self.base_url + path, json=body, timeout=self._timeout) as response:
                 results.routes[response.headers.get("X-Pdserve-Route", "?")] += 1
