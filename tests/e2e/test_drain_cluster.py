@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,14 +37,18 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
 NAME = "drain"
 MODEL = "tiny-llama"
-# Sized so that each scenario has work in hand when SIGTERM comes, 5 s (the preStop hook) after the scale-down:
+# Each scenario scales down at a moment it has work in hand that outlives the 5 s preStop hook, so the drain itself
+# is exercised, not only the endpoint removal:
 # - decode: streams of up to 800 tokens (~11 s on the simulator's cpu-tiny timing) on 4 engines of 4 sequences;
-#   the scale-down comes while several long streams have just started (so some run on the engines removed). Then
-#   the demand drops to what one engine serves without queueing, as it does when an autoscaler scales down;
-# - prefill: 1 decode engine of 4 sequences behind 16 clients, so a request waits at decode (~8 s) before its KV
-#   is pulled: prefill engines hold KV nobody has pulled yet.
-# Queueing stays well inside the router's 30 s first-byte timeout.
+#   the scale-down comes while several of the longest have just started (some run on the engines removed). Then the
+#   demand drops to what one engine serves without queueing, as it does when an autoscaler scales down;
+# - prefill: 1 decode engine of 4 sequences behind 20 clients sending mostly long prompts; the scale-down comes once
+#   12 requests wait at decode, each with KV a prefill engine handed out and nobody has pulled yet (the simulator,
+#   like vLLM, pulls when it schedules the request): those at the back still wait when SIGTERM comes.
+# Queueing stays inside the router's 30 s first-byte timeout.
 MAX_NUM_SEQS = 4
+LONG_OUTPUT = 800
+QUEUED = 12
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,11 @@ class Scenario:
     clients: int
     mix: list[Shape]
     clients_after: int
-    young_long: int = 0  # scale down once this many of the longest requests started less than 2 s ago
 
 
-DECODE = Scenario("decode", 4, 1, clients=12, mix=default_mix((30, 120, 800)), clients_after=4, young_long=3)
-PREFILL = Scenario("prefill", 2, 1, clients=16, mix=default_mix((30, 120, 400)), clients_after=16)
+DECODE = Scenario("decode", 4, 1, clients=12, mix=default_mix((30, 120, LONG_OUTPUT)), clients_after=4)
+_LONG_HEAVY = [shape for shape in default_mix((30, 120, 400)) if shape.long or shape.max_tokens == 30]
+PREFILL = Scenario("prefill", 2, 1, clients=20, mix=_LONG_HEAVY, clients_after=20)
 DRAINING = re.compile(r"Draining in-flight requests count=(\d+) held_kv=(\d+)")
 
 
@@ -135,9 +139,14 @@ def drained(cluster: ClusterHelper, namespace: str, since: dict[str, int]) -> li
 
 
 async def run_scale_down(
-    cluster: ClusterHelper, namespace: str, router: str, scenario: Scenario
+    cluster: ClusterHelper,
+    namespace: str,
+    router: str,
+    scenario: Scenario,
+    moment: Callable[[MixedLoad], Awaitable[bool]],
 ) -> tuple[MixedLoad, list[tuple[int, int]]]:
-    """Scale a pool down under load; returns the load (stopped) and the drains the removed engines logged.
+    """Scale a pool down under load once `moment` says so; returns the load (stopped) and the drains the removed
+    engines logged.
 
     kubectl runs in threads: the load's clients share this event loop and must not stall while the test waits.
     """
@@ -145,13 +154,7 @@ async def run_scale_down(
     removed = [f"{NAME}-{role}-{i}" for i in range(after, scenario.before)]
     async with MixedLoad(router, MODEL, concurrency=scenario.clients, mix=scenario.mix) as load:
         await load.wait_succeeded(2 * scenario.clients, within=180)  # every client has run a few requests: steady
-        if scenario.young_long:
-            longest = max(shape.max_tokens for shape in scenario.mix)
-
-            async def long_streams_starting() -> bool:
-                return load.young(longest, within=2.0) >= scenario.young_long
-
-            await wait_for_async(long_streams_starting, within=120, message="long requests starting together")
+        await wait_for_async(lambda: moment(load), within=120, message="the moment to scale down")
         offsets = await asyncio.to_thread(log_sizes, cluster, namespace, removed)
         await asyncio.to_thread(scale, cluster, namespace, role, after)
         load.set_concurrency(scenario.clients_after)
@@ -185,7 +188,11 @@ async def test_decode_scale_down_4_to_1_under_load_loses_no_request(
 ) -> None:
     scale(cluster, namespace, "decode", 4)
     wait_pool(cluster, namespace, "decode", 4, router)
-    load, drains = await run_scale_down(cluster, namespace, router, DECODE)
+
+    async def long_streams_starting(load: MixedLoad) -> bool:
+        return load.young(LONG_OUTPUT, within=2.0) >= 3
+
+    load, drains = await run_scale_down(cluster, namespace, router, DECODE, long_streams_starting)
     assert_nothing_lost(load)
     # The removed engines had streams running when SIGTERM came (after the preStop hook), and finished them.
     assert len(drains) == 3 and sum(count for count, _ in drains) > 0, (drains, load.results.summary())
@@ -201,7 +208,12 @@ async def test_prefill_scale_down_2_to_1_under_load_loses_no_request(
     [decode_ip] = cluster.pod_ips(namespace, "pdserve.io/role=decode")
     failed_pulls = "vllm:nixl_num_failed_transfers_total"
     failed_before = metric_value(scrape_sync(f"http://{decode_ip}:8000/metrics"), failed_pulls)
-    load, drains = await run_scale_down(cluster, namespace, router, PREFILL)
+
+    async def decode_queue_deep(_: MixedLoad) -> bool:
+        exposition = await asyncio.to_thread(scrape_sync, f"http://{decode_ip}:8000/metrics")
+        return metric_value(exposition, "vllm:num_requests_waiting") >= QUEUED
+
+    load, drains = await run_scale_down(cluster, namespace, router, PREFILL, decode_queue_deep)
     assert_nothing_lost(load)
     # The removed prefill engine had handed out KV that decode had not pulled yet when SIGTERM came...
     assert len(drains) == 1 and drains[0][1] > 0, drains
