@@ -125,6 +125,7 @@ class EffectiveEngine:
     side_channel_port: int = default(5600)
     kv_lease_seconds: int = default(30)
     kv_load_failure_policy: KvLoadFailurePolicy = default("fail")
+    drain_seconds: int = default(120)
     ucx: EffectiveUcx
     args: tuple[str, ...]
     env: tuple[EnvVar, ...]

@@ -48,6 +48,7 @@ OWNED_FLAGS: Mapping[str, str] = MappingProxyType(
         "--max-model-len": "use spec.engine.maxModelLen",
         "--max-num-seqs": "use spec.<pool>.maxNumSeqs",
         "--max-num-batched-tokens": "use spec.<pool>.maxNumBatchedTokens",
+        "--shutdown-timeout": "use spec.engine.drainSeconds (the pod's grace period is sized from it)",
         "--config": "a config file could set flags pdserve owns; pass the flags you need in args",
         "--uds": "the router and the probes reach the engine over HTTP on spec.engine.port",
         "--headless": "the router and the probes reach the engine over HTTP on spec.engine.port",

@@ -132,6 +132,13 @@ class RouterConfig(_Model):
     decode: EndpointSelector | None = Field(default=None, description="Decode pool (kubernetes discovery).")
     static_prefill: list[str] = Field(default_factory=list, description="Prefill engine URLs (static discovery).")
     static_decode: list[str] = Field(default_factory=list, description="Decode engine URLs (static discovery).")
+    static_health_interval_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        description="Static discovery: seconds between reads of each engine's health path (circuitBreaker.healthPath). "
+        "An engine answering anything but 200 (vLLM's 503 while it drains on SIGTERM) takes no new requests until "
+        "it answers 200 again; one that does not answer is left to the circuit breaker (0: off).",
+    )
     kv_compat_label: str = Field(
         default=KV_COMPAT_LABEL,
         description="Pod label whose value must match between a prefill and a decode engine to pair them.",

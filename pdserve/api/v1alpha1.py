@@ -203,6 +203,16 @@ class EngineSpec(ApiModel):
         default=None,
         description="What decode does when a KV pull fails: fail (HTTP 500) or recompute.",
     )
+    drain_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=3600,
+        description=(
+            "How long a terminating engine (scale-down, rollout, eviction) keeps finishing the requests it accepted "
+            "while refusing new ones (vLLM --shutdown-timeout); a prefill engine also keeps serving KV pulls of "
+            "blocks it handed out, for at least kvLeaseSeconds. 0 aborts in-flight requests at termination."
+        ),
+    )
     ucx: UcxSpec | None = Field(default=None, description="UCX transport overrides.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for both pools.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both pools.")

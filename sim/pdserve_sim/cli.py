@@ -149,7 +149,8 @@ class _SimGroup(click.Group):
     "--shutdown-timeout",
     type=float,
     default=0.0,
-    help="On SIGTERM, refuse new requests and drain in-flight ones for up to this many seconds (0 = abort).",
+    help="On SIGTERM, refuse new requests (503) and, for up to this many seconds, finish in-flight ones and serve "
+    "pulls of the KV handed out until pulled or expired (0 = abort at once, vLLM's default).",
 )
 @click.option("--enable-prompt-tokens-details", is_flag=True, help="Report cached prompt tokens in usage.")
 @click.option("--enable-request-id-headers", is_flag=True, help="Send X-Request-Id response headers.")

@@ -199,6 +199,10 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.remote_waiting: dict[str, EngineRequest] = {}
         self.held: dict[str, HeldKV] = {}
+        #: Held KV not released yet: waiting for its pull, or being sent (taken from `held`, not yet freed).
+        self.kv_outstanding = 0
+        self._kv_settled = asyncio.Event()
+        self._kv_settled.set()
         #: Recently expired or pulled request ids, so a late pull gets a precise error (bounded).
         self.gone: OrderedDict[str, str] = OrderedDict()
         #: Handshakes with prefill peers (host, port, engine id), done or in progress.
@@ -230,6 +234,16 @@ class Engine:
             if held.timer is not None:
                 held.timer.cancel()
         self.held.clear()
+        self.kv_outstanding = 0
+        self._kv_settled.set()
+
+    async def kv_settled(self) -> None:
+        """Wait until no KV this engine handed out is left: every block was pulled or its lease expired.
+
+        A draining prefill engine waits for this before it stops, as vLLM's engine core keeps stepping under a
+        shutdown timeout while finished requests still wait for their KV to be read (vLLM PR #43433).
+        """
+        await self._kv_settled.wait()
 
     # ----------------------------------------------------------------------------------------------------
     # Requests
@@ -277,8 +291,12 @@ class Engine:
         return held
 
     def release_held(self, held: HeldKV) -> None:
-        """Free the blocks of held KV once it was sent."""
+        """Free the blocks of held KV once it was sent (or expired, or replaced)."""
         self.pool.release(held.blocks)
+        self.kv_outstanding -= 1
+        if self.kv_outstanding <= 0:
+            self.kv_outstanding = 0
+            self._kv_settled.set()
         self._update_gauges()
         self._work.set()
 
@@ -548,12 +566,14 @@ class Engine:
         loop = asyncio.get_running_loop()
         held.timer = loop.call_later(lease, self._expire, req.request_id)
         previous = self.held.pop(req.request_id, None)
+        self.kv_outstanding += 1
+        self._kv_settled.clear()
         if previous is not None:
             # A client reused an X-Request-Id: the older KV can no longer be addressed, free it.
             log.warning("Replaced held KV of a duplicate request id request_id=%s", req.request_id)
             if previous.timer is not None:
                 previous.timer.cancel()
-            self.pool.release(previous.blocks)
+            self.release_held(previous)
         self.held[req.request_id] = held
         req.kv_transfer_params_out = {
             "do_remote_prefill": True,

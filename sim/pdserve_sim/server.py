@@ -9,13 +9,15 @@ tokens ready at once are written in one socket write, still as separate events),
 with a ``{"role": "assistant", "content": ""}`` delta, the last token's event carrying ``finish_reason``, an
 optional usage event (``choices: []``) when ``stream_options.include_usage`` is set, then ``data: [DONE]``.
 A streaming request that fails after the response started gets a ``data: {"error": {...}}`` event.
+
+On SIGTERM with ``--shutdown-timeout N`` (vLLM's drain, see ``drain``) every path but ``/live``, ``/metrics`` and
+``/sim/`` answers 503 while in-flight requests finish and KV already handed out is pulled or expires.
 The token events are formatted from precomputed string fragments: the hot path does no JSON encoding.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -85,9 +87,19 @@ class SimServer:
 
     # ----------------------------------------------------------------------------------------------------
 
+    @web.middleware
+    async def _refuse_while_draining(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM's ScalingMiddleware: while draining, every path but /live and /metrics answers 503 (so /health
+        turns readiness false); the simulator's own /sim/ admin paths stay open for tests."""
+        path = request.path
+        if self.draining and path not in ("/live", "/metrics") and not path.startswith("/sim/"):
+            return _json_response({"error": "Server is unavailable. Please try again later."}, 503)
+        response: web.StreamResponse = await handler(request)
+        return response
+
     def build_app(self) -> web.Application:
         """The aiohttp application with every route."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._refuse_while_draining])
         app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -127,15 +139,32 @@ class SimServer:
             self.http_port = int(sockets[0].getsockname()[1])
 
     async def drain(self, within: float) -> None:
-        """vLLM's --shutdown-timeout: refuse new requests, wait up to ``within`` s for in-flight ones.
-
-        Like vLLM, held KV that no decode engine pulled yet is not waited for.
+        """vLLM's --shutdown-timeout: refuse new requests, wait up to ``within`` s for in-flight ones, then (a
+        prefill engine) for the KV it handed out to be pulled or to expire, so no decode engine is left pulling
+        from a closed side channel. The side channel stays up meanwhile; what is left at the deadline is aborted.
         """
         self.draining = True
-        log.info("Draining in-flight requests count=%d timeout=%.1fs", self._inflight, within)
-        with contextlib.suppress(TimeoutError):
+        engine = self.engine
+        log.info(
+            "Draining in-flight requests count=%d held_kv=%d timeout=%.1fs",
+            self._inflight,
+            engine.kv_outstanding,
+            within,
+        )
+        started = time.monotonic()
+        try:
             async with asyncio.timeout(within):
                 await self._idle.wait()
+                # Every KV hold exists by now: a prefill request holds its blocks before its answer goes out.
+                await engine.kv_settled()
+            log.info("Drained in %.1fs", time.monotonic() - started)
+        except TimeoutError:
+            log.warning(
+                "Drain timed out after %.1fs, aborting requests count=%d held_kv=%d",
+                time.monotonic() - started,
+                self._inflight,
+                engine.kv_outstanding,
+            )
 
     async def stop(self) -> None:
         """Stop serving and release everything."""

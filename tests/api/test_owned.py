@@ -66,6 +66,7 @@ OWNED_SPELLINGS = [
     ["--max-num-seqs=1"],
     ["--max_num_batched_tokens=1"],
     ["--kv-cache-dtype", "fp8"],
+    ["--shutdown_timeout=0"],
     # Abbreviations of several flags, which vLLM refuses at start-up ("ambiguous option"): refused here first.
     ["--max-num", "1"],
     ["--kv-cache", "fp8"],

@@ -238,6 +238,61 @@ def test_failing_readiness_takes_the_pod_out_of_the_endpoints(
     wait_for(lambda: not _alive(pid), timeout=10, message="the force-deleted pod's process to exit")
 
 
+def _conditions(cluster: ClusterHelper, namespace: str, service: str, ip: str) -> Obj | None:
+    """The EndpointSlice conditions of address ``ip`` of ``service`` (None when it is not listed)."""
+    slices = cluster.get_json(
+        "endpointslices", f"--namespace={namespace}", f"--selector=kubernetes.io/service-name={service}"
+    )
+    for item in slices.get("items", []):
+        for endpoint in item.get("endpoints") or []:
+            if ip in endpoint.get("addresses", []):
+                conditions: Obj = endpoint.get("conditions") or {}
+                return conditions
+    return None
+
+
+def test_graceful_deletion_runs_the_prestop_hook_and_keeps_probing_readiness(
+    cluster: ClusterHelper, node_dir: Path, namespace: str, tmp_path: Path
+) -> None:
+    """What the kubelet does on deletion: preStop first (the server keeps serving, its endpoint terminating),
+    readiness still probed (a server that starts refusing stops `serving`), then SIGTERM."""
+    mark = tmp_path / "prestop"
+    container = _container(
+        env=[
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "HOOK_MARK", "value": str(mark)},
+        ],
+        lifecycle={"preStop": {"exec": {"command": ["sh", "-c", 'echo "$POD_NAME" > "$HOOK_MARK"; sleep 10']}}},
+    )
+    objects = _statefulset("drain", 1)
+    objects[1]["spec"]["template"]["spec"] = _pod_spec(container, terminationGracePeriodSeconds=30)
+    cluster.apply(objects, namespace=namespace)
+    (ip,) = _wait_serving(cluster, namespace, "drain", 1)
+    pid = _pid(node_dir, namespace, "drain-0")
+    assert pid is not None
+    cluster.kubectl("scale", "statefulset/drain", "--replicas=0", f"--namespace={namespace}")  # a scale-down
+
+    def terminating() -> Obj | None:
+        conditions = _conditions(cluster, namespace, "drain", ip)
+        return conditions if conditions and conditions.get("terminating") else None
+
+    conditions = wait_for(terminating, timeout=30, message="the endpoint marked terminating")
+    assert conditions["ready"] is False and conditions["serving"] is True
+    wait_for(mark.exists, timeout=30, message="the preStop hook to run")
+    assert mark.read_text().strip() == "drain-0"  # with the container's environment
+    # The hook holds SIGTERM back: the server still answers.
+    assert _alive(pid) and _get(ip)["pod"] == "drain-0"
+    # Readiness is still probed while the pod terminates.
+    _get(ip, "/ready?ok=false", method="POST")
+    wait_for(
+        lambda: (_conditions(cluster, namespace, "drain", ip) or {}).get("serving") is False,
+        timeout=30,
+        message=lambda: f"serving false in the EndpointSlice: {_conditions(cluster, namespace, 'drain', ip)}",
+    )
+    wait_for(lambda: not _alive(pid), timeout=40, message="the process to exit after the hook")
+    wait_for(lambda: not cluster.pods(namespace, "app=drain"), timeout=30, message="the pod object deleted")
+
+
 def test_crashing_container_backs_off_and_counts_restarts(
     cluster: ClusterHelper, node_dir: Path, namespace: str
 ) -> None:

@@ -14,6 +14,7 @@ from pdserve_dev.process_node.backoff import CrashBackoff
 from pdserve_dev.process_node.expansion import expand
 from pdserve_dev.process_node.imagemap import ImageMap, ImageMapError, NotMappedError
 from pdserve_dev.process_node.ipam import PodIPAllocator, listening_ipv4_addresses, loopback_cidr
+from pdserve_dev.process_node.lifecycle import grace_after_hook, run_hook
 from pdserve_dev.process_node.podenv import (
     ContainerConfigError,
     PodAddresses,
@@ -23,6 +24,7 @@ from pdserve_dev.process_node.podenv import (
 from pdserve_dev.process_node.podstatus import ContainerView, Terminated, pod_phase, pod_status
 from pdserve_dev.process_node.probes import ProbeSpec, ProbeTracker, resolve_port
 from pdserve_dev.process_node.volumes import Mount, container_mounts, rewrite_path
+from pdserve_dev.testing.net import free_port
 
 Obj = dict[str, Any]
 
@@ -378,3 +380,42 @@ def test_command_line_reports_bad_inputs_clearly(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "not-a-cidr" in result.output
     result = runner.invoke(main, ["--help"])
     assert result.exit_code == 0 and "--pod-cidr" in result.output and "PDSERVE_POD_CIDR" in result.output
+
+
+# --- lifecycle hooks -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("grace", "hook_seconds", "left"),
+    [
+        (30.0, 5.9, 25.0),  # the hook's run time in whole seconds comes off the grace period
+        (10.0, 0.0, 10.0),
+        (5.0, 4.2, 2.0),  # SIGTERM always gets at least 2 s before SIGKILL
+        (5.0, 7.0, 2.0),  # a hook abandoned at the end of the grace period
+    ],
+)
+def test_grace_left_after_the_prestop_hook(grace: float, hook_seconds: float, left: float) -> None:
+    assert grace_after_hook(grace, hook_seconds) == left
+
+
+def test_lifecycle_hooks_run_and_report_failures(tmp_path: Path) -> None:
+    import os
+
+    env = dict(os.environ, HOOK_MARK=str(tmp_path / "mark"))
+
+    def hook(handler: Obj, timeout: float = 5.0) -> tuple[bool, str]:
+        container: Obj = {"name": "c", "ports": [{"name": "http", "containerPort": free_port()}]}
+        return run_hook(handler, container=container, pod_ip="127.0.0.1", env=env, cwd=tmp_path, timeout=timeout)
+
+    assert hook({"sleep": {"seconds": 0}}) == (True, "")
+    # exec runs on the host with the container's environment and folder.
+    assert hook({"exec": {"command": ["sh", "-c", 'echo stopping > "$HOOK_MARK"']}}) == (True, "")
+    assert (tmp_path / "mark").read_text() == "stopping\n"
+    ok, why = hook({"exec": {"command": ["sh", "-c", "echo broken >&2; exit 3"]}})
+    assert not ok and "exited 3" in why and "broken" in why
+    ok, why = hook({"exec": {"command": ["/no/such/binary"]}})
+    assert not ok and "failed to start" in why
+    ok, why = hook({"exec": {"command": ["sleep", "30"]}}, timeout=0.2)
+    assert not ok and "did not finish" in why
+    ok, why = hook({"httpGet": {"path": "/quit", "port": "http"}})  # nothing listens there
+    assert not ok and "Connection" in why
+    ok, why = hook({"tcpSocket": {"port": 80}})
+    assert not ok and "unsupported" in why

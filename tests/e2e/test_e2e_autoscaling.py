@@ -67,8 +67,9 @@ def manifest(namespace: str) -> dict[str, Any]:
                 "maxModelLen": 8192,
                 # The simulator's timing model of Llama-3.1-8B on an H200 (the autoscaler's prior is the same).
                 "env": [{"name": "PDSERVE_SIM_PRESET", "value": "h200-8b"}],
-                # vLLM's drain on SIGTERM: in-flight requests finish before a removed engine exits.
-                "args": ["--shutdown-timeout", "30"],
+                # vLLM's drain on SIGTERM (--shutdown-timeout): in-flight requests finish before a removed
+                # engine exits.
+                "drainSeconds": 30,
             },
             "prefill": {"replicas": 1, "autoscaling": scaled},
             "decode": {"replicas": 1, "autoscaling": scaled},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 from pdserve_dev.testing.metrics import metric_value, scrape, wait_for_metric
 from pdserve_dev.testing.net import free_port
 from pdserve_dev.testing.sim import sim_in_process, sim_process, sim_server_in_process
+from pdserve_dev.testing.wait import wait_for_async
 from pdserve_sim.tokenizer import tokenize
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
@@ -335,3 +337,47 @@ async def test_side_channel_survives_garbage(http: aiohttp.ClientSession) -> Non
         body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}
         async with http.post(prefill.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
+
+
+async def _draining(http: aiohttp.ClientSession, url: str) -> bool:
+    async with http.get(url + "/health") as resp:
+        return resp.status == 503
+
+
+async def test_a_draining_prefill_engine_serves_the_kv_it_handed_out_then_exits(http: aiohttp.ClientSession) -> None:
+    """vLLM under --shutdown-timeout keeps stepping until the KV of finished prefills is read: SIGTERM must not
+    strand KV a decode engine is about to pull (scale-down of the prefill pool)."""
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4}
+    async with (
+        sim_in_process(role="decode", kv_transfer_timeout_s=0.5) as decode,
+        sim_process(role="prefill", fast=True, shutdown_timeout=60, kv_lease_seconds=60) as prefill,
+    ):
+        params = await prefill_step(http, prefill.url, body)
+        prefill.process.send_signal(signal.SIGTERM)
+        await wait_for_async(lambda: _draining(http, prefill.url), within=10, message="the prefill engine draining")
+        # Draining: nothing new is accepted (vLLM's 503 on every path but /live and /metrics)...
+        async with http.post(prefill.url + "/v1/completions", json=body) as refused:
+            assert refused.status == 503
+        async with http.get(prefill.url + "/v1/models") as refused:
+            assert refused.status == 503
+        async with http.get(prefill.url + "/metrics") as metrics:
+            assert metrics.status == 200
+        # ...but the side channel still serves the KV it handed out before the signal.
+        async with http.post(decode.url + "/v1/completions", json=dict(body, kv_transfer_params=params)) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["usage"]["completion_tokens"] == 4
+        decoded = await scrape(decode.url)
+        assert metric_value(decoded, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+        # Nothing is left to serve: the engine exits cleanly long before its 60 s shutdown timeout.
+        assert await asyncio.wait_for(prefill.process.wait(), 20) == 0
+
+
+async def test_a_draining_prefill_engine_stops_once_the_lease_of_unpulled_kv_expired(
+    http: aiohttp.ClientSession,
+) -> None:
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4}
+    async with sim_process(role="prefill", fast=True, shutdown_timeout=60, kv_lease_seconds=1) as prefill:
+        await prefill_step(http, prefill.url, body)
+        prefill.process.send_signal(signal.SIGTERM)
+        # Nobody pulls: the drain ends with the lease (1 s), not with the 60 s shutdown timeout.
+        assert await asyncio.wait_for(prefill.process.wait(), 20) == 0

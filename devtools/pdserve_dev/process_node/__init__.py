@@ -45,8 +45,10 @@ What it emulates
 * Pod status through the ``status`` subresource: phase, podIP(s), hostIP, startTime, the usual conditions,
   container statuses with state/lastState/restartCount/ready/started, so the real EndpointSlice controller
   publishes reachable endpoints.
-* Graceful deletion: SIGTERM to the process group, SIGKILL after the grace period, then the pod object is
-  deleted with grace period 0 like the kubelet does.
+* Graceful deletion like the kubelet's: each container's ``preStop`` hook (sleep, exec, httpGet; :mod:`.lifecycle`)
+  within the grace period, then SIGTERM to the process group with what is left of it (at least 2 s), SIGKILL
+  when it is up; readiness keeps being probed and the status reported meanwhile (liveness and startup probes
+  stop), then the pod object is deleted with grace period 0.
 
 Why a mount namespace per container, and not a kubeconfig or rewritten paths
 ------------------------------------------------------------------------------
@@ -82,7 +84,8 @@ What it does not emulate
   system, every command word, argument or env value that starts with a volumeMount's mountPath rewritten to the
   materialised folder, no token volume, no securityContext, and ``KUBECONFIG`` set to the cluster's (admin)
   kubeconfig. ``--no-sandbox`` forces this.
-* No exec or gRPC probes (they count as success), no lifecycle hooks, no service env vars other than the
+* No exec or gRPC probes (they count as success), no postStart hooks (exec preStop hooks run with the
+  container's environment, outside its sandbox), no service env vars other than the
   ``kubernetes`` Service's (``FOO_SERVICE_HOST``). Sidecars are stopped together with the other containers, not
   after them.
 * No kubelet API: ``kubectl logs/exec/attach/port-forward`` do not work; read the log files instead.

@@ -7,8 +7,10 @@ Init containers run one after the other to completion before the regular contain
 
 A pod leaves the worker in one of three ways:
 
-* it gets a deletionTimestamp: SIGTERM, SIGKILL after the grace period, then the object is deleted with grace
-  period 0 (what the kubelet does, so the API object goes away);
+* it gets a deletionTimestamp: what the kubelet does (`_terminate`): per container the preStop hook, SIGTERM,
+  SIGKILL when the grace period is up, readiness probed and the status reported all along (so a server that
+  starts refusing turns the pod not ready, and its EndpointSlice entry `serving: false`), then the object is
+  deleted with grace period 0 so it goes away;
 * it vanishes from the API (force deletion): processes are stopped within 2 s;
 * the process node shuts down: processes are stopped (grace capped by ``--shutdown-grace``), the pod object
   is left alone so a restarted process node picks it up again.
@@ -16,6 +18,7 @@ A pod leaves the worker in one of three ways:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -35,6 +38,7 @@ from pdserve_dev.process_node.backoff import CrashBackoff
 from pdserve_dev.process_node.imagemap import ImageMap, LocalCommand, NotMappedError
 from pdserve_dev.process_node.ipam import PodIPAllocator
 from pdserve_dev.process_node.kube import ApiException, Kube
+from pdserve_dev.process_node.lifecycle import grace_after_hook, run_hook
 from pdserve_dev.process_node.podenv import (
     ContainerConfigError,
     PodAddresses,
@@ -515,26 +519,27 @@ class PodWorker(threading.Thread):
                 elif startup.failing:
                     self._kill_unhealthy(pod, container, f"Startup probe failed: {why}")
             return
-        readiness = container.probes.get("readiness")
-        if readiness is not None and readiness.is_due(time.monotonic()):
-            ok, why = run_probe(readiness.spec, container.spec, self.ip)
-            if readiness.record(ok, time.monotonic()):
-                log.info(
-                    "Readiness changed pod=%s container=%s ready=%s %s",
-                    self.label,
-                    container.name,
-                    readiness.success,
-                    why,
-                )
-                if not readiness.success:
-                    self._event(pod, "Warning", "Unhealthy", f"Readiness probe failed: {why}", container.name)
-            view.ready = readiness.success
+        self._probe_readiness(pod, container)
         liveness = container.probes.get("liveness")
         if liveness is not None and liveness.is_due(time.monotonic()):
             ok, why = run_probe(liveness.spec, container.spec, self.ip)
             liveness.record(ok, time.monotonic())
             if not liveness.success:
                 self._kill_unhealthy(pod, container, f"Liveness probe failed: {why}")
+
+    def _probe_readiness(self, pod: Obj, container: Container) -> None:
+        """Run the readiness probe if due (also while the pod terminates, as the kubelet does)."""
+        readiness = container.probes.get("readiness")
+        if readiness is None or self.ip is None or not readiness.is_due(time.monotonic()):
+            return
+        ok, why = run_probe(readiness.spec, container.spec, self.ip)
+        if readiness.record(ok, time.monotonic()):
+            log.info(
+                "Readiness changed pod=%s container=%s ready=%s %s", self.label, container.name, readiness.success, why
+            )
+            if not readiness.success:
+                self._event(pod, "Warning", "Unhealthy", f"Readiness probe failed: {why}", container.name)
+        container.view.ready = readiness.success
 
     def _kill_unhealthy(self, pod: Obj, container: Container, why: str) -> None:
         process = container.process
@@ -611,6 +616,68 @@ class PodWorker(threading.Thread):
             container.view.running_since = None
             container.process = None
 
+    def _terminate(self, pod: Obj, grace: float) -> None:
+        """Stop a deleted pod's containers as the kubelet does (`lifecycle`): each one in parallel runs its preStop
+        hook within the grace period, then gets SIGTERM with what is left of it (at least 2 s), then SIGKILL.
+
+        Meanwhile the worker keeps probing readiness (the kubelet stops only liveness and startup probes of a pod
+        being deleted) and reporting the status, so a server that starts refusing while it drains turns the pod not
+        ready, and containers show as terminated as they exit.
+        """
+        running = [c for c in self.init + self.main if c.process is not None]
+        codes: dict[str, int] = {}
+
+        def stop(container: Container, process: LocalProcess) -> None:
+            left = grace
+            hook = (container.spec.get("lifecycle") or {}).get("preStop")
+            if hook and grace > 0:
+                started = time.monotonic()
+                try:
+                    _, env, cwd = self._prepare(pod, container)
+                except (ContainerConfigError, NotMappedError, ApiException):
+                    env, cwd = dict(self.ctx.base_env), self.pod_dir
+                ok, why = run_hook(
+                    hook, container=container.spec, pod_ip=self.ip or "", env=env, cwd=cwd, timeout=grace
+                )
+                if not ok:
+                    log.warning("PreStop hook failed pod=%s container=%s: %s", self.label, container.name, why)
+                    self._event(pod, "Warning", "FailedPreStopHook", f"PreStopHook failed: {why}", container.name)
+                left = grace_after_hook(grace, time.monotonic() - started)
+            codes[container.name] = process.stop(left)
+            self._wake.set()
+
+        stoppers = []
+        for container in running:
+            assert container.process is not None
+            thread = threading.Thread(
+                target=stop, args=(container, container.process), name=f"stop-{self.pod_name}-{container.name}"
+            )
+            thread.start()
+            stoppers.append(thread)
+        while any(thread.is_alive() for thread in stoppers):
+            for container in self.main:
+                if container.name not in codes:
+                    self._probe_readiness(pod, container)
+            with contextlib.suppress(Exception):  # the API may be down; the kubelet reports again later too
+                self._report(pod)
+            due = [t.next_due for c in self.main for t in c.probes.values() if t.spec.kind == "readiness"]
+            self._wake.wait(max(0.0, min([time.monotonic() + 1.0, *due]) - time.monotonic()))
+            self._wake.clear()
+        for container in running:
+            process = container.process
+            assert process is not None
+            code = codes.get(container.name, 137)
+            name, pid = container.name, process.pid
+            log.info("Stopped container pod=%s container=%s pid=%s exitCode=%s", self.label, name, pid, code)
+            container.view.terminated = Terminated(
+                code, "Completed" if code == 0 else "Error", process.started_at, process.finished_at or time.time()
+            )
+            container.view.running_since = None
+            container.view.ready = False
+            container.process = None
+        with contextlib.suppress(Exception):
+            self._report(pod)
+
     def _teardown(self, pod: Obj) -> None:
         deleting = bool(pod["metadata"].get("deletionTimestamp")) and not self._vanished
         grace = self._grace(pod)
@@ -622,7 +689,9 @@ class PodWorker(threading.Thread):
             for container in self.init + self.main:
                 if container.process is not None:
                     self._event(pod, "Normal", "Killing", f"Stopping container {container.name}", container.name)
-        self._stop_all(grace)
+            self._terminate(pod, grace)
+        else:
+            self._stop_all(grace)
         if self._node_stopping and not deleting:
             log.info("Stopped pod for node shutdown pod=%s", self.label)
             return

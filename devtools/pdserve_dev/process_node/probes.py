@@ -117,7 +117,7 @@ def run_probe(spec: ProbeSpec, container: Obj, pod_ip: str) -> tuple[bool, str]:
     handler = spec.handler
     try:
         if "httpGet" in handler:
-            return _http_get(handler["httpGet"], container, pod_ip, spec.timeout)
+            return http_get(handler["httpGet"], container, pod_ip, spec.timeout)
         if "tcpSocket" in handler:
             action = handler["tcpSocket"]
             host = action.get("host") or pod_ip
@@ -129,7 +129,8 @@ def run_probe(spec: ProbeSpec, container: Obj, pod_ip: str) -> tuple[bool, str]:
     return True, ""
 
 
-def _http_get(action: Obj, container: Obj, pod_ip: str, timeout: float) -> tuple[bool, str]:
+def http_get(action: Obj, container: Obj, pod_ip: str, timeout: float) -> tuple[bool, str]:
+    """An httpGet action (probe or lifecycle hook): 200-399 is success; raises on connection errors."""
     host = action.get("host") or pod_ip
     port = resolve_port(action["port"], container)
     path = action.get("path") or "/"

@@ -104,7 +104,7 @@ def manifest(config: LiveConfig) -> dict[str, Any]:
                 "image": "vllm/vllm-openai:v0.32.0",
                 "maxModelLen": config.max_model_len,
                 "env": [{"name": "PDSERVE_SIM_PRESET", "value": "h200-8b"}],
-                "args": ["--shutdown-timeout", "30"],
+                "drainSeconds": 30,
             },
             "prefill": pool(config.prefill, config.initial[0]),
             "decode": pool(config.decode, config.initial[1]),

@@ -12,6 +12,8 @@
 - `operator`: `OperatorProcess`, the operator as a real subprocess.
 - `sim`: engine simulators as subprocesses or in the current event loop, and clients of their admin API
   (`set_faults`, `requests_seen`, `health_checks_seen`, `state`).
+- `mixed_load`: `MixedLoad`, a steady mix of streaming/non-streaming, long (PD) and short requests through a
+  router, each answer checked to the token and counted as succeeded, failed_told, lost or bad_tokens.
 - `prometheus`: `PrometheusHelper`, PromQL against the local cluster's real Prometheus.
 - `examples`: the cluster policy the shipped examples are written for.
 

@@ -14,6 +14,28 @@ The engine command line is what vLLM 0.32 accepts (`vllm serve MODEL ...`, KNOWL
   `pdserve.api.defaults`): a silent fallback to TCP is the most common invisible PD failure (10-40x TTFT). Users
   override them with spec.engine.ucx (env cannot: the names are owned, `pdserve.api.owned`).
 
+Drain on termination (scale-down, rollout, eviction): nothing an engine accepted is lost. What vLLM 0.32 does on
+SIGTERM, and what the pod adds around it:
+- `--shutdown-timeout N` (vLLM PR #36666, `vllm/entrypoints/launcher.py` + `vllm/v1/engine/core.py`; flag listed in
+  tests/api/data/vllm-0.32-serve-flags.txt): on SIGTERM the API server rejects every new request with 503 (its
+  `ScalingMiddleware`, `vllm/entrypoints/serve/middleware.py`, answers 503 on every path but `/live` and
+  `/metrics`, so `/health` turns 503 and readiness false) and lets in-flight requests finish for up to N s, then
+  aborts what is left. vLLM's default is 0: abort everything at once, which is why pdserve always passes it.
+- A prefill engine's finished requests stay in the scheduler while NIXL waits for a decode engine to read their
+  blocks (`delay_free_blocks`); under a shutdown timeout the engine keeps stepping until they are read or their
+  lease expires (vLLM PR #43433; the lease: `docs/design/nixl_kv_cache_lease.md`, `kv_lease_duration`, extended by
+  decode heartbeats while the request waits on decode). So prefill's timeout is at least `kvLeaseSeconds`: KV it
+  handed out is served until pulled or expired, never stranded by the scale-down.
+- A `preStop` hook (`sleep 5`, exec form: the `sleep` action needs Kubernetes 1.30 and the chart supports 1.29)
+  holds SIGTERM back while the pod's EndpointSlice entry (`ready: false`, `terminating: true`, set the moment the
+  pod is deleted) reaches the router and any other load balancer; the engine keeps serving meanwhile. A request
+  that still races in after SIGTERM gets vLLM's 503 before any byte, which the router retries elsewhere.
+- `terminationGracePeriodSeconds` = preStop + shutdown timeout + 10 s for vLLM's own teardown, so the kubelet's
+  SIGKILL never cuts a drain short (the grace period counts from deletion, preStop included). A pod exits as soon
+  as its drain is done; the timeout is only the bound (`spec.engine.drainSeconds`, default 120 s).
+- Liveness keeps probing `/health`, which answers 503 while draining: harmless, the kubelet stops liveness and
+  startup probes of a pod being deleted and keeps only readiness.
+
 Every value comes from the effective spec (`pdserve.api.defaults.effective`), never from `x or DEFAULT` here.
 """
 
@@ -31,9 +53,23 @@ from pdserve_operator.render.objects import metadata
 
 ENGINE_CONTAINER = "vllm"
 MODEL_MOUNT_ROOT = "/models"
-# vLLM drains running requests on SIGTERM, and a prefill engine should keep serving KV pulls for blocks it already
-# handed out (the lease) before it exits: a long grace period, not a user setting.
-TERMINATION_GRACE_SECONDS = 60
+# How long SIGTERM waits for endpoint removal to propagate (the preStop hook), and what the grace period adds on top
+# of the drain for vLLM's own teardown (module docstring).
+PRE_STOP_SECONDS = 5
+TEARDOWN_SECONDS = 10
+
+
+def shutdown_timeout(spec: EffectiveSpec, role: EngineRole) -> int:
+    """vLLM's --shutdown-timeout: the drain; a prefill engine's also covers the lease of KV it handed out."""
+    drain = spec.engine.drain_seconds
+    if role == "prefill" and drain > 0:
+        return max(drain, spec.engine.kv_lease_seconds)
+    return drain
+
+
+def termination_grace_seconds(spec: EffectiveSpec, role: EngineRole) -> int:
+    """The pod's grace period: preStop, then the whole drain, then vLLM's teardown, before any SIGKILL."""
+    return PRE_STOP_SECONDS + shutdown_timeout(spec, role) + TEARDOWN_SECONDS
 
 
 def _model_source(spec: EffectiveSpec) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
@@ -91,6 +127,7 @@ def engine_args(spec: EffectiveSpec, role: EngineRole) -> list[str]:
         args += ["--max-num-seqs", str(pool.max_num_seqs)]
     if pool.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
+    args += ["--shutdown-timeout", str(shutdown_timeout(spec, role))]
     args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role), separators=(",", ":"))]
     return args + list(engine.args) + list(pool.args)
 
@@ -204,6 +241,7 @@ def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[s
         "resources": _resources(spec, pool),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
         **_probes("http"),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
         "securityContext": security_context(spec),
     }
     if engine.image_pull_policy:
@@ -211,7 +249,7 @@ def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[s
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec, role),
         "containers": [container],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": engine.shm_size}},

@@ -35,10 +35,29 @@ log = logging.getLogger("pdserve.router")
 _MODELS_LIMIT = 1024 * 1024
 
 
-def default_discovery(config: RouterConfig, table: EndpointTable) -> Discovery:
-    """Static URLs or the Kubernetes watch, as the config says."""
+def default_discovery(config: RouterConfig, table: EndpointTable, client: EngineClient | None = None) -> Discovery:
+    """Static URLs (with the engines' health path as their readiness, read through `client`) or the Kubernetes
+    watch, as the config says."""
     if config.discovery == "static":
-        return StaticDiscovery(table, config.static_prefill, config.static_decode)
+        breaker = config.circuit_breaker
+
+        async def health(url: str) -> int | None:
+            assert client is not None
+            try:
+                status, _, _ = await client.get(
+                    url, breaker.health_path, limit=64 * 1024, within=config.connect_timeout_seconds + 1.0
+                )
+            except (UpstreamError, TimeoutError):
+                return None
+            return status
+
+        return StaticDiscovery(
+            table,
+            config.static_prefill,
+            config.static_decode,
+            health=health if client is not None and config.static_health_interval_seconds > 0 else None,
+            interval=config.static_health_interval_seconds,
+        )
     from pdserve_runtime.router.discovery.kubernetes import KubernetesDiscovery
 
     return KubernetesDiscovery(config, table)
@@ -80,7 +99,7 @@ class RouterApp:
         self.metrics = RouterMetrics(self.table)
         self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
         self.proxy = Proxy(config, self.scheduler, self.tracker, self.metrics, self.client)
-        self.discovery = discovery or default_discovery(config, self.table)
+        self.discovery = discovery or default_discovery(config, self.table, self.client)
         self.server = HttpServer(server_limits(config), access_log=access_log)
         self.server.route("POST", "/v1/completions", self.proxy.completions)
         self.server.route("POST", "/v1/chat/completions", self.proxy.chat_completions)

@@ -109,6 +109,27 @@ def test_engine_command_line(role: str, kv_role: str) -> None:
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
+@pytest.mark.parametrize(
+    ("engine", "prefill_timeout", "decode_timeout"),
+    [
+        ({}, 120, 120),  # the default drain
+        ({"drainSeconds": 10, "kvLeaseSeconds": 45}, 45, 10),  # prefill serves the KV it handed out: the lease
+        ({"drainSeconds": 0}, 0, 0),  # asked for vLLM's abort-at-once
+    ],
+)
+def test_engines_drain_on_termination(engine: dict[str, Any], prefill_timeout: int, decode_timeout: int) -> None:
+    spec = pds(engine={"image": "vllm/vllm-openai:v0.32.0", **engine})
+    objects = render(validate(spec))
+    for role, timeout in (("prefill", prefill_timeout), ("decode", decode_timeout)):
+        pod = by_kind(objects, "StatefulSet", f"svc-{role}")["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert arg_value(container["args"], "--shutdown-timeout") == str(timeout)
+        # SIGTERM waits until the endpoint removal has reached the router...
+        assert container["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
+        # ...and the kubelet's SIGKILL waits for the preStop hook, the whole drain and vLLM's own teardown.
+        assert pod["terminationGracePeriodSeconds"] == 5 + timeout + 10
+
+
 def test_kv_compat_label_same_on_both_pools_and_changes_with_image() -> None:
     first = render(validate(pds()))
     labels = [

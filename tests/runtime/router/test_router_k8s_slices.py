@@ -53,6 +53,24 @@ PODS = {"p0": {KV: "abc", RACK: "r1"}, "p1": {KV: "def"}}
             slice_of(ep("10.0.0.3", "p0", conditions={"ready": None})),
             [("http://10.0.0.3:8000", "abc", True, {RACK: "r1"})],
         ),
+        # Scale-down: a terminating pod takes no new requests, whatever its Service publishes (ready is forced
+        # true with publishNotReadyAddresses) and whether or not its engine still serves (its drain).
+        (
+            slice_of(ep("10.0.0.7", "p0", conditions={"ready": False, "serving": True, "terminating": True})),
+            [("http://10.0.0.7:8000", "abc", False, {RACK: "r1"})],
+        ),
+        (
+            slice_of(ep("10.0.0.8", "p0", conditions={"ready": True, "serving": True, "terminating": True})),
+            [("http://10.0.0.8:8000", "abc", False, {RACK: "r1"})],
+        ),
+        (
+            slice_of(ep("10.0.0.9", "p0", conditions={"ready": True, "serving": False, "terminating": False})),
+            [("http://10.0.0.9:8000", "abc", False, {RACK: "r1"})],
+        ),
+        (
+            slice_of(ep("10.0.0.10", "p0", conditions={"ready": True, "serving": True, "terminating": False})),
+            [("http://10.0.0.10:8000", "abc", True, {RACK: "r1"})],
+        ),
         (slice_of(ep("10.0.0.4", "unknown-pod")), []),  # wait for the pod watch
         (slice_of(ep("10.0.0.5", None)), [("http://10.0.0.5:8000", None, True, {})]),  # not a pod: no labels
         (slice_of(ep("fd00::1", "p0"), kind="IPv6"), [("http://[fd00::1]:8000", "abc", True, {RACK: "r1"})]),

@@ -47,8 +47,13 @@ def endpoints_from_slice(
 ) -> list[Endpoint]:
     """The engines one EndpointSlice describes (pure).
 
-    Skips FQDN slices, slices without the named port, and endpoints whose target pod is unknown. `ready` follows
-    the EndpointSlice API: an absent `conditions.ready` means ready.
+    Skips FQDN slices, slices without the named port, and endpoints whose target pod is unknown.
+
+    `ready` (may take new requests) needs all three EndpointSlice conditions to allow it, an absent one meaning
+    yes as the API says: `ready` (false for a terminating pod unless its Service publishes not-ready addresses),
+    `serving` (the pod's readiness, kept up to date while it terminates: a draining engine's /health turns it
+    false) and not `terminating`. A terminating engine stays in the table, not ready, until its pod is gone, so
+    the requests it already has finish there (its drain) while new ones go elsewhere.
     """
     if slice_obj.get("addressType") not in ("IPv4", "IPv6"):
         return []
@@ -75,7 +80,12 @@ def endpoints_from_slice(
         for label in topology_labels:
             if labels.get(label):
                 topology[label] = labels[label]
-        ready = (entry.get("conditions") or {}).get("ready") is not False
+        conditions = entry.get("conditions") or {}
+        ready = (
+            conditions.get("ready") is not False
+            and conditions.get("serving") is not False
+            and conditions.get("terminating") is not True
+        )
         for address in entry.get("addresses") or ():
             host = f"[{address}]" if ":" in address else address
             found.append(

@@ -1,0 +1,73 @@
+"""`MixedLoad` sorts what clients see correctly: complete answers, told failures, lost streams.
+
+Against a real router (static discovery) over fast simulators, with the simulators' injected faults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from pdserve.api.router_config import RouterConfig
+from pdserve_dev.testing.mixed_load import MixedLoad, Shape, default_mix
+from pdserve_dev.testing.sim import set_faults, sim_in_process
+from pdserve_dev.testing.wait import wait_for_async
+from pdserve_runtime.router.app import RouterApp
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@asynccontextmanager
+async def router(prefill: str, decode: str) -> AsyncIterator[str]:
+    config = RouterConfig(
+        served_model_name="sim-model",
+        discovery="static",
+        static_prefill=[prefill],
+        static_decode=[decode],
+        engine_metrics_interval_seconds=0.0,
+    )
+    app = RouterApp(config)
+    port = await app.start("127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await app.stop()
+
+
+async def test_every_answer_of_a_healthy_pool_counts_as_succeeded() -> None:
+    async with (
+        sim_in_process(role="prefill") as prefill,
+        sim_in_process(role="decode") as decode,
+        router(prefill.url, decode.url) as url,
+    ):
+        async with MixedLoad(url, "sim-model", concurrency=4, mix=default_mix((3, 17))) as load:
+            await load.wait_succeeded(len(default_mix((3, 17))) * 2)
+        results = load.results
+    assert results.sent == results.succeeded > 0, results.summary()
+    assert results.routes["pd"] > 0 and results.routes["decode-only"] > 0  # both paths were taken
+    assert results.worst_ttft_seconds > 0
+
+
+@pytest.mark.parametrize(
+    ("faults", "outcome"),
+    [
+        ({"fail_next": 1000, "fail_status": 503}, "failed_told"),  # an HTTP error: the client is told
+        ({"disconnect_after_tokens": 2}, "lost"),  # a stream cut without an error event
+    ],
+)
+async def test_failures_are_sorted_by_what_the_client_saw(faults: dict[str, int], outcome: str) -> None:
+    # Straight at an engine: a router would end a cut stream with an error event (a told failure).
+    mix = [Shape(chat=False, stream=True, long=False, max_tokens=5)]
+    async with sim_in_process() as engine:
+        await set_faults(engine.url, **faults)
+        async with MixedLoad(engine.url, "sim-model", concurrency=1, mix=mix) as load:
+
+            async def counted() -> bool:
+                return bool(getattr(load.results, outcome) >= 3)
+
+            await wait_for_async(counted, within=20, message=load.results.summary)
+        results = load.results
+    assert results.succeeded == 0, results.summary()
+    assert getattr(results, outcome) == results.sent, results.summary()
