@@ -23,6 +23,7 @@ from pdserve.api.policy import DEFAULT_POLICY, Policy
 from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.nodes import NodeLabelCache, NodeLabels
 from pdserve_operator.reconcile import RetryLaterError, reconcile
 from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
 from pdserve_operator.status import CRASH_RECOVERY_SECONDS
@@ -48,6 +49,7 @@ class Controller:
         applier: Executor | None = None,
         policy: Policy = DEFAULT_POLICY,
         crash_window: float = CRASH_RECOVERY_SECONDS,
+        nodes: NodeLabels | None = None,
     ) -> None:
         from pdserve_operator.workqueue import WorkQueue
 
@@ -63,6 +65,8 @@ class Controller:
         self.is_leader = is_leader
         self.policy = policy
         self.crash_window = crash_window
+        # Node labels for the router's topology, read through the reconcile's own API client (so counted with it).
+        self.nodes = nodes if nodes is not None else NodeLabelCache(api)
 
     # ------------------------------------------------------------------------------------------ event intake
 
@@ -166,6 +170,7 @@ class Controller:
                 applier=self.applier,
                 policy=self.policy,
                 crash_window=self.crash_window,
+                nodes=self.nodes,
             )
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)
