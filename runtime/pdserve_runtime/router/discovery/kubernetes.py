@@ -287,13 +287,16 @@ class KubernetesDiscovery:
             return
         self._topology.changed = False
         found = list(self._topology.objects.values())
+        before = self._nodes
         if not found:
             self._nodes = {}  # deleted (or never there): no node labels, the slices' zone and node still count
-            return
-        try:
-            self._nodes = parse_node_topology(found[0])
-        except ValueError as exc:
-            log.warning("Ignored node topology configmap=%s error=%s", found[0]["metadata"]["name"], exc)
+        else:
+            try:
+                self._nodes = parse_node_topology(found[0])
+            except ValueError as exc:
+                log.warning("Ignored node topology configmap=%s error=%s", found[0]["metadata"]["name"], exc)
+        if self._nodes != before:
+            log.info("Updated node topology nodes=%d", len(self._nodes))
 
     def _rebuild(self) -> None:
         config = self._config
