@@ -26,6 +26,7 @@ from pdserve_operator.autoscaler.report import ScalingBoard
 from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.nodes import NodeLabelCache, NodeLabels
 from pdserve_operator.reconcile import RetryLaterError, reconcile
 from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
 from pdserve_operator.status import CRASH_RECOVERY_SECONDS
@@ -52,6 +53,7 @@ class Controller:
         policy: Policy = DEFAULT_POLICY,
         crash_window: float = CRASH_RECOVERY_SECONDS,
         scaling: ScalingBoard | None = None,
+        nodes: NodeLabels | None = None,
     ) -> None:
         from pdserve_operator.workqueue import WorkQueue
 
@@ -69,6 +71,8 @@ class Controller:
         self.crash_window = crash_window
         # The autoscaler loops' reports (the runner's board; None: an operator without the autoscaler wiring).
         self.scaling = scaling
+        # Node labels for the router's topology, read through the reconcile's own API client (so counted with it).
+        self.nodes = nodes if nodes is not None else NodeLabelCache(api)
 
     # ------------------------------------------------------------------------------------------ event intake
 
@@ -173,6 +177,7 @@ class Controller:
                 policy=self.policy,
                 crash_window=self.crash_window,
                 scaling=self.scaling,
+                nodes=self.nodes,
             )
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)

@@ -54,6 +54,8 @@ PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 POD = Kind("v1", "Pod", "pods")
 ENDPOINT_SLICE = Kind("discovery.k8s.io/v1", "EndpointSlice", "endpointslices")
 EVENT = Kind("v1", "Event", "events")
+# Cluster-scoped, read by name only (the labels of the nodes engine pods run on: `nodes.py`).
+NODE = Kind("v1", "Node", "nodes")
 LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
 PDSERVICE = Kind(f"{GROUP}/{VERSION}", "PDService", PLURAL)
 
@@ -69,7 +71,7 @@ MANAGED: tuple[Kind, ...] = (
 )
 OBSERVED: tuple[Kind, ...] = (*MANAGED, POD, ENDPOINT_SLICE)
 
-_BY_TYPE: dict[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in (*OBSERVED, PDSERVICE, EVENT, LEASE)}
+_BY_TYPE: dict[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in (*OBSERVED, PDSERVICE, EVENT, LEASE, NODE)}
 
 
 def kind_of(obj: dict[str, Any]) -> Kind:

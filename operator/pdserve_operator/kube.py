@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from kubernetes import client as k8s
 
-from pdserve_operator.kinds import EVENT, PDSERVICE, Kind, kind_of
+from pdserve_operator.kinds import EVENT, NODE, PDSERVICE, Kind, kind_of
 from pdserve_operator.metrics import OperatorMetrics
 
 FIELD_MANAGER = "pdserve-operator"
@@ -243,6 +243,12 @@ class KubeApi:
             self._request("POST", EVENT.collection_path(namespace), EVENT.kind, body=event)
         except (ApiError, NotLeaderError) as exc:
             log.warning("Failed to post event reason=%s pdservice=%s/%s error=%s", reason, namespace, meta["name"], exc)
+
+    # --------------------------------------------------------------------------------------------------- reads
+
+    def node(self, name: str) -> dict[str, Any]:
+        """One Node (its labels name the topology domain of the engines on it; `nodes.NodeLabelCache`)."""
+        return self._request("GET", f"{NODE.collection_path(None)}/{name}", NODE.kind).body
 
     # ------------------------------------------------------------------------- raw (leader election, not counted
     # as reconcile writes: the lease is renewed every retry period whatever the reconciler does)

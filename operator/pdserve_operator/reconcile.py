@@ -4,6 +4,10 @@ It never asks why it runs (create, update, a child's event, a resync timer, a re
 from the informer cache, renders, plans, executes only the writes the plan contains, and writes status only when
 it changed. Running it twice in a row makes no writes the second time.
 
+What the render depends on beyond the spec (`render.Observed`) is read here: the kv-compat values the engine pods
+carry (from the cache) and, when the router's topology needs node labels, the labels of the nodes those pods run on
+(`nodes`, a cache of per-node reads: no request once every node is known).
+
 Failure policy:
 - Invalid spec (the shared validation finds problems the CRD could not): status Degraded/InvalidSpec with every
   problem, a Warning event when the problems change, children untouched, and *no* retry: nothing will change until
@@ -21,19 +25,24 @@ global); without one they are applied one after the other in the calling thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pdserve.api.defaults import EffectiveSpec
+from pdserve.api.kvcompat import KV_COMPAT_LABEL
 from pdserve.api.policy import DEFAULT_POLICY, Policy
 from pdserve.api.validation import Validated, validate
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
 from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard
 from pdserve_operator.kube import ApiError, KubeIO
-from pdserve_operator.render import render
+from pdserve_operator.nodes import NodeLabels
+from pdserve_operator.render import Observed, render
+from pdserve_operator.render.discovery import node_topology_labels
+from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole
 from pdserve_operator.store import Store
 
 log = logging.getLogger("pdserve.operator.reconcile")
@@ -62,6 +71,25 @@ def _apply_one(api: KubeIO, item: planner.Apply) -> tuple[planner.Apply, dict[st
         return item, api.apply(item.obj), None
     except ApiError as exc:
         return item, None, exc
+
+
+def observe(pods: Iterable[dict[str, Any]], spec: EffectiveSpec, nodes: NodeLabels | None) -> Observed:
+    """The cluster facts the render needs: per pool, the kv-compat values its pods carry (every pod the cache holds,
+    terminating ones too: they still serve); and the labels of the nodes they run on, only if the router's topology
+    needs node labels (`nodes` None: none are read, as in tests without nodes)."""
+    values: dict[EngineRole, set[str]] = {role: set() for role in ENGINE_ROLES}
+    node_names: set[str] = set()
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        role = labels.get(ROLE_LABEL)
+        if role not in ENGINE_ROLES:
+            continue
+        if labels.get(KV_COMPAT_LABEL):
+            values[role].add(labels[KV_COMPAT_LABEL])
+        if (pod.get("spec") or {}).get("nodeName"):
+            node_names.add(pod["spec"]["nodeName"])
+    node_labels = nodes.labels(node_names) if nodes is not None and node_topology_labels(spec) else {}
+    return Observed(kv_compat={role: frozenset(found) for role, found in values.items()}, node_labels=node_labels)
 
 
 def utc_now() -> str:
@@ -114,13 +142,15 @@ def reconcile(
     policy: Policy = DEFAULT_POLICY,
     crash_window: float = status_mod.CRASH_RECOVERY_SECONDS,
     scaling: ScalingBoard | None = None,
+    nodes: NodeLabels | None = None,
 ) -> Outcome:
     """One pass for one PDService. Raises RetryLaterError (transient failure) or NotLeaderError (leadership lost).
 
     `policy` is the administrator's (the operator's flags, e.g. which node paths may hold model weights).
     `crash_window`: how long a crashed container must be running and ready again before it stops counting
     (`status.CRASH_RECOVERY_SECONDS`). `scaling`: the autoscaler loops' reports, placed in status as they are
-    (None: an operator without an autoscaler, like one started without --prometheus-url)."""
+    (None: an operator without an autoscaler, like one started without --prometheus-url). `nodes`: where node labels
+    come from (`nodes.NodeLabelCache`); None reads none (the topology ConfigMap then lists no node)."""
     body = store.owner(namespace, name)
     if body is None:
         return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
@@ -131,10 +161,11 @@ def reconcile(
     if not checked.ok:
         return _invalid(body=body, checked=checked, store=store, api=api, now=now, crash_window=crash_window)
 
-    pds, _ = checked.require()
+    pds, spec = checked.require()
     uid = body["metadata"]["uid"]
     snapshot = store.snapshot(namespace, name)
-    desired = planner.desired_objects(pds, render(checked), snapshot.children)
+    rendered = render(checked, observe(snapshot.pods, spec, nodes))
+    desired = planner.desired_objects(pds, rendered, snapshot.children)
     the_plan = planner.make_plan(desired, snapshot.children, uid)
 
     outcome = Outcome("noop" if the_plan.empty else "applied")

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 from pdserve.api.defaults import EffectiveSpec
 
 KV_COMPAT_LABEL = "pdserve.io/kv-compat"
 _HASH_LENGTH = 12
+_HASH_FORMAT = re.compile(rf"^[0-9a-f]{{{_HASH_LENGTH}}}$")
 
 
 def kv_compat_inputs(spec: EffectiveSpec) -> dict[str, object]:
@@ -38,3 +40,9 @@ def kv_compat_hash(spec: EffectiveSpec) -> str:
     """A short, stable, label-safe hash of `kv_compat_inputs`."""
     canonical = json.dumps(kv_compat_inputs(spec), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:_HASH_LENGTH]
+
+
+def is_kv_compat_hash(value: str) -> bool:
+    """True for a value `kv_compat_hash` can produce: what a pod label must look like before anything (an object
+    name, a label selector) is built from it. Pod labels can be edited by anyone who may patch pods."""
+    return bool(_HASH_FORMAT.match(value))

@@ -5,6 +5,16 @@ the router (runtime) parses it. Field names are camelCase in YAML, like every ot
 
 A setting that is also a PDService field takes its default from the spec's defaults table (`defaults.py`, read
 as the view classes' attributes), so a router started from a hand-written file behaves like a rendered one.
+
+Kubernetes discovery reads EndpointSlices and, when topology needs node labels, one ConfigMap: never Pods (a Pod's
+spec carries its env, secrets included, and the router faces clients). What the router pairs and scores on reaches
+it through objects the operator controls:
+- kv-compat: the operator keeps one headless Service per pool and kv-compat value present among the pool's pods,
+  labelled with that value and selecting it; the EndpointSlice controller copies a Service's labels onto its
+  slices, so every slice the router selects says which kv-compat value all of its endpoints carry.
+- topology: a slice endpoint carries its zone and node name; other node labels (a rack, an NVLink domain) are
+  published by the operator, which reads the nodes its engine pods run on, in the ConfigMap `nodeTopology` names
+  (`NodeTopology`, under the key `NODE_TOPOLOGY_KEY`).
 """
 
 from __future__ import annotations
@@ -17,6 +27,13 @@ from pydantic.alias_generators import to_camel
 from pdserve.api.defaults import EffectiveEngine, EffectiveRouter, EffectiveRouting
 from pdserve.api.kvcompat import KV_COMPAT_LABEL
 
+ZONE_LABEL = "topology.kubernetes.io/zone"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+SLICE_TOPOLOGY_LABELS = (ZONE_LABEL, HOSTNAME_LABEL)
+"""Node labels every EndpointSlice endpoint carries already (as `zone` and `nodeName`)."""
+NODE_TOPOLOGY_KEY = "nodes.json"
+"""The node topology ConfigMap's one key (its value is a `NodeTopology` as JSON)."""
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
@@ -25,15 +42,28 @@ class _Model(BaseModel):
 class EndpointSelector(_Model):
     """Which EndpointSlices hold one pool's engines (Kubernetes discovery mode)."""
 
-    namespace: str = Field(description="Namespace of the pool's Service and EndpointSlices.")
-    service_name: str = Field(
-        description="Name of the pool's Service; its EndpointSlices carry kubernetes.io/service-name=<name>."
+    namespace: str = Field(description="Namespace of the pool's EndpointSlices.")
+    label_selector: str = Field(
+        min_length=1,
+        description="Label selector of the pool's EndpointSlices. A slice's `kvCompatLabel` label is the kv-compat "
+        "value of all its endpoints (slices without it pair only with each other); the renderer selects the slices "
+        "of the pool's per-kv-compat Services.",
     )
     port_name: str = Field(default="http", description="Name of the engine's HTTP port in the EndpointSlice.")
-    pod_label_selector: str | None = Field(
-        default=None,
-        description="Label selector of the pool's Pods (the router reads their kv-compat and topology labels); "
-        "the Pod watch lists only those. Unset: every Pod of the namespace.",
+
+
+class NodeTopologySource(_Model):
+    """The ConfigMap holding the topology labels of the nodes a PDService's engines run on."""
+
+    namespace: str = Field(description="Namespace of the ConfigMap.")
+    name: str = Field(min_length=1, description="Name of the ConfigMap (the router may read only this one).")
+
+
+class NodeTopology(_Model):
+    """The content of the node topology ConfigMap (key `nodes.json`): written by the operator, read by the router."""
+
+    nodes: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description="Node name -> topology label -> value, for the nodes engines run on."
     )
 
 
@@ -141,11 +171,20 @@ class RouterConfig(_Model):
     )
     kv_compat_label: str = Field(
         default=KV_COMPAT_LABEL,
-        description="Pod label whose value must match between a prefill and a decode engine to pair them.",
+        description="EndpointSlice label holding the kv-compat value of the slice's engines (the pods' label of the "
+        "same name, copied from their per-kv-compat Service); a prefill and a decode engine pair only when their "
+        "values are equal.",
     )
     topology_labels: list[str] = Field(
-        default_factory=lambda: ["topology.kubernetes.io/zone"],
-        description="Node/pod topology labels used to prefer a prefill engine in the decode engine's domain.",
+        default_factory=lambda: [ZONE_LABEL],
+        description="Node labels that name a topology domain (zone, rack, NVLink domain); a prefill engine in the "
+        f"decode engine's domain is preferred. {ZONE_LABEL} and {HOSTNAME_LABEL} come from the EndpointSlices, "
+        "others from nodeTopology.",
+    )
+    node_topology: NodeTopologySource | None = Field(
+        default=None,
+        description="Where the topology labels EndpointSlices do not carry are published (kubernetes discovery); "
+        "unset: only the slices' zone and node name.",
     )
     policy: RoutingPolicyConfig = Field(default_factory=RoutingPolicyConfig, description="Routing policy.")
     request_timeout_seconds: float = Field(
@@ -213,7 +252,9 @@ class RouterConfig(_Model):
     kv_side_channel_ports: list[int] = Field(
         default_factory=list,
         description="Ports a prefill engine may name as its KV side channel (remote_port in its answer); empty: any "
-        "port number. The remote host must always be an address of the prefill engine the router chose.",
+        "port number. The remote host must always be an address of the prefill engine the router chose. The "
+        "renderer lists the prefill pool's: vLLM's NixlConnector listens on VLLM_NIXL_SIDE_CHANNEL_PORT plus the "
+        "data-parallel rank.",
     )
     shutdown_grace_seconds: float = Field(
         default=20.0,

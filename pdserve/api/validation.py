@@ -208,12 +208,27 @@ def _duplicate_env(path: str, env: Iterable[EnvVar]) -> Iterator[Problem]:
 
 
 def _ports_distinct(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    # vLLM's NixlConnector listens on sideChannelPort + the data-parallel rank (one handshake listener per rank), in
+    # every engine of both pools; the router accepts exactly those ports from prefill (render.discovery).
     port, side = view.engine.port, view.engine.side_channel_port
     if port == side:
         yield Problem(
             "spec.engine.sideChannelPort",
             f"the NIXL side channel and the HTTP server cannot both use port {port}; pick another sideChannelPort",
         )
+        return
+    for path, _, resolved in _pools(spec, view):
+        last = side + resolved.data_parallel_size - 1
+        if last == side:
+            continue
+        if side <= port <= last or last > 65535:
+            clash = f"which includes the HTTP port {port}" if last <= 65535 else "beyond 65535"
+            yield Problem(
+                "spec.engine.sideChannelPort",
+                f"with {path}.dataParallelSize {resolved.data_parallel_size} the NIXL side channels use ports "
+                f"{side}-{last} (one per rank), {clash}; pick another sideChannelPort",
+            )
+            return
 
 
 def _rdma_consistent(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:

@@ -632,6 +632,8 @@ class Engine:
                 req.registered_blocks = len(req.hashes)
         else:
             m.nixl_failed_transfers.inc()
+            if error.reason == "kv_compat_mismatch":
+                m.kv_compat_mismatch.inc()
             if self.config.kv_load_failure_policy == "fail":
                 log.warning(
                     "Failed KV load request_id=%s reason=%s policy=fail: %s", req.request_id, error.reason, error

@@ -223,6 +223,15 @@ class SimMetrics:
             "pdserve:sim_kv_prompt_mismatch", "KV pulls whose prefill prompt length differs from the decode's.",
             registry=reg,
         )  # fmt: skip
+        # What real vLLM reports only as a failed NIXL handshake ("compatibility check failed") in its log: a
+        # prefill and a decode engine of different kv-compat ids were paired. Counted by both engines of the pair
+        # (the prefill refusing the pull, the decode whose pull was refused), so a scrape of either side sees it.
+        self.kv_compat_mismatch = Counter(
+            "pdserve:sim_kv_compat_mismatch",
+            "KV pulls between a prefill and a decode engine whose kv-compat ids differ (refused, like a failed NIXL "
+            "compatibility check); counted by both engines.",
+            registry=reg,
+        )
         if cache_info:
             # vLLM's info-style gauge describing the KV cache configuration (always 1).
             info = Gauge(

@@ -140,6 +140,7 @@ class SideChannelServer:
         cfg = engine.config
         compat = cfg.effective_kv_compat_id
         if msg.get("kv_compat_id") != compat:
+            engine.metrics.kv_compat_mismatch.inc()
             await self._refuse(
                 writer,
                 "kv_compat_mismatch",

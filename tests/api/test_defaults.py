@@ -225,7 +225,7 @@ def test_model_descriptions_never_state_a_default() -> None:
 
 
 def test_router_config_defaults_are_the_spec_defaults() -> None:
-    config = RouterConfig(served_model_name="m", decode=EndpointSelector(namespace="n", service_name="s"))
+    config = RouterConfig(served_model_name="m", decode=EndpointSelector(namespace="n", label_selector="pool=d"))
     policy = RoutingPolicyConfig()
     assert config.port == EffectiveRouter.port == 8080
     assert policy.disaggregation_threshold_tokens == EffectiveRouting.disaggregation_threshold

@@ -14,10 +14,17 @@ KUBERNETES_YAML = """
 servedModelName: llama
 port: 8080
 discovery: kubernetes
-prefill: {namespace: llm, serviceName: llama-prefill}
-decode: {namespace: llm, serviceName: llama-decode, portName: http}
+prefill:
+  namespace: llm
+  labelSelector: app.kubernetes.io/instance=llama,pdserve.io/role=prefill,pdserve.io/kv-compat
+decode:
+  namespace: llm
+  labelSelector: app.kubernetes.io/instance=llama,pdserve.io/role=decode,pdserve.io/kv-compat
+  portName: http
 kvCompatLabel: pdserve.io/kv-compat
-topologyLabels: [topology.kubernetes.io/zone]
+topologyLabels: [pdserve.io/rack]
+nodeTopology: {namespace: llm, name: llama-router-topology}
+kvSideChannelPorts: [5600, 5601]
 policy: {disaggregationThresholdTokens: 512, prefixAware: true, blockSizeTokens: 16, fallbackToDecode: false}
 circuitBreaker: {failureThreshold: 5}
 """
@@ -25,7 +32,11 @@ circuitBreaker: {failureThreshold: 5}
 
 def test_the_rendered_shape_loads() -> None:
     config = RouterConfig.model_validate(yaml.safe_load(KUBERNETES_YAML))
-    assert config.decode is not None and config.decode.service_name == "llama-decode"
+    assert config.decode is not None and config.decode.label_selector.endswith(
+        "pdserve.io/role=decode,pdserve.io/kv-compat"
+    )
+    assert config.node_topology is not None and config.node_topology.name == "llama-router-topology"
+    assert config.kv_side_channel_ports == [5600, 5601]
     assert config.policy.disaggregation_threshold_tokens == 512
     assert config.policy.fallback_to_decode is False
     assert config.circuit_breaker.failure_threshold == 5
@@ -43,6 +54,13 @@ def test_a_dump_round_trips() -> None:
     ("document", "message"),
     [
         ({"servedModelName": "m"}, "needs a decode selector"),
+        # Pods are gone from discovery: the old fields are refused by name, not ignored.
+        ({"servedModelName": "m", "decode": {"namespace": "n", "serviceName": "d"}}, "labelSelector"),
+        (
+            {"servedModelName": "m", "decode": {"namespace": "n", "labelSelector": "a", "podLabelSelector": "b"}},
+            "podLabelSelector",
+        ),
+        ({"servedModelName": "m", "decode": {"namespace": "n", "labelSelector": ""}}, "at least 1 character"),
         ({"servedModelName": "m", "discovery": "static"}, "at least one staticDecode"),
         ({"servedModelName": "m", "discovery": "static", "staticDecode": ["ftp://x"]}, "must start with http"),
         ({"servedModelName": "m", "discovery": "static", "staticDecode": ["http://x"], "bogus": 1}, "Extra inputs"),

@@ -124,6 +124,18 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.engine.sideChannelPort",
         "cannot both use port 5600",
     ),
+    (
+        "port clash with a data-parallel rank's side channel",
+        with_spec(engine={"image": "i", "port": 8001, "sideChannelPort": 8000}, decode__dataParallelSize=2),
+        "spec.engine.sideChannelPort",
+        "ports 8000-8001 (one per rank), which includes the HTTP port 8001",
+    ),
+    (
+        "side channels beyond the last port",
+        with_spec(engine={"image": "i", "sideChannelPort": 65535}, prefill__dataParallelSize=2),
+        "spec.engine.sideChannelPort",
+        "ports 65535-65536 (one per rank), beyond 65535",
+    ),
     ("cpu engines with rdma required", with_spec(decode__gpusPerPod=0), "spec.decode.gpusPerPod", "placement.rdma=off"),
     (
         "unknown connector",

@@ -15,6 +15,7 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from pdserve.api.crdgen import crd_yaml
+from pdserve.api.defaults import effective
 from pdserve_dev.testing.helm import HelmError, lint, template, template_text
 from pdserve_operator import kinds
 from pdserve_operator.render.router import role as router_role
@@ -271,11 +272,12 @@ def test_rbac_list_is_exactly_what_the_operator_code_uses() -> None:
     from pdserve.api.v1alpha1 import PDService
 
     pds = PDService.model_validate(yaml.safe_load(EXAMPLE.read_text()))
-    assert flatten(router_role(pds)["rules"]) <= flatten(rules["watched"])
-    # Cluster-scoped: kopf's CRD watch, and in namespaced mode its namespace watch.
+    assert flatten(router_role(pds, effective(pds.spec))["rules"]) <= flatten(rules["watched"])
+    # Cluster-scoped: kopf's CRD watch, the nodes engine pods run on (read by name: `nodes.py`), and in namespaced
+    # mode its namespace watch.
     assert flatten(rules["cluster"]) == {
         ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")
-    }
+    } | {(kinds.NODE.group, kinds.NODE.plural, "get")}
     assert flatten(rules["namespacedModeCluster"]) == {("", "namespaces", v) for v in ("list", "watch")}
 
 

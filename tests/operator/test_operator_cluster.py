@@ -11,7 +11,7 @@ import copy
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from pdserve_dev.testing.wait import wait_for
 from pdserve_operator import drift
 from pdserve_operator.kinds import SERVICE_ACCOUNT
 from pdserve_operator.kube import KubeApi
+from pdserve_operator.reconcile import observe
 from pdserve_operator.render import render
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -71,9 +72,23 @@ def children(cluster: ClusterHelper, namespace: str, name: str) -> list[dict[str
     return items
 
 
+class KubectlNodes:
+    """Node labels as the operator reads them (`nodes.NodeLabels`), through kubectl."""
+
+    def __init__(self, cluster: ClusterHelper) -> None:
+        self.cluster = cluster
+
+    def labels(self, names: Iterable[str]) -> dict[str, Mapping[str, str]]:
+        return {name: self.cluster.get_json("node", name)["metadata"].get("labels", {}) for name in names}
+
+
 def rendered(cluster: ClusterHelper, namespace: str, name: str) -> list[dict[str, Any]]:
+    """What the operator renders now: from the spec and, as the operator does, the engine pods' kv-compat values
+    and the labels of their nodes (`reconcile.observe`)."""
     body = pds_get(cluster, namespace, name)
-    return render(validate({k: v for k, v in body.items() if k != "status"}))
+    checked = validate({k: v for k, v in body.items() if k != "status"})
+    pods = cluster.pods(namespace, f"app.kubernetes.io/instance={name}")
+    return render(checked, observe(pods, checked.require()[1], KubectlNodes(cluster)))
 
 
 def pdservice_count(cluster: ClusterHelper, namespace: str) -> int:

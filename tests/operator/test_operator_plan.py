@@ -8,6 +8,8 @@ from typing import Any
 
 import yaml
 
+from pdserve.api.defaults import effective
+from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import validate
 from pdserve_operator import plan
@@ -62,11 +64,17 @@ def test_image_change_updates_only_the_changed_children() -> None:
     pds = example()
     observed = as_observed(plan.desired_objects(pds, render(validate(pds)), {}))
     newer = example(spec__engine__image="vllm/vllm-openai:v0.33.0")
+    old, new = (kv_compat_hash(effective(p.spec)) for p in (pds, newer))
     result = plan.make_plan(plan.desired_objects(newer, render(validate(newer)), observed), observed, UID)
+    # The image is part of the kv-compat value: the router's per-value Services follow it. Here no pod carries the
+    # old value (nothing observed), so its Services go; `test_operator_router_discovery` has the rollout.
     assert sorted((a.obj["kind"], a.obj["metadata"]["name"], a.reason) for a in result.applies) == [
+        ("Service", f"llama-8b-decode-{new}", "missing"),
+        ("Service", f"llama-8b-prefill-{new}", "missing"),
         ("StatefulSet", "llama-8b-decode", "changed"),
         ("StatefulSet", "llama-8b-prefill", "changed"),
     ]
+    assert sorted(p.name for p in result.prunes) == [f"llama-8b-decode-{old}", f"llama-8b-prefill-{old}"]
 
 
 def test_drift_is_reverted() -> None:

@@ -198,11 +198,16 @@ async def test_pull_fails_when_kv_compat_ids_differ(http: aiohttp.ClientSession)
             assert resp.status == 500
             error = (await resp.json())["error"]
         assert "kv_compat_mismatch" in error["message"]
+        # Both engines of the mismatched pair count it (what the rollout tests read to prove it never happened).
+        for engine in (prefill, decode):
+            assert metric_value(await scrape(engine.url), "pdserve:sim_kv_compat_mismatch_total") == 1
         # The held KV is untouched by a refused pull: a compatible decode can still fetch it.
         async with sim_in_process(role="decode", kv_compat_id="layout-a") as good:
             url = good.url + "/v1/completions"
             async with http.post(url, json=dict(body, kv_transfer_params=params)) as resp:
                 assert resp.status == 200
+            assert metric_value(await scrape(good.url), "pdserve:sim_kv_compat_mismatch_total") == 0
+        assert metric_value(await scrape(prefill.url), "pdserve:sim_kv_compat_mismatch_total") == 1
 
 
 async def test_a_second_pull_of_the_same_kv_is_refused(http: aiohttp.ClientSession) -> None:

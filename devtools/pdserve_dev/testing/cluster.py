@@ -7,6 +7,7 @@ cluster from `LocalCluster` or with any kubeconfig (`PDSERVE_CLUSTER_KUBECONFIG`
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import uuid
 from collections.abc import Iterable, Mapping
@@ -22,6 +23,8 @@ from pdserve_dev.testing.net import listening
 from pdserve_dev.testing.wait import wait_for
 
 _COMPONENT_NAMES = ("etcd", "kube-apiserver", "kube-controll", "kube-scheduler", "kwok")
+# A line of `kubectl auth can-i --list`: resource, [non-resource URLs], [resource names], [verbs].
+_CAN_I = re.compile(r"^(\S*)\s+\[(.*?)\]\s+\[(.*?)\]\s+\[(.*?)\]\s*$")
 
 
 def leaked_listeners(ports: Iterable[int]) -> list[str]:
@@ -190,6 +193,28 @@ class ClusterHelper:
             raise RuntimeError("no process node in this cluster")
         pid = int((self.process_node_workdir / "pids" / f"{namespace}_{pod}_{container}.pid").read_text())
         return ContainerProcess.of(pid)
+
+    def can_i_list(self, namespace: str, user: str) -> set[tuple[str, str, str]]:
+        """What `user` may do in `namespace`, from `kubectl auth can-i --list`: (resource, resource name or "",
+        verb) per resource rule (`pdservices.pdserve.io/status` style resource names; URL rules left out)."""
+        out = self.kubectl("auth", "can-i", "--list", f"--namespace={namespace}", f"--as={user}").stdout
+        grants: set[tuple[str, str, str]] = set()
+        for line in out.splitlines()[1:]:
+            match = _CAN_I.match(line)
+            if match is None:
+                raise KubectlError(f"unexpected `kubectl auth can-i --list` line: {line!r}")
+            resource, _urls, names, verbs = match.groups()
+            if resource:
+                for name in names.split() or [""]:
+                    grants |= {(resource, name, verb) for verb in verbs.split()}
+        return grants
+
+    def can_i(self, namespace: str, user: str, verb: str, resource: str) -> bool:
+        """`kubectl auth can-i VERB RESOURCE` as `user` (exit status 0: yes, 1: no)."""
+        proc = self.kubectl("auth", "can-i", verb, resource, f"--namespace={namespace}", f"--as={user}", check=False)
+        if proc.returncode not in (0, 1):
+            raise KubectlError(f"kubectl auth can-i {verb} {resource} failed: {proc.stderr.strip()}")
+        return proc.returncode == 0
 
     def api_client(self) -> Any:
         """A new `kubernetes.client.ApiClient` (use it in a `with` block)."""

@@ -12,6 +12,8 @@ without a cluster. What it keeps of `KubeApi`'s contract:
   spec changes) and refuses with 409 an object whose `metadata.resourceVersion` is set and stale (the optimistic
   lock the planner relies on), status patch merge-patches the PDService's `.status` and returns the whole object,
   scale sets a stored object's `spec.replicas` and returns a Scale.
+- `node` (the one read, `nodes.NodeReader`) answers from `nodes` and counts each read in `node_reads`; a missing
+  node is a 404, and `fail("node", code)` makes reads fail like writes.
 
 What it does not model (the API server's validation, defaulting, field ownership, admission, watches) is what the
 cluster tests cover against the real kube-apiserver. Every write attempt is recorded in `calls`, in order, with
@@ -95,6 +97,8 @@ class FakeKube:
         self.failures: list[Failure] = []
         self.leader = True
         self._writes_left: int | None = None  # leadership ends after this many more successful writes
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.node_reads: list[str] = []
 
     # ------------------------------------------------------------------------------------------- test controls
 
@@ -244,6 +248,24 @@ class FakeKube:
             except (ApiError, NotLeaderError):
                 return  # events are advisory: KubeApi logs and carries on
             self.events.append({"type": type_, "reason": reason, "message": message, "time": now})
+
+    # ------------------------------------------------------------------------------------------------- reads
+
+    def add_node(self, name: str, labels: dict[str, str]) -> None:
+        with self._lock:
+            self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
+
+    def node(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            self.node_reads.append(name)
+            for failure in self.failures:
+                if failure.matches("node", "Node", name):
+                    if failure.times is not None:
+                        failure.times -= 1
+                    raise ApiError(failure.code, failure.message, _REASONS.get(failure.code, "Error"))
+            if name not in self.nodes:
+                raise ApiError(404, f'nodes "{name}" not found', "NotFound")
+            return copy.deepcopy(self.nodes[name])
 
     # ------------------------------------------------------------------------------------------------ plumbing
 

@@ -10,28 +10,35 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api.validation import InvalidSpecError, Validated
-from pdserve_operator.render import engine, router
+from pdserve_operator.render import discovery, engine, router
+from pdserve_operator.render.discovery import NOTHING_OBSERVED, Observed
 from pdserve_operator.render.names import ENGINE_ROLES
 
-__all__ = ["InvalidSpecError", "render"]
+__all__ = ["NOTHING_OBSERVED", "InvalidSpecError", "Observed", "render"]
 
 
-def render(checked: Validated) -> list[dict[str, Any]]:
+def render(checked: Validated, observed: Observed = NOTHING_OBSERVED) -> list[dict[str, Any]]:
     """Every object the operator manages for a validated PDService (`pdserve.api.validation.validate`).
 
     Takes the validation result, not a bare PDService, so the spec is parsed and checked once per caller and the
     renderer reads the effective spec validation already resolved. Raises InvalidSpecError if it has problems.
+    `observed` is what the operator knows of the cluster that the objects depend on (the kv-compat values the pods
+    carry, the labels of their nodes: `render.discovery`); the default renders a PDService that has no pods yet.
     """
     pds, spec = checked.require()
     objects: list[dict[str, Any]] = [
         router.service_account(pds),
-        router.role(pds),
+        router.role(pds, spec),
         router.role_binding(pds),
         router.config_map(pds, spec),
     ]
+    topology = discovery.topology_config_map(pds, spec, observed)
+    if topology is not None:
+        objects.append(topology)
     for role in ENGINE_ROLES:
         objects += [
             engine.headless_service(pds, spec, role),
+            *discovery.kv_compat_services(pds, spec, observed, role),
             engine.statefulset(pds, spec, role),
             engine.disruption_budget(pds, spec, role),
         ]

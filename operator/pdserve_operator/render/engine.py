@@ -1,8 +1,9 @@
 """The engine pools: a StatefulSet of vLLM engines, a headless Service and a PodDisruptionBudget per pool.
 
 Why a StatefulSet: stable pod names make engine logs and metrics traceable across restarts, and the headless Service
-gives the router per-pod endpoints through EndpointSlices. Pods start in parallel (engines do not depend on each
-other) and roll one at a time.
+gives each pod a stable DNS name. (The router finds engines through the per-kv-compat Services of
+`render.discovery` instead, whose slices say which kv-compat value their engines carry.) Pods start in parallel
+(engines do not depend on each other) and roll one at a time.
 
 The engine command line is what vLLM 0.32 accepts (`vllm serve MODEL ...`, KNOWLEDGE.md). NIXL specifics:
 - `--kv-transfer-config` names NixlConnector with `kv_producer` on prefill and `kv_consumer` on decode, and an

@@ -1,7 +1,8 @@
 """Deterministic names and labels of everything rendered for a PDService.
 
 Selector labels are a strict subset of the object labels and never include anything that changes over the life of
-a PDService (a StatefulSet's selector is immutable): the kv-compat hash is a pod label, never a selector label.
+a PDService (a StatefulSet's selector is immutable): the kv-compat hash is a pod label, never a selector label
+(only the per-value Services of `render.discovery` select by it, adding it to these).
 """
 
 from __future__ import annotations

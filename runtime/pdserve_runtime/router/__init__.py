@@ -3,7 +3,7 @@
 Layers, each importable and testable on its own:
 
 - `endpoints` / `breaker`: the endpoint table (what discovery found, plus per-endpoint load and health);
-- `discovery/`: fills the table (static URLs, or a Kubernetes EndpointSlice + Pod watch);
+- `discovery/`: fills the table (static URLs, or Kubernetes EndpointSlice watches; no Pods);
 - `tokens` / `prefix`: the router-side prompt model (prompt keys, the exact uncached decision, who holds which
   prefix);
 - `policy/`: pure routing decisions as small plugins (filters, scorers in [0, 1], a picker) composed into

@@ -42,16 +42,20 @@ def arg_value(args: list[str], flag: str) -> str:
 
 
 def test_object_inventory_and_order() -> None:
-    kinds = [(o["kind"], o["metadata"]["name"]) for o in render(validate(pds()))]
+    checked = validate(pds())
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in render(checked)]
+    compat = kv_compat_hash(effective(checked.require()[0].spec))
     assert kinds == [
         ("ServiceAccount", "svc-router"),
         ("Role", "svc-router"),
         ("RoleBinding", "svc-router"),
         ("ConfigMap", "svc-router"),
         ("Service", "svc-prefill"),
+        ("Service", f"svc-prefill-{compat}"),
         ("StatefulSet", "svc-prefill"),
         ("PodDisruptionBudget", "svc-prefill"),
         ("Service", "svc-decode"),
+        ("Service", f"svc-decode-{compat}"),
         ("StatefulSet", "svc-decode"),
         ("PodDisruptionBudget", "svc-decode"),
         ("Service", "svc-router"),
@@ -216,19 +220,20 @@ def test_router_objects() -> None:
     assert config.served_model_name == "served"
     assert config.port == 9000
     assert config.policy.disaggregation_threshold_tokens == 100
-    assert config.prefill is not None and config.prefill.service_name == "svc-prefill"
-    assert config.decode is not None and config.decode.service_name == "svc-decode"
+    selector = "app.kubernetes.io/instance=svc,pdserve.io/role={},pdserve.io/kv-compat"
+    assert config.prefill is not None and config.prefill.label_selector == selector.format("prefill")
+    assert config.decode is not None and config.decode.label_selector == selector.format("decode")
+    assert config.node_topology is None  # no topologyKey: the slices' zones are all the router scores on
+    assert config.kv_side_channel_ports == [5600]
     deployment = by_kind(objects, "Deployment", "svc-router")
     assert deployment["spec"]["replicas"] == 3
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "svc-router"
     assert pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
     role = by_kind(objects, "Role", "svc-router")
-    assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in role["rules"]} == {
-        (("discovery.k8s.io",), ("endpointslices",)),
-        (("",), ("pods",)),
-    }
-    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in role["rules"])
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
+    ]
     # A routing change rolls the router through the config hash annotation.
     other = render(validate(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 200}})))
     annotation = "pdserve.io/config-hash"

@@ -113,3 +113,13 @@ def test_render_never_crashes_and_owns_everything(spec: dict[str, Any], name: st
         o["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL] for o in objects if o["kind"] == "StatefulSet"
     }
     assert len(compat) == 1
+    # The router, whatever the spec, reads EndpointSlices and at most its one topology ConfigMap, never a Pod.
+    [role] = [o for o in objects if o["kind"] == "Role"]
+    for rule in role["rules"]:
+        assert set(rule["verbs"]) == {"list", "watch"}
+        assert (rule["apiGroups"], rule["resources"]) in (
+            (["discovery.k8s.io"], ["endpointslices"]),
+            ([""], ["configmaps"]),
+        )
+        if rule["resources"] == ["configmaps"]:
+            assert rule["resourceNames"] == [f"{name}-router-topology"]

@@ -40,7 +40,7 @@ def test_flags_override_the_file_and_the_bind_env_overrides_everything(
                 "servedModelName": "m",
                 "host": "0.0.0.0",
                 "port": 8080,
-                "decode": {"namespace": "ns", "serviceName": "d"},
+                "decode": {"namespace": "ns", "labelSelector": "pool=d"},
                 "policy": {"fallbackToDecode": True},
             }
         )
@@ -106,7 +106,7 @@ def test_the_engine_metrics_interval_comes_from_the_file_unless_the_flag_says(
 
     monkeypatch.delenv("PDSERVE_BIND_HOST", raising=False)
     path = tmp_path / "router.yaml"
-    path.write_text(yaml.safe_dump({"servedModelName": "m", "decode": {"namespace": "n", "serviceName": "d"},
+    path.write_text(yaml.safe_dump({"servedModelName": "m", "decode": {"namespace": "n", "labelSelector": "pool=d"},
                                     "engineMetricsIntervalSeconds": 7}))  # fmt: skip
     assert load_config(str(path)).engine_metrics_interval_seconds == 7
     off = load_config(str(path), engine_metrics_interval=0)

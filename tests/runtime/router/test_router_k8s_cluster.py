@@ -1,6 +1,7 @@
 """The router in Kubernetes mode on the local cluster: it finds simulator pods (run as processes by the process
-node, image vllm/vllm-openai mapped to `pdserve sim serve ...`) through their EndpointSlices and Pod labels, and
-keeps serving while the pools are scaled and pods are replaced.
+node, image vllm/vllm-openai mapped to `pdserve sim serve ...`) through the EndpointSlices of a Service labelled
+with their kv-compat value (the shape the operator renders), and keeps serving while the pools are scaled and pods
+are replaced.
 
 The router itself runs as a local process with the cluster's kubeconfig (what matters here is discovery, which
 talks to the same API either way); the engine pods are shaped like the ones the operator renders.
@@ -35,13 +36,16 @@ from pdserve_dev.testing.wait import wait_for
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
 Obj = dict[str, Any]
-KV = "kv-test-1"
+KV = "0123456789ab"
+SLICES = "app.kubernetes.io/instance=llm,pdserve.io/role={role},pdserve.io/kv-compat"
 LONG = "The history of the river valley settlements began with small farms. " * 20
 
 
 def engine_pool(role: str, replicas: int, http_port: int, nixl_port: int) -> list[Obj]:
     name = f"llm-{role}"
     labels = {"app.kubernetes.io/instance": "llm", "pdserve.io/role": role}
+    # The Service selects (and is labelled with) the pods' kv-compat value; its slices inherit the label.
+    compat = {**labels, "pdserve.io/kv-compat": KV}
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     container: Obj = {
         "name": "engine",
@@ -69,8 +73,8 @@ def engine_pool(role: str, replicas: int, http_port: int, nixl_port: int) -> lis
         {
             "apiVersion": "v1",
             "kind": "Service",
-            "metadata": {"name": name, "labels": labels},
-            "spec": {"clusterIP": "None", "selector": labels, "ports": [{"name": "http", "port": http_port}]},
+            "metadata": {"name": f"{name}-{KV}", "labels": compat},
+            "spec": {"clusterIP": "None", "selector": compat, "ports": [{"name": "http", "port": http_port}]},
         },
         {
             "apiVersion": "apps/v1",
@@ -186,8 +190,8 @@ def test_router_discovers_engine_pods_and_serves_through_scaling_and_replacement
         "host": "127.0.0.1",
         "port": port,
         "discovery": "kubernetes",
-        "prefill": {"namespace": namespace, "serviceName": "llm-prefill"},
-        "decode": {"namespace": namespace, "serviceName": "llm-decode"},
+        "prefill": {"namespace": namespace, "labelSelector": SLICES.format(role="prefill")},
+        "decode": {"namespace": namespace, "labelSelector": SLICES.format(role="decode")},
         "policy": {"disaggregationThresholdTokens": 64},
         "circuitBreaker": {"failureThreshold": 1, "openSeconds": 1, "probeIntervalSeconds": 0.5},
     }

@@ -1,9 +1,10 @@
-"""Kubernetes discovery against a small fake API server on loopback: list, watch, joins, outages.
+"""Kubernetes discovery against a small fake API server on loopback: list, watch, rollouts, topology, outages.
 
-The fake implements just the list and watch calls the `kubernetes` client makes for EndpointSlices and Pods
+The fake implements just the list and watch calls the `kubernetes` client makes for EndpointSlices and ConfigMaps
 (JSON lists with a resourceVersion, newline-delimited watch events that resume from the resourceVersion a
-watch asks for), so the real client code, the watch threads and the hand-over to the event loop are all
-exercised without a cluster.
+watch asks for, label and `metadata.name` field selectors), so the real client code, the watch threads and the
+hand-over to the event loop are all exercised without a cluster. It answers 403 to anything else (a Pod list, a
+ConfigMap list that does not select the one name), as the router's Role would.
 
 Nothing here sleeps and then asserts that something did not happen: the test waits for a counted event (the
 endpoint table's version moving on, the fake counting the calls it refused) and then asserts.
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pdserve.api.router_config import EndpointSelector, RouterConfig
+from pdserve.api.router_config import EndpointSelector, NodeTopologySource, RouterConfig
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_runtime.router.discovery.kubernetes import KubernetesDiscovery
 from pdserve_runtime.router.endpoints import EndpointTable
@@ -42,12 +43,15 @@ class FakeApi:
 
     def __init__(self) -> None:
         self.version = 1
-        self.objects: dict[str, dict[str, dict[str, Any]]] = {"endpointslices": {}, "pods": {}}
+        self.objects: dict[str, dict[str, dict[str, Any]]] = {"endpointslices": {}, "configmaps": {}}
         self.history: list[Event] = []
-        self.watchers: list[tuple[str, str | None, asyncio.Queue[dict[str, Any] | None]]] = []
+        self.watchers: list[tuple[str, str | None, str | None, asyncio.Queue[dict[str, Any] | None]]] = []
         self.lists = 0
         self.down = False
         self.refused: dict[tuple[str, str | None], int] = {}
+        self.forbidden: list[str] = []
+        # The one ConfigMap the router's Role names (resourceNames): only a list/watch selecting it is allowed.
+        self.readable_config_map = "svc-router-topology"
 
     def put(self, collection: str, obj: dict[str, Any], event: str = "MODIFIED") -> None:
         self.version += 1
@@ -64,12 +68,12 @@ class FakeApi:
 
     def _notify(self, collection: str, kind: str, obj: dict[str, Any]) -> None:
         self.history.append((self.version, collection, kind, obj))
-        for watched, selector, queue in self.watchers:
-            if watched == collection and _matches(obj, selector):
+        for watched, selector, fields, queue in self.watchers:
+            if watched == collection and _matches(obj, selector, fields):
                 queue.put_nowait({"type": kind, "object": obj})
 
     def close_watches(self) -> None:
-        for _, _, queue in self.watchers:
+        for *_, queue in self.watchers:
             queue.put_nowait(None)
 
     def outage(self) -> None:
@@ -80,8 +84,14 @@ class FakeApi:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         collection = request.match_info["collection"]
         selector = request.query.get("labelSelector")
+        fields = request.query.get("fieldSelector")
+        if collection not in self.objects or (
+            collection == "configmaps" and fields != f"metadata.name={self.readable_config_map}"
+        ):
+            self.forbidden.append(request.path_qs)
+            return web.json_response({"kind": "Status", "status": "Failure", "code": 403}, status=403)
         if self.down:
-            key = (collection, selector)
+            key = (collection, selector or fields)
             self.refused[key] = self.refused.get(key, 0) + 1
             return web.json_response({"kind": "Status", "status": "Failure", "code": 503}, status=503)
         if request.query.get("watch") in ("true", "1", "True"):
@@ -90,9 +100,9 @@ class FakeApi:
             since = int(request.query.get("resourceVersion") or self.version)
             queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
             for version, watched, kind, obj in self.history:
-                if version > since and watched == collection and _matches(obj, selector):
+                if version > since and watched == collection and _matches(obj, selector, fields):
                     queue.put_nowait({"type": kind, "object": obj})
-            entry = (collection, selector, queue)
+            entry = (collection, selector, fields, queue)
             self.watchers.append(entry)
             response = web.StreamResponse(headers={"Content-Type": "application/json"})
             try:
@@ -103,16 +113,20 @@ class FakeApi:
                 self.watchers.remove(entry)
             return response
         self.lists += 1
-        items = [obj for obj in self.objects[collection].values() if _matches(obj, selector)]
+        items = [obj for obj in self.objects[collection].values() if _matches(obj, selector, fields)]
         return web.json_response({"metadata": {"resourceVersion": str(self.version)}, "items": items})
 
 
 _REQUIREMENT = re.compile(r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w./-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
 
 
-def _matches(obj: dict[str, Any], selector: str | None) -> bool:
+def _matches(obj: dict[str, Any], selector: str | None, fields: str | None = None) -> bool:
     """Kubernetes label-selector matching for what a router might send: `k=v`, `k==v`, `k!=v`, `k`, `!k`,
-    `k in (a,b)`, `k notin (a,b)`, comma-separated."""
+    `k in (a,b)`, `k notin (a,b)`, comma-separated; the field selector `metadata.name=<name>`."""
+    if fields is not None:
+        assert fields.startswith("metadata.name="), f"the fake API cannot parse field selector {fields!r}"
+        if obj["metadata"]["name"] != fields.removeprefix("metadata.name="):
+            return False
     if not selector:
         return True
     labels = obj["metadata"].get("labels", {})
@@ -133,21 +147,46 @@ def _matches(obj: dict[str, Any], selector: str | None) -> bool:
     return True
 
 
-def pod(name: str, kv: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {KV: kv}}}
+INSTANCE = "app.kubernetes.io/instance"
+ROLE = "pdserve.io/role"
+RACK = "example.com/rack"
 
 
-def endpoint_slice(name: str, service: str, *endpoints: tuple[str, str, bool]) -> dict[str, Any]:
+def selector(role: str) -> str:
+    """What the renderer writes: the instance's pool slices that carry a kv-compat value."""
+    return f"{INSTANCE}=svc,{ROLE}={role},{KV}"
+
+
+def endpoint_slice(name: str, role: str, kv: str | None, *endpoints: tuple[str, str, bool]) -> dict[str, Any]:
+    """A slice of the pool's Service for kv-compat value `kv` (None: the pool's own headless Service)."""
+    labels = {"kubernetes.io/service-name": f"svc-{role}" + (f"-{kv}" if kv else ""), INSTANCE: "svc", ROLE: role}
+    if kv is not None:
+        labels[KV] = kv
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
-        "metadata": {"name": name, "namespace": NS, "labels": {"kubernetes.io/service-name": service}},
+        "metadata": {"name": name, "namespace": NS, "labels": labels},
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
         "endpoints": [
-            {"addresses": [ip], "conditions": {"ready": ready}, "targetRef": {"kind": "Pod", "name": pod_name}}
+            {
+                "addresses": [ip],
+                "conditions": {"ready": ready},
+                "nodeName": f"node-{pod_name}",
+                "targetRef": {"kind": "Pod", "name": pod_name},
+            }
             for ip, pod_name, ready in endpoints
         ],
+    }
+
+
+def topology_map(nodes: dict[str, dict[str, str]] | str, name: str = "svc-router-topology") -> dict[str, Any]:
+    text = nodes if isinstance(nodes, str) else json.dumps({"nodes": nodes})
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": NS},
+        "data": {"nodes.json": text},
     }
 
 
@@ -188,61 +227,64 @@ async def rebuilt(table: EndpointTable, since: int) -> None:
 
 
 def every_watch_refused_twice(api: FakeApi) -> bool:
-    """Each discovery watch loop (the two slice selectors and the pods) has been refused, backed off and retried."""
-    slices = {selector for (kind, selector), n in api.refused.items() if kind == "endpointslices" and n >= 2}
-    pods = [n for (kind, _), n in api.refused.items() if kind == "pods"]
-    return len(slices) == 2 and bool(pods) and min(pods) >= 2
+    """Each discovery watch loop (the two slice selectors and the ConfigMap) has been refused, backed off and
+    retried."""
+    return len([key for key, n in api.refused.items() if n >= 2]) == 3
 
 
-async def test_discovery_follows_slices_and_pods_and_survives_an_api_outage(fake_api: tuple[FakeApi, int]) -> None:
+def api_client_for(port: int) -> Callable[[], Any]:
     from kubernetes import client
 
-    api, port = fake_api
-    api.put("pods", pod("p-0", "v1"))
-    api.put("pods", pod("d-0", "v1"))
-    api.put("endpointslices", endpoint_slice("pre-x", "svc-prefill", ("10.1.0.1", "p-0", True)))
-    api.put("endpointslices", endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", True)))
-    api.put("endpointslices", endpoint_slice("other", "unrelated", ("10.9.0.1", "p-0", True)))
-    config = RouterConfig(
+    return lambda: client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}"))
+
+
+def config(**extra: Any) -> RouterConfig:
+    return RouterConfig(
         served_model_name="m",
-        prefill=EndpointSelector(namespace=NS, service_name="svc-prefill"),
-        decode=EndpointSelector(namespace=NS, service_name="svc-decode"),
+        prefill=EndpointSelector(namespace=NS, label_selector=selector("prefill")),
+        decode=EndpointSelector(namespace=NS, label_selector=selector("decode")),
+        topology_labels=[RACK],
+        node_topology=NodeTopologySource(namespace=NS, name="svc-router-topology"),
+        **extra,
     )
+
+
+def kv_of(table: EndpointTable, role: str) -> dict[str, str | None]:
+    return {state.url: state.endpoint.kv_compat for state in table.states(role)}  # type: ignore[arg-type]
+
+
+async def test_discovery_follows_slices_through_a_rollout_and_survives_an_api_outage(
+    fake_api: tuple[FakeApi, int],
+) -> None:
+    api, port = fake_api
+    api.put("endpointslices", endpoint_slice("pre-a", "prefill", "v1", ("10.1.0.1", "p-0", True)))
+    api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "d-0", True)))
+    # The pools' own headless Services list the same pods without a value: never in the table.
+    api.put("endpointslices", endpoint_slice("pre-plain", "prefill", None, ("10.1.0.1", "p-0", True)))
+    api.put("endpointslices", endpoint_slice("dec-plain", "decode", None, ("10.2.0.9", "d-9", True)))
     table = EndpointTable()
-
-    def api_client() -> Any:
-        return client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}"))
-
-    discovery = KubernetesDiscovery(config, table, api_client_factory=api_client)
+    discovery = KubernetesDiscovery(config(), table, api_client_factory=api_client_for(port))
     await discovery.start()
     try:
         await until(
-            lambda: urls(table, "prefill") == ["http://10.1.0.1:8000"] and len(table.states("decode")) == 1,
+            lambda: (
+                urls(table, "prefill") == ["http://10.1.0.1:8000"] and urls(table, "decode") == ["http://10.2.0.1:8000"]
+            ),
             "the first lists in the table",
         )
-        assert table.states("prefill")[0].endpoint.kv_compat == "v1"
+        assert kv_of(table, "prefill") == {"http://10.1.0.1:8000": "v1"}
 
-        # Scale up: an endpoint whose pod is not known yet waits for the pod watch. Once discovery has applied
-        # the slice change (the table's version moved on), the new address must still be missing.
-        version = table.version
-        api.put(
-            "endpointslices",
-            endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", True), ("10.2.0.2", "d-1", True)),
-        )
-        await rebuilt(table, version)
-        assert urls(table, "decode") == ["http://10.2.0.1:8000"]
-        api.put("pods", pod("d-1", "v2"))
-        await until(lambda: len(table.states("decode")) == 2, "d-1 in the table once its pod is known")
-        by_url = {state.url: state.endpoint.kv_compat for state in table.states("decode")}
-        assert by_url == {"http://10.2.0.1:8000": "v1", "http://10.2.0.2:8000": "v2"}
+        # A rollout: the new value's Service lists the new pod; each engine carries the value of its slice.
+        api.put("endpointslices", endpoint_slice("dec-b", "decode", "v2", ("10.2.0.2", "d-1", True)))
+        await until(lambda: len(table.states("decode")) == 2, "the new decode engine in the table")
+        assert kv_of(table, "decode") == {"http://10.2.0.1:8000": "v1", "http://10.2.0.2:8000": "v2"}
 
-        # Readiness flips and deletions.
-        api.put(
-            "endpointslices",
-            endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", False), ("10.2.0.2", "d-1", True)),
-        )
+        # Readiness flips and deletions (the old value's Service pruned, its slice with it).
+        api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "d-0", False)))
         await until(lambda: urls(table, "decode", usable=True) == ["http://10.2.0.2:8000"], "d-0 not ready")
-        api.delete("endpointslices", "pre-x")
+        api.delete("endpointslices", "dec-a")
+        await until(lambda: urls(table, "decode") == ["http://10.2.0.2:8000"], "the old slice deleted")
+        api.delete("endpointslices", "pre-a")
         await until(lambda: table.states("prefill") == (), "the prefill slice deleted")
 
         # The API server fails every call: once every watch loop has been refused and has retried, the table
@@ -253,46 +295,69 @@ async def test_discovery_follows_slices_and_pods_and_survives_an_api_outage(fake
         await until(lambda: every_watch_refused_twice(api), "every watch loop refused twice", within=20)
         assert {role: urls(table, role) for role in ("prefill", "decode")} == kept
         api.down = False
-        api.put("endpointslices", endpoint_slice("pre-y", "svc-prefill", ("10.1.0.7", "p-0", True)))
-        await until(lambda: urls(table, "prefill") == ["http://10.1.0.7:8000"], "pre-y after the outage", within=15)
+        api.put("endpointslices", endpoint_slice("pre-b", "prefill", "v2", ("10.1.0.7", "p-0", True)))
+        await until(lambda: urls(table, "prefill") == ["http://10.1.0.7:8000"], "pre-b after the outage", within=15)
         assert api.lists > lists_before
+        # Nothing the router asked for was beyond its Role: no Pod, no other ConfigMap.
+        assert api.forbidden == []
     finally:
         await discovery.stop()
         api.close_watches()
 
 
-async def test_the_pod_watch_sees_only_the_pools_pods(fake_api: tuple[FakeApi, int]) -> None:
-    """With `podLabelSelector` the router lists and watches only its pools' pods (not every pod of the namespace):
-    an endpoint whose pod is outside the selector is never joined, however often the table is rebuilt."""
-    from kubernetes import client
-
+async def test_topology_comes_from_the_node_topology_config_map(fake_api: tuple[FakeApi, int]) -> None:
+    """Slices name each engine's node; the operator's ConfigMap names the node's rack. The router reads that one
+    ConfigMap by name (the only one its Role lets it read), follows its changes and keeps the last good content."""
     api, port = fake_api
-    decode_pod = pod("d-0", "v1")
-    decode_pod["metadata"]["labels"]["pdserve.io/role"] = "decode"
-    api.put("pods", decode_pod)
-    api.put("pods", pod("x-0", "v1"))  # another workload's pod in the same namespace
-    api.put("endpointslices", endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", True)))
-    selector = EndpointSelector(namespace=NS, service_name="svc-decode", pod_label_selector="pdserve.io/role=decode")
-    config = RouterConfig(served_model_name="m", decode=selector)
+    api.put("configmaps", topology_map({"node-x": {RACK: "r9"}}, name="somebody-elses"))
+    api.put("endpointslices", endpoint_slice("pre-a", "prefill", "v1", ("10.1.0.1", "p-0", True)))
+    api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "d-0", True)))
     table = EndpointTable()
+    discovery = KubernetesDiscovery(config(), table, api_client_factory=api_client_for(port))
 
-    def api_client() -> Any:
-        return client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}"))
+    def rack(role: str) -> str | None:
+        [state] = table.states(role)  # type: ignore[arg-type]
+        return state.endpoint.topology.get(RACK)
 
-    discovery = KubernetesDiscovery(config, table, api_client_factory=api_client)
     await discovery.start()
     try:
-        await until(lambda: urls(table, "decode") == ["http://10.2.0.1:8000"], "d-0 joined with its pod")
+        # Engines are served before the topology is known: a rack only weighs a score.
+        await until(lambda: len(table.states("decode")) == 1, "the engines, without a topology yet")
+        assert rack("decode") is None
+        assert table.states("decode")[0].endpoint.topology["kubernetes.io/hostname"] == "node-d-0"
+
+        api.put("configmaps", topology_map({"node-p-0": {RACK: "r1"}, "node-d-0": {RACK: "r2"}}))
+        await until(lambda: rack("decode") == "r2", "the decode engine's rack from the ConfigMap")
+        assert rack("prefill") == "r1"
+
+        # A malformed update keeps the last good labels; a good one replaces them.
         version = table.version
-        api.put(
-            "endpointslices",
-            endpoint_slice("dec-x", "svc-decode", ("10.2.0.1", "d-0", True), ("10.2.0.9", "x-0", True)),
-        )
+        api.put("configmaps", topology_map("{not json"))
         await rebuilt(table, version)
-        api.put("pods", pod("x-0", "v2"))  # a change to the outside pod reaches no watch of the router
-        version = table.version
-        api.put("endpointslices", endpoint_slice("dec-y", "svc-decode"))
-        await rebuilt(table, version)
-        assert urls(table, "decode") == ["http://10.2.0.1:8000"]
+        assert (rack("prefill"), rack("decode")) == ("r1", "r2")
+        api.put("configmaps", topology_map({"node-d-0": {RACK: "r1"}}))
+        await until(lambda: rack("decode") == "r1" and rack("prefill") is None, "the moved rack")
+        api.delete("configmaps", "svc-router-topology")
+        await until(lambda: rack("decode") is None, "no rack once the ConfigMap is gone")
+        assert api.forbidden == []
     finally:
         await discovery.stop()
+        api.close_watches()
+
+
+async def test_without_a_node_topology_the_router_reads_only_slices(fake_api: tuple[FakeApi, int]) -> None:
+    api, port = fake_api
+    api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "d-0", True)))
+    table = EndpointTable()
+    plain = config().model_copy(update={"node_topology": None, "prefill": None})
+    discovery = KubernetesDiscovery(plain, table, api_client_factory=api_client_for(port))
+    await discovery.start()
+    try:
+        await until(lambda: len(table.states("decode")) == 1, "the decode engine")
+        version = table.version
+        api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "d-0", False)))
+        await rebuilt(table, version)
+        assert api.lists == 1 and api.forbidden == []  # one list (the decode slices), then only the watch
+    finally:
+        await discovery.stop()
+        api.close_watches()

@@ -1,4 +1,4 @@
-"""Discovery fills the endpoint table: `static` from URLs, `kubernetes` from EndpointSlice and Pod watches.
+"""Discovery fills the endpoint table: `static` from URLs, `kubernetes` from EndpointSlice (and ConfigMap) watches.
 
 Both implement `Discovery` (start/stop) and only ever call `EndpointTable.replace` on the event loop thread.
 """

@@ -1,17 +1,24 @@
-"""Kubernetes discovery: EndpointSlices of the prefill and decode Services, joined with their Pods' labels.
+"""Kubernetes discovery: the pools' EndpointSlices, and the operator's node topology ConfigMap when configured.
 
-Why both: an EndpointSlice says which addresses are ready and where they are (zone, node), but not the pod
-labels the router pairs on (`pdserve.io/kv-compat`, topology labels set on pods). Endpoints point at their pod
-through `targetRef`, so the table is `endpoints_from_slice(slice, pod labels)` over all slices of a pool.
+The router reads no Pods (their specs carry env values, and the router faces clients): what it pairs and scores on
+reaches it on the objects it watches (`pdserve.api.router_config` describes the contract, the operator's
+`render.discovery` produces it):
+- an engine's kv-compat value is its slice's `kvCompatLabel` label. The operator keeps one Service per pool and
+  kv-compat value; the EndpointSlice controller copies the Service's labels onto its slices and lists in them only
+  the pods carrying that value, so the label is true of every endpoint of the slice from the moment it appears.
+  A URL listed under two different values at once (a pod label edited by hand, briefly in two Services' slices) is
+  left out: pairing it with either would be a guess.
+- its topology: the endpoint's `zone` and `nodeName`, plus the labels of its node from the node topology
+  ConfigMap (`nodeTopology`), for the labels in `topologyLabels`. Until that ConfigMap is read (or for a node it
+  does not list), an engine simply has no domain for those labels: topology weighs a score, never a pairing.
 
-Watching: one thread per watched collection (each slice selector; the pods of each namespace, only those matching
-the pool's `podLabelSelector` when it is set) runs the usual
-list-then-watch loop of the `kubernetes` client with raw JSON objects, and hands every change to the event loop
-with `call_soon_threadsafe`; the loop thread alone touches the table. Any error (API down, 410 Gone, network)
-restarts the loop with exponential backoff (0.5 s doubling to 30 s) after a fresh list, and meanwhile the router
-keeps serving from the last table: engines that still answer keep working, the circuit breaker handles those
-that do not. An endpoint whose pod is not known yet is left out until the pod watch catches up, because
-without its kv-compat label it could be paired with an incompatible engine.
+Watching: one thread per watched collection (each pool's slices by its label selector; the ConfigMap by name, as
+its Role allows: a list or watch selecting `metadata.name`) runs the usual list-then-watch loop of the
+`kubernetes` client with raw JSON objects, and hands every change to the event loop with `call_soon_threadsafe`;
+the loop thread alone touches the table. Any error (API down, 410 Gone, network) restarts the loop with
+exponential backoff (0.5 s doubling to 30 s) after a fresh list, and meanwhile the router keeps serving from the
+last table: engines that still answer keep working, the circuit breaker handles those that do not. No request
+ever waits on the API: the API load grows with pod changes, not with traffic.
 """
 
 from __future__ import annotations
@@ -24,16 +31,21 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from pdserve.api.router_config import EndpointSelector, RouterConfig
+import pydantic
+
+from pdserve.api.router_config import (
+    HOSTNAME_LABEL,
+    NODE_TOPOLOGY_KEY,
+    ZONE_LABEL,
+    EndpointSelector,
+    NodeTopology,
+    RouterConfig,
+)
 from pdserve_runtime.router.endpoints import Endpoint, EndpointTable, Role
 
 log = logging.getLogger("pdserve.router.discovery")
 
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-ZONE_LABEL = "topology.kubernetes.io/zone"
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-
-PodLabels = Mapping[str, Mapping[str, str]]
+NodeLabels = Mapping[str, Mapping[str, str]]  # node name -> topology label -> value
 
 
 def endpoints_from_slice(
@@ -41,19 +53,20 @@ def endpoints_from_slice(
     *,
     role: Role,
     port_name: str,
-    pods: PodLabels,
     kv_compat_label: str,
     topology_labels: Sequence[str],
+    nodes: NodeLabels,
 ) -> list[Endpoint]:
     """The engines one EndpointSlice describes (pure).
 
-    Skips FQDN slices, slices without the named port, and endpoints whose target pod is unknown.
+    Skips FQDN slices and slices without the named port. The kv-compat value is the slice's label (None without
+    one).
 
     `ready` (may take new requests) needs all three EndpointSlice conditions to allow it, an absent one meaning
     yes as the API says: `ready` (false for a terminating pod unless its Service publishes not-ready addresses),
     `serving` (the pod's readiness, kept up to date while it terminates: a draining engine's /health turns it
-    false) and not `terminating`. A terminating engine stays in the table, not ready, until its pod is gone, so
-    the requests it already has finish there (its drain) while new ones go elsewhere.
+    false) and not `terminating`. A terminating engine stays in the table, not ready, until its endpoint is gone,
+    so the requests it already has finish there (its drain) while new ones go elsewhere.
     """
     if slice_obj.get("addressType") not in ("IPv4", "IPv6"):
         return []
@@ -62,24 +75,21 @@ def endpoints_from_slice(
     )
     if port is None:
         return []
+    kv_compat = ((slice_obj.get("metadata") or {}).get("labels") or {}).get(kv_compat_label) or None
     found: list[Endpoint] = []
     for entry in slice_obj.get("endpoints") or ():
         ref = entry.get("targetRef") or {}
         pod_name = ref.get("name") if ref.get("kind") == "Pod" else None
-        labels: Mapping[str, str] = {}
-        if pod_name is not None:
-            known = pods.get(pod_name)
-            if known is None:
-                continue  # wait for the pod watch: its kv-compat label decides pairing
-            labels = known
         topology: dict[str, str] = {}
         if entry.get("zone"):
             topology[ZONE_LABEL] = entry["zone"]
-        if entry.get("nodeName"):
-            topology[HOSTNAME_LABEL] = entry["nodeName"]
-        for label in topology_labels:
-            if labels.get(label):
-                topology[label] = labels[label]
+        node = entry.get("nodeName")
+        if node:
+            topology[HOSTNAME_LABEL] = node
+            node_labels = nodes.get(node) or {}
+            for label in topology_labels:
+                if label not in topology and node_labels.get(label):
+                    topology[label] = node_labels[label]
         conditions = entry.get("conditions") or {}
         ready = (
             conditions.get("ready") is not False
@@ -92,7 +102,7 @@ def endpoints_from_slice(
                 Endpoint(
                     url=f"http://{host}:{port}",
                     role=role,
-                    kv_compat=labels.get(kv_compat_label),
+                    kv_compat=kv_compat,
                     topology=topology,
                     ready=ready,
                     name=pod_name or address,
@@ -106,25 +116,40 @@ def pool_endpoints(
     *,
     role: Role,
     port_name: str,
-    pods: PodLabels,
     kv_compat_label: str,
     topology_labels: Sequence[str],
+    nodes: NodeLabels,
 ) -> list[Endpoint]:
-    """All engines of a pool, one per URL; a ready copy wins over a not-ready one (a pod in two slices)."""
+    """All engines of a pool, one per URL: a ready copy wins over a not-ready one (a pod in two slices of one
+    Service while the controller moves it); a URL listed under two kv-compat values is left out."""
     by_url: dict[str, Endpoint] = {}
+    conflicting: set[str] = set()
     for slice_obj in slices:
         for endpoint in endpoints_from_slice(
             slice_obj,
             role=role,
             port_name=port_name,
-            pods=pods,
             kv_compat_label=kv_compat_label,
             topology_labels=topology_labels,
+            nodes=nodes,
         ):
             current = by_url.get(endpoint.url)
+            if current is not None and current.kv_compat != endpoint.kv_compat:
+                conflicting.add(endpoint.url)
             if current is None or (endpoint.ready and not current.ready):
                 by_url[endpoint.url] = endpoint
-    return sorted(by_url.values(), key=lambda endpoint: endpoint.url)
+    return sorted((e for url, e in by_url.items() if url not in conflicting), key=lambda endpoint: endpoint.url)
+
+
+def parse_node_topology(config_map: Mapping[str, Any]) -> NodeLabels:
+    """The node labels a node topology ConfigMap publishes; ValueError when it does not hold a NodeTopology."""
+    text = (config_map.get("data") or {}).get(NODE_TOPOLOGY_KEY)
+    if text is None:
+        raise ValueError(f"no key {NODE_TOPOLOGY_KEY}")
+    try:
+        return NodeTopology.model_validate_json(text).nodes
+    except pydantic.ValidationError as exc:
+        raise ValueError(f"{NODE_TOPOLOGY_KEY} is not a node topology: {exc.error_count()} errors") from None
 
 
 class _Collection:
@@ -133,10 +158,12 @@ class _Collection:
     def __init__(self) -> None:
         self.objects: dict[str, Mapping[str, Any]] = {}
         self.synced = False
+        self.changed = False
 
     def replace(self, items: Iterable[Mapping[str, Any]]) -> None:
         self.objects = {item["metadata"]["name"]: item for item in items}
         self.synced = True
+        self.changed = True
 
     def apply(self, event_type: str, obj: Mapping[str, Any]) -> None:
         name = obj["metadata"]["name"]
@@ -144,10 +171,11 @@ class _Collection:
             self.objects.pop(name, None)
         else:
             self.objects[name] = obj
+        self.changed = True
 
 
 class KubernetesDiscovery:
-    """Keeps the endpoint table in step with the prefill and decode Services' EndpointSlices."""
+    """Keeps the endpoint table in step with the pools' EndpointSlices (and the node topology ConfigMap)."""
 
     def __init__(
         self,
@@ -164,10 +192,8 @@ class KubernetesDiscovery:
         if config.decode is not None:
             self._selectors["decode"] = config.decode
         self._slices: dict[Role, _Collection] = {role: _Collection() for role in self._selectors}
-        # One Pod watch per (namespace, pod label selector): pools that share both share the watch.
-        self._pods: dict[tuple[str, str | None], _Collection] = {
-            (sel.namespace, sel.pod_label_selector): _Collection() for sel in self._selectors.values()
-        }
+        self._topology = _Collection()
+        self._nodes: NodeLabels = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -178,27 +204,33 @@ class KubernetesDiscovery:
         from kubernetes import client
 
         discovery_api = client.DiscoveryV1Api(api)
-        core_api = client.CoreV1Api(api)
         for role, selector in self._selectors.items():
             self._spawn(
                 f"slices-{role}",
                 discovery_api.list_namespaced_endpoint_slice,
                 selector.namespace,
-                f"{SERVICE_NAME_LABEL}={selector.service_name}",
+                {"label_selector": selector.label_selector},
                 self._slices[role],
             )
-        for (namespace, pod_selector), pods in self._pods.items():
-            self._spawn(f"pods-{namespace}", core_api.list_namespaced_pod, namespace, pod_selector, pods)
+        source = self._config.node_topology
+        if source is not None:
+            self._spawn(
+                "node-topology",
+                client.CoreV1Api(api).list_namespaced_config_map,
+                source.namespace,
+                {"field_selector": f"metadata.name={source.name}"},
+                self._topology,
+            )
 
     async def stop(self) -> None:
         self._stop.set()
 
     def _spawn(
-        self, name: str, list_fn: Callable[..., Any], namespace: str, selector: str | None, into: _Collection
+        self, name: str, list_fn: Callable[..., Any], namespace: str, query: dict[str, str], into: _Collection
     ) -> None:
         thread = threading.Thread(
             target=self._watch_forever,
-            args=(list_fn, namespace, selector, into),
+            args=(list_fn, namespace, query, into),
             name=f"pdserve-watch-{name}",
             daemon=True,  # a blocked watch read must not keep the process alive at exit
         )
@@ -206,16 +238,15 @@ class KubernetesDiscovery:
         thread.start()
 
     def _watch_forever(
-        self, list_fn: Callable[..., Any], namespace: str, selector: str | None, into: _Collection
+        self, list_fn: Callable[..., Any], namespace: str, query: dict[str, str], into: _Collection
     ) -> None:
         """List, then watch from the list's resourceVersion; on any error back off and start over."""
         from kubernetes import watch
 
         backoff = 0.5
-        kwargs: dict[str, Any] = {"label_selector": selector} if selector else {}
         while not self._stop.is_set():
             try:
-                listed = list_fn(namespace, _preload_content=False, _request_timeout=30, **kwargs)
+                listed = list_fn(namespace, _preload_content=False, _request_timeout=30, **query)
                 data = json.loads(listed.data)
                 version = data["metadata"]["resourceVersion"]
                 self._post(into.replace, data.get("items") or [])
@@ -228,7 +259,7 @@ class KubernetesDiscovery:
                     timeout_seconds=60,
                     allow_watch_bookmarks=True,
                     _request_timeout=90,
-                    **kwargs,
+                    **query,
                 ):
                     if self._stop.is_set():
                         watcher.stop()  # type: ignore[no-untyped-call]
@@ -244,11 +275,7 @@ class KubernetesDiscovery:
                 if self._stop.is_set():
                     return
                 log.warning(
-                    "Failed watching namespace=%s selector=%s error=%s retry_in=%.1fs",
-                    namespace,
-                    selector,
-                    exc,
-                    backoff,
+                    "Failed watching namespace=%s query=%s error=%s retry_in=%.1fs", namespace, query, exc, backoff
                 )
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
@@ -266,21 +293,37 @@ class KubernetesDiscovery:
         with contextlib.suppress(RuntimeError):  # the loop is shutting down
             loop.call_soon_threadsafe(apply)
 
+    def _refresh_nodes(self) -> None:
+        """Parse the node topology ConfigMap when it changed; a malformed one keeps the last good labels."""
+        if not self._topology.changed:
+            return
+        self._topology.changed = False
+        found = list(self._topology.objects.values())
+        before = self._nodes
+        if not found:
+            self._nodes = {}  # deleted (or never there): no node labels, the slices' zone and node still count
+        else:
+            try:
+                self._nodes = parse_node_topology(found[0])
+            except ValueError as exc:
+                log.warning("Ignored node topology configmap=%s error=%s", found[0]["metadata"]["name"], exc)
+        if self._nodes != before:
+            log.info("Updated node topology nodes=%d", len(self._nodes))
+
     def _rebuild(self) -> None:
         config = self._config
+        self._refresh_nodes()
         for role, selector in self._selectors.items():
             slices = self._slices[role]
-            pods = self._pods[(selector.namespace, selector.pod_label_selector)]
             if not slices.synced:
                 continue  # never replace a pool with "nothing" before the first list came back
-            labels = {name: (pod.get("metadata") or {}).get("labels") or {} for name, pod in pods.objects.items()}
             endpoints = pool_endpoints(
                 slices.objects.values(),
                 role=role,
                 port_name=selector.port_name,
-                pods=labels,
                 kv_compat_label=config.kv_compat_label,
                 topology_labels=config.topology_labels,
+                nodes=self._nodes,
             )
             before = {state.url for state in self._table.states(role)}
             self._table.replace(role, endpoints)

@@ -1,0 +1,162 @@
+"""What the router discovers engines through, so that it needs no access to Pods.
+
+The router faces clients, and `get pods` would let it (or whoever takes it over) read every Pod of the namespace,
+env values included. It needs three facts per engine: its address and readiness (EndpointSlices), its kv-compat
+value (a prefill engine is only paired with a decode engine carrying the same one) and its topology domain (a
+scorer prefers a prefill engine in the decode engine's rack or zone). The last two are a pod label and a node
+label. This module renders the objects that carry them to the router:
+
+- **kv-compat: one headless Service per pool and kv-compat value** (`<name>-<pool>-<value>`), selecting the pool's
+  pods that carry the value and labelled with it. The EndpointSlice controller copies a Service's labels onto its
+  slices, so every slice the router selects says, maintained by Kubernetes from the pods' own labels, which value
+  *all* its endpoints carry: a pod is listed under exactly the value it is labelled with, from the moment it is
+  ready, so a rollout can never make the router see an old engine under the new value. The renderer emits a
+  Service for the spec's current value and for every value still present among the pool's pods (`Observed`, from
+  the operator's informer cache): before a rollout starts (the Services are applied in the wave before the
+  StatefulSets) and while old pods remain, including terminating ones that still finish their requests and a
+  rollback's pods. A value no pod carries any longer is not rendered, so the operator prunes its Service. If the
+  cache is behind, an engine is missing from the router's table for a moment, never listed under a wrong value.
+  Values that are not well-formed hashes (a hand-edited pod label) are ignored rather than built into names.
+  Weighed and rejected: labels or annotations the operator writes onto EndpointSlices (the EndpointSlice
+  controller owns them and rewrites them); a pod -> value map in a ConfigMap (a second source of truth that a
+  recreated pod outruns: its new address can be in a slice before the map names it).
+- **topology: a ConfigMap of node labels** (`<name>-router-topology`, key `nodes.json`, a `NodeTopology`). Slice
+  endpoints carry their zone and node name; other domains (a rack, an NVLink domain) are node labels, which only a
+  reader of Nodes sees. The operator already watches the engine pods (status), reads the Nodes they run on by name
+  (cached), and publishes node -> label values for exactly those nodes; the router's Role may read that one
+  ConfigMap (resourceNames). Only rendered when a topology label is not one the slices already carry, so without a
+  `placement.topologyKey` (zone) nothing is read or published. Per-domain Services were rejected: they multiply
+  Services (values x domains) and still need the same node reads. Topology is a soft score: a stale entry can cost
+  a cross-rack transfer, never a mismatched pair.
+- **KV side-channel ports**: the ports a prefill answer may name as `remote_port`. vLLM 0.32's NixlConnector serves
+  the handshake of each data-parallel rank's engine core on `VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index`
+  (one listener per rank for all its TP workers; `nixl/base_scheduler.py`; older releases spaced ranks by the TP
+  size), so a prefill pod of DP size d uses the base port and the d - 1 above it.
+
+All of it is watched by the router (list + watch, no request-time API calls): the API load does not grow with
+traffic, only with pod and node changes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from pdserve.api.defaults import EffectiveSpec
+from pdserve.api.kvcompat import KV_COMPAT_LABEL, is_kv_compat_hash, kv_compat_hash
+from pdserve.api.router_config import NODE_TOPOLOGY_KEY, SLICE_TOPOLOGY_LABELS, ZONE_LABEL, NodeTopology
+from pdserve.api.v1alpha1 import PDService
+from pdserve_operator.render.names import INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
+from pdserve_operator.render.objects import metadata
+
+_EMPTY: Mapping[Any, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the renderer needs to know of the cluster beyond the spec (the operator reads it from its cache).
+
+    The default, nothing observed, renders what a fresh PDService needs (`pdserve render` uses it)."""
+
+    kv_compat: Mapping[EngineRole, frozenset[str]] = field(default_factory=lambda: _EMPTY)
+    """The kv-compat values the pods of each pool carry now (terminating pods included)."""
+    node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: _EMPTY)
+    """Node name -> its labels (at least the topology ones), for the nodes the engine pods run on."""
+
+
+NOTHING_OBSERVED = Observed()
+
+
+# -------------------------------------------------------------------------------------------------- kv-compat
+
+
+def kv_compat_values(spec: EffectiveSpec, observed: Observed, role: EngineRole) -> list[str]:
+    """The values one pool needs a Service for: the spec's, plus every well-formed one its pods carry."""
+    present = {value for value in observed.kv_compat.get(role, frozenset()) if is_kv_compat_hash(value)}
+    return sorted(present | {kv_compat_hash(spec)})
+
+
+def kv_compat_service_name(pds: PDService, role: EngineRole, value: str) -> str:
+    """`<name>-<pool>-<value>`: at most 40 + 8 + 13 = 61 characters, a DNS-1035 label."""
+    return f"{child_name(pds, role)}-{value}"
+
+
+def kv_compat_services(
+    pds: PDService, spec: EffectiveSpec, observed: Observed, role: EngineRole
+) -> list[dict[str, Any]]:
+    """One headless Service per kv-compat value of the pool; only the engine's HTTP port (what the router uses)."""
+    services: list[dict[str, Any]] = []
+    for value in kv_compat_values(spec, observed, role):
+        meta = metadata(pds, kv_compat_service_name(pds, role, value), role)
+        meta["labels"][KV_COMPAT_LABEL] = value  # copied onto the slices: what the router pairs by
+        selector: dict[str, str] = {**selector_labels(pds, role), KV_COMPAT_LABEL: value}
+        services.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": meta,
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": selector,
+                    "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
+                },
+            }
+        )
+    return services
+
+
+def slice_selector(pds: PDService, role: EngineRole) -> str:
+    """The label selector of a pool's per-kv-compat slices. Requiring the kv-compat label leaves out the slices of
+    the pool's own headless Service (same instance and role labels, no value)."""
+    return f"{INSTANCE_LABEL}={pds.metadata.name},{ROLE_LABEL}={role},{KV_COMPAT_LABEL}"
+
+
+# --------------------------------------------------------------------------------------------------- topology
+
+
+def topology_labels(spec: EffectiveSpec) -> list[str]:
+    """The labels naming the topology domain the router scores on: the placement's topology key, else the zone."""
+    return [spec.placement.topology_key] if spec.placement.topology_key else [ZONE_LABEL]
+
+
+def node_topology_labels(spec: EffectiveSpec) -> list[str]:
+    """The topology labels the slices do not carry: the node labels the operator must read and publish."""
+    return [label for label in topology_labels(spec) if label not in SLICE_TOPOLOGY_LABELS]
+
+
+def topology_config_map_name(pds: PDService) -> str:
+    return f"{child_name(pds, 'router')}-topology"
+
+
+def topology_config_map(pds: PDService, spec: EffectiveSpec, observed: Observed) -> dict[str, Any] | None:
+    """The node topology ConfigMap, or None when the slices carry every topology label the router uses.
+
+    Only nodes with at least one of the labels are listed; the JSON is sorted so an unchanged world renders the
+    same bytes (and the operator applies nothing)."""
+    wanted = node_topology_labels(spec)
+    if not wanted:
+        return None
+    nodes = {}
+    for node, node_labels in observed.node_labels.items():
+        values = {label: node_labels[label] for label in wanted if node_labels.get(label)}
+        if values:
+            nodes[node] = values
+    document = NodeTopology(nodes=nodes).model_dump(mode="json")
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(pds, topology_config_map_name(pds), "router"),
+        "data": {NODE_TOPOLOGY_KEY: json.dumps(document, sort_keys=True, separators=(",", ":"))},
+    }
+
+
+# ------------------------------------------------------------------------------------------ side-channel ports
+
+
+def side_channel_ports(spec: EffectiveSpec) -> list[int]:
+    """The ports a prefill engine may advertise as `remote_port`: the side-channel port plus each DP rank."""
+    base = spec.engine.side_channel_port
+    return [base + rank for rank in range(spec.pool("prefill").data_parallel_size)]

@@ -1,0 +1,350 @@
+"""End to end on the local cluster: the router finds and pairs engines with nothing but its own Role, which holds
+EndpointSlices and its one topology ConfigMap and no Pods, and a rolling update of the engine image (a new
+kv-compat value) never pairs a prefill engine with a decode engine of another value.
+
+Real: the API server and its RBAC, the operator (a process), the StatefulSet and EndpointSlice controllers, the
+engines (the process node runs the vLLM image as the simulator, with the renderer's command line and its
+`PDSERVE_KV_COMPAT`, so a mismatched pair is refused at the KV pull and counted by both engines in
+`pdserve:sim_kv_compat_mismatch_total`). The router under test is a local process authenticated as the
+PDService's router ServiceAccount (a TokenRequest token, what its pod mounts) with the config the operator
+rendered: whatever it can discover, it discovers with exactly the Role's permissions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve_dev.demo import prompt_tokens_by_source
+from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.metrics import metric_value, scrape_sync, series
+from pdserve_dev.testing.net import free_port
+from pdserve_dev.testing.operator import OperatorProcess
+from pdserve_dev.testing.wait import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
+
+NAME = "disc"
+ROUTER = f"{NAME}-router"
+TOPOLOGY = f"{NAME}-router-topology"
+# A label of the process node that EndpointSlices do not carry: the operator must read the node and publish it.
+TOPOLOGY_KEY = "pdserve.io/process-node"
+MISMATCH = "pdserve:sim_kv_compat_mismatch_total"
+NEW_IMAGE = "vllm/vllm-openai:v0.32.1"
+ENGINES = "pdserve.io/role in (prefill,decode)"
+
+
+@dataclass
+class Service:
+    namespace: str
+    operator: OperatorProcess
+    router: str  # base URL of the router running as the router ServiceAccount
+    router_log: Path
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _usable(router: str, role: str) -> int:
+    try:
+        text = scrape_sync(f"{router}/metrics", timeout=3)
+    except OSError:
+        return -1
+    return int(metric_value(text, "pdserve_router_endpoint_up", role=role))
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 30) -> tuple[int, dict[str, str], dict[str, Any]]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), {"error": error.read().decode(errors="replace")[:300]}
+
+
+@pytest.fixture(scope="module")
+def service(cluster: ClusterHelper, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    if cluster.process_node_workdir is None:
+        pytest.skip("the local cluster runs without its process node")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/pdservices.pdserve.io", "--timeout=60s")
+    namespace = cluster.create_namespace("disc")
+    work = tmp_path_factory.mktemp("discovery")
+    router_proc: subprocess.Popen[bytes] | None = None
+    try:
+        with OperatorProcess(
+            cluster.kubeconfig,
+            work / "operator.log",
+            namespaces=[namespace],
+            identity="disc",
+            lease_namespace=namespace,
+        ) as operator:
+            operator.wait_ready()
+            doc = yaml.safe_load((ROOT / "examples" / "local-sim.yaml").read_text())
+            doc["metadata"] = {"name": NAME, "namespace": namespace}
+            doc["spec"]["placement"]["topologyKey"] = TOPOLOGY_KEY
+            # Each pool rolls one pod at a time and deletes an old pod as soon as its successor is ready, so within
+            # a pool two values are ready together only for a moment. Across pools it lasts: the one prefill
+            # engine is new after the first step, while decode still has old engines ready for two more steps.
+            doc["spec"]["decode"]["replicas"] = 3
+            cluster.apply(json.dumps(doc))
+
+            def settled() -> bool:
+                status = cluster.get_json(f"pds/{NAME}", "-n", namespace).get("status", {})
+                pools = [status.get("prefill", {}), status.get("decode", {})]
+                available = any(
+                    c["type"] == "Available" and c["status"] == "True" for c in status.get("conditions", [])
+                )
+                return available and all(p.get("readyReplicas") == p.get("desiredReplicas") for p in pools)
+
+            wait_for(settled, timeout=240, message=lambda: f"{NAME} Available with full pools\n{operator.log_tail()}")
+
+            # The router as its pod would run it: its ServiceAccount's token, the rendered config.
+            kubeconfig = cluster.service_account_kubeconfig(namespace, ROUTER, work / "router.kubeconfig")
+            rendered = cluster.get_json("configmap", ROUTER, "-n", namespace)["data"]["router.yaml"]
+            (work / "router.yaml").write_text(rendered)
+            port = free_port("127.0.0.1")
+            env = {"PATH": "/usr/bin:/bin", "KUBECONFIG": str(kubeconfig), "PDSERVE_BIND_HOST": "127.0.0.1"}
+            log_path = work / "router.log"
+            with log_path.open("wb") as log:
+                router_proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pdserve.cli",
+                        "router",
+                        "--config",
+                        str(work / "router.yaml"),
+                        "--port",
+                        str(port),
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            router = f"http://127.0.0.1:{port}"
+            wait_for(
+                lambda: _usable(router, "prefill") == 1 and _usable(router, "decode") == 3,
+                timeout=60,
+                message=lambda: f"the router sees 1 + 3 engines; its log:\n{log_path.read_text()[-3000:]}",
+            )
+            yield Service(namespace, operator, router, log_path)
+    finally:
+        if router_proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                router_proc.send_signal(signal.SIGTERM)
+            try:
+                router_proc.wait(15)
+            except subprocess.TimeoutExpired:
+                router_proc.kill()
+                router_proc.wait()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_the_router_service_account_holds_exactly_its_discovery_reads(cluster: ClusterHelper, service: Service) -> None:
+    namespace = service.namespace
+    user = f"system:serviceaccount:{namespace}:{ROUTER}"
+    baseline = cluster.can_i_list(namespace, f"system:serviceaccount:{namespace}:default")
+    assert cluster.can_i_list(namespace, user) - baseline == {
+        ("endpointslices.discovery.k8s.io", "", "list"),
+        ("endpointslices.discovery.k8s.io", "", "watch"),
+        ("configmaps", TOPOLOGY, "list"),
+        ("configmaps", TOPOLOGY, "watch"),
+    }
+    for verb, resource in [
+        ("get", "pods"),
+        ("list", "pods"),
+        ("watch", "pods"),
+        ("get", "secrets"),
+        ("list", "configmaps"),
+        ("get", f"configmaps/{ROUTER}"),
+        ("get", "nodes"),
+        ("get", "endpointslices.discovery.k8s.io"),
+        ("create", "endpointslices.discovery.k8s.io"),
+    ]:
+        assert not cluster.can_i(namespace, user, verb, resource), f"{ROUTER} may {verb} {resource}"
+    assert cluster.can_i(namespace, user, "watch", f"configmaps/{TOPOLOGY}")
+
+
+def test_the_router_reads_the_published_node_topology(cluster: ClusterHelper, service: Service) -> None:
+    """The operator read the process node and published its topology label; the router, as its ServiceAccount,
+    read that ConfigMap (a list and a watch selecting its name, which the Role's resourceNames allow)."""
+    config_map = cluster.get_json("configmap", TOPOLOGY, "-n", service.namespace)
+    [node] = {pod["spec"]["nodeName"] for pod in cluster.pods(service.namespace, ENGINES)}
+    assert json.loads(config_map["data"]["nodes.json"]) == {"nodes": {node: {TOPOLOGY_KEY: "true"}}}
+    wait_for(
+        lambda: "Updated node topology nodes=1" in service.router_log.read_text(),
+        timeout=30,
+        message=lambda: f"the router read the node topology; its log:\n{service.router_log.read_text()[-3000:]}",
+    )
+    assert "Failed watching" not in service.router_log.read_text()
+
+
+def test_a_pd_request_pairs_through_the_service_account_router(cluster: ClusterHelper, service: Service) -> None:
+    pulled_before = prompt_tokens_by_source(cluster, service.namespace).get("external_kv_transfer", 0.0)
+    prompt = " ".join(f"word{i}" for i in range(400))
+    status, headers, body = _post(
+        f"{service.router}/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4}
+    )
+    assert status == 200, body
+    assert headers["X-Pdserve-Route"] == "pd"
+    pulled = prompt_tokens_by_source(cluster, service.namespace).get("external_kv_transfer", 0.0)
+    assert pulled - pulled_before == body["usage"]["prompt_tokens"]
+
+
+@dataclass
+class Watcher:
+    """Polls every engine pod's mismatch counter (the highest value seen per pod incarnation: a pod that is gone
+    keeps what it last reported) and whether engines of two kv-compat values were ready at once."""
+
+    cluster: ClusterHelper
+    namespace: str
+    mismatches: dict[str, float] = field(default_factory=dict)
+    mixed_polls: int = 0
+    polls: int = 0
+    mixed: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):  # a kubectl racing a deletion: the next poll sees the pod
+                self.poll()
+            self.stop.wait(0.3)
+
+    def poll(self) -> None:
+        values = set()
+        for pod in self.cluster.pods(self.namespace, ENGINES):
+            ip, uid = pod.get("status", {}).get("podIP"), pod["metadata"]["uid"]
+            if _ready(pod):
+                values.add(pod["metadata"]["labels"]["pdserve.io/kv-compat"])
+            if ip:
+                with contextlib.suppress(OSError):
+                    found = metric_value(scrape_sync(f"http://{ip}:8000/metrics", timeout=2), MISMATCH)
+                    self.mismatches[uid] = max(found, self.mismatches.get(uid, 0.0))
+        self.polls += 1
+        if len(values) > 1:
+            self.mixed_polls += 1
+            self.mixed.set()
+        else:
+            self.mixed.clear()
+
+
+@dataclass
+class Load:
+    """Clients sending long (PD) and short prompts, streaming and not, until stopped; outcomes counted, and
+    counted apart while the watcher saw engines of both values ready."""
+
+    router: str
+    watcher: Watcher
+    outcomes: Counter[str] = field(default_factory=Counter)
+    while_mixed: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    _ids: Iterator[int] = field(default_factory=itertools.count)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            n = next(self._ids)
+            words = 300 if n % 4 else 8  # mostly uncached long prompts: the PD path
+            prompt = f"Request {n}. " + " ".join(f"w{n}x{i}" for i in range(words))
+            body: dict[str, Any] = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "stream": n % 3 == 0}
+            mixed = self.watcher.mixed.is_set()
+            outcome = self.send(body)
+            self.outcomes[outcome] += 1
+            if mixed:
+                self.while_mixed[outcome] += 1
+
+    def send(self, body: dict[str, Any]) -> str:
+        request = urllib.request.Request(
+            f"{self.router}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                text = response.read().decode()
+                route = str(response.headers["X-Pdserve-Route"])
+        except urllib.error.HTTPError as exc:
+            self.failures.append(f"{exc.code}: {exc.read().decode(errors='replace')[:200]}")
+            return f"http-{exc.code}"
+        except OSError as exc:
+            self.failures.append(str(exc))
+            return "error"
+        if body["stream"] and ('"error"' in text or not text.rstrip().endswith("data: [DONE]")):
+            self.failures.append(f"stream ended badly: {text[-200:]}")
+            return "stream-error"
+        return route
+
+
+def test_a_rolling_update_of_the_engine_image_never_pairs_mismatched_engines(
+    cluster: ClusterHelper, service: Service
+) -> None:
+    namespace = service.namespace
+    old = cluster.get_json(f"pds/{NAME}", "-n", namespace)["status"]["kvCompatHash"]
+    watcher = Watcher(cluster, namespace)
+    load = Load(service.router, watcher)
+    threads = [threading.Thread(target=watcher.run, daemon=True)]
+    threads += [threading.Thread(target=load.run, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(lambda: load.outcomes["pd"] >= 5, timeout=60, message=lambda: f"PD traffic first: {load.outcomes}")
+        patch = {"spec": {"engine": {"image": NEW_IMAGE}}}
+        cluster.kubectl("patch", f"pds/{NAME}", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+        new = wait_for(
+            lambda: (v := cluster.get_json(f"pds/{NAME}", "-n", namespace)["status"]["kvCompatHash"]) != old and v,
+            timeout=60,
+            message="the operator renders the new kv-compat value",
+        )
+
+        def rolled_over() -> bool:
+            pods = cluster.pods(namespace, ENGINES)
+            values = {p["metadata"]["labels"]["pdserve.io/kv-compat"] for p in pods}
+            services = cluster.get_json("services", "-n", namespace, "-l", f"pdserve.io/kv-compat={old}")["items"]
+            return len(pods) == 4 and values == {new} and all(map(_ready, pods)) and not services
+
+        wait_for(rolled_over, timeout=400, interval=1, message=lambda: f"the rollout, load so far: {load.outcomes}")
+        # The router follows: exactly the four new engines, and PD requests pair them.
+        wait_for(lambda: _usable(service.router, "prefill") == 1 and _usable(service.router, "decode") == 3, 60)
+        served = load.outcomes["pd"]
+        wait_for(lambda: load.outcomes["pd"] >= served + 10, timeout=60, message="PD traffic after the rollout")
+    finally:
+        load.stop.set()
+        watcher.stop.set()
+        for thread in threads:
+            thread.join(timeout=90)
+    watcher.poll()  # the last word of every engine still running
+
+    print(
+        f"rollout: outcomes {dict(load.outcomes)}, while mixed {dict(load.while_mixed)}, "
+        f"polls {watcher.polls} (mixed {watcher.mixed_polls}), mismatches {sum(watcher.mismatches.values())}"
+    )
+    # The rollout did put engines of both values side by side, with traffic flowing meanwhile: a router that paired
+    # by anything but the slices' kv-compat labels would have mixed them.
+    assert watcher.mixed_polls > 0 and load.while_mixed["pd"] >= 10, (watcher.mixed_polls, load.while_mixed)
+    assert sum(watcher.mismatches.values()) == 0, watcher.mismatches
+    assert len(watcher.mismatches) >= 8  # the four old engines and the four new ones were all read
+    served = load.outcomes["pd"] + load.outcomes["decode-only"] + load.outcomes["fallback"]
+    assert served == sum(load.outcomes.values()), (load.outcomes, load.failures[:5])
+    routes = series(scrape_sync(f"{service.router}/metrics"), "pdserve_router_endpoint_up")
+    assert sorted(labels["role"] for labels, _ in routes) == ["decode", "decode", "decode", "prefill"]
