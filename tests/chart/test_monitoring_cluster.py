@@ -14,12 +14,13 @@ pull on decode).
 target (no request is that fast: TTFT burns 100x a p99 budget) and an 80 s ITL target (every gap is within it:
 ITL burns 0).
 
-STAND-IN: pdserve's autoscaler does not export its metrics on this branch yet (another change wires it into the
-operator). Until then a static target started here serves `pdserve_autoscaler_*` with the names and labels that
-change exports (branch `scaleloop`'s `autoscaler/metrics.py`), as an autoscaler holding `chat`'s decode pool at
-maxReplicas would; every scrape is one tick. When the wiring lands, the operator runs with `--prometheus-url` and
-the stand-in goes; the real error counters (`_query_errors_total`, `_errors_total`) appear only after a first error,
-so the test must then provoke one.
+The autoscaler is the operator's own (`--prometheus-url`, a 2 s tick), reaching that Prometheus through a TCP
+forwarder the test cuts for a few ticks once the load runs, so its query errors are real and
+`PDServeAutoscalerQueryErrors` fires (rate() sees the first errors because the counters start at 0). Both of
+`chat`'s pools are scaled by pdserve between 1 and 1 replica: every tick decides (the 1 ms TTFT target is
+breached, so prefill is held at its maximum: reason AtMaxReplicas) without adding pods. `PDServePoolAtMaxReplicas`
+needs 90 % of 15 minutes of decisions at the maximum, longer than this test: its logic is checked by the promtool
+unit tests (`data/alerts-test.yaml`), its input (AtMaxReplicas decisions of `chat`'s prefill pool) here.
 
 Every dashboard query must return at least one finite value for `chat`'s namespace; every rule expression, with its
 comparisons made `bool` (so that a threshold not crossed still shows the series exist and the joins match), must
@@ -32,6 +33,7 @@ import contextlib
 import json
 import math
 import threading
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,15 +43,12 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from pdserve_dev import dashboard
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.helm import template
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
-from pdserve_dev.testing.net import free_port
+from pdserve_dev.testing.net import TcpForwarder
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.prometheus import PrometheusHelper, bool_comparisons
 from pdserve_dev.testing.wait import wait_for
@@ -62,71 +61,6 @@ SERVICE = "chat"
 ENGINE_PORT, ROUTER_PORT = 8000, 8080
 LONG = " ".join(f"word{i}" for i in range(300))  # over the 64-token threshold: the pd route
 SHORT = "Say hi."  # decode-only
-
-
-# ------------------------------------------------------------------------------------------------ the stand-in
-
-
-class AutoscalerStandIn(Collector):
-    """`pdserve_autoscaler_*` as the autoscaler will export them for one PDService (see the module docstring).
-
-    Each collect() is one tick: the decision counters grow by one per pool, decode capped at maxReplicas."""
-
-    def __init__(self, namespace: str, name: str) -> None:
-        self.labels = [namespace, name]
-        self.ticks = 0
-
-    def collect(self) -> Iterator[Metric]:
-        self.ticks += 1
-        pool_labels = ["namespace", "pdservice", "pool"]
-        for what in ("desired", "current", "ready"):
-            family = GaugeMetricFamily(f"pdserve_autoscaler_{what}_replicas", f"{what} replicas", labels=pool_labels)
-            for pool in ("prefill", "decode"):
-                family.add_metric([*self.labels, pool], 1.0)
-            yield family
-        capacity = GaugeMetricFamily("pdserve_autoscaler_capacity_per_replica", "capacity", labels=pool_labels)
-        demand = GaugeMetricFamily("pdserve_autoscaler_demand", "demand", labels=pool_labels)
-        for pool, per_replica, wanted in (("prefill", 9600.0, 4000.0), ("decode", 1200.0, 1500.0)):
-            capacity.add_metric([*self.labels, pool], per_replica)
-            demand.add_metric([*self.labels, pool], wanted)
-        yield capacity
-        yield demand
-        observed = GaugeMetricFamily(
-            "pdserve_autoscaler_observed_latency_seconds", "observed", labels=["namespace", "pdservice", "kind"]
-        )
-        observed.add_metric([*self.labels, "ttft"], 0.35)
-        observed.add_metric([*self.labels, "itl"], 0.02)
-        yield observed
-        decisions = CounterMetricFamily(
-            "pdserve_autoscaler_decisions", "decisions", labels=["namespace", "pdservice", "pool", "reason"]
-        )
-        decisions.add_metric([*self.labels, "prefill", "WithinTolerance"], float(self.ticks))
-        decisions.add_metric([*self.labels, "decode", "AtMaxReplicas"], float(self.ticks))
-        yield decisions
-        errors = CounterMetricFamily(
-            "pdserve_autoscaler_query_errors", "query errors", labels=["namespace", "pdservice", "query"]
-        )
-        errors.add_metric([*self.labels, "router_ttft"], float(self.ticks))
-        yield errors
-        failed = CounterMetricFamily(
-            "pdserve_autoscaler_errors", "failed ticks and /scale writes", labels=["namespace", "pdservice", "stage"]
-        )
-        failed.add_metric([*self.labels, "scale"], float(self.ticks // 10))
-        yield failed
-
-
-@contextlib.contextmanager
-def serve_stand_in(collector: Collector) -> Iterator[str]:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    port = free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
 
 
 # ------------------------------------------------------------------------------------------------------ load
@@ -193,6 +127,8 @@ def _pdservice(namespace: str) -> dict[str, Any]:
     doc["metadata"] = {"name": SERVICE, "namespace": namespace}
     doc["spec"]["decode"]["replicas"] = 1
     doc["spec"]["slo"] = {"ttftMilliseconds": 1, "itlMilliseconds": 80_000, "percentile": 99}
+    for pool in ("prefill", "decode"):  # pdserve's autoscaler decides every tick, within 1..1 replicas
+        doc["spec"][pool]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 1}
     return doc
 
 
@@ -201,6 +137,8 @@ def _broken(namespace: str) -> dict[str, Any]:
     doc["metadata"]["name"] = "broken"
     doc["spec"]["model"]["uri"] = "/mnt/models/tiny-llama"  # a node path this operator does not allow: InvalidSpec
     del doc["spec"]["slo"]
+    for pool in ("prefill", "decode"):
+        doc["spec"][pool].pop("autoscaling", None)
     return doc
 
 
@@ -228,17 +166,28 @@ def setup(
     rules_file = f"pdserve-{namespace}"
     groups = _rendered_rules()
     log = tmp_path_factory.mktemp("dash") / "operator.log"
+    target = urllib.parse.urlsplit(prometheus.url)
     with contextlib.ExitStack() as stack:
+        forwarder = stack.enter_context(TcpForwarder((target.hostname or "127.0.0.1", target.port or 9090)))
         stack.callback(cluster.kubectl, "delete", "namespace", namespace, "--wait=false", check=False)
         op = stack.enter_context(
-            OperatorProcess(cluster.kubeconfig, log, namespaces=[namespace], identity="dash", lease_namespace=namespace)
+            OperatorProcess(
+                cluster.kubeconfig,
+                log,
+                namespaces=[namespace],
+                identity="dash",
+                lease_namespace=namespace,
+                extra=[
+                    f"--prometheus-url={forwarder.url}",
+                    "--prometheus-timeout=2",
+                    "--autoscaler-interval-seconds=2",
+                    "--autoscaler-window-seconds=6",
+                ],
+            )
         )
         op.wait_ready()
         prometheus.add_target(f"{namespace}-operator", f"127.0.0.1:{op.metrics_port}")
         stack.callback(prometheus.remove_target, f"{namespace}-operator")
-        autoscaler = stack.enter_context(serve_stand_in(AutoscalerStandIn(namespace, SERVICE)))
-        prometheus.add_target(f"{namespace}-autoscaler", autoscaler)
-        stack.callback(prometheus.remove_target, f"{namespace}-autoscaler")
         prometheus.load_rules(rules_file, yaml.safe_dump({"groups": groups}, sort_keys=False))
         stack.callback(prometheus.unload_rules, rules_file)
 
@@ -277,10 +226,31 @@ def setup(
                 and _value(prometheus, f'sum(pdserve_router_requests_total{{{ns}, route="pd"}})') >= 10
                 and bool(prometheus.query(f"pdservice:pdserve_ttft_slo_burn_rate:rate5m{{{ns}}}"))
                 and bool(prometheus.query(f'pdserve_pdservice_condition{{{ns}, pdservice="broken"}}'))
+                and bool(prometheus.query(f"rate(pdserve_autoscaler_decisions_total{{{ns}}}[30s]) > 0"))
+                and bool(prometheus.query(f'pdserve_autoscaler_demand{{{ns}, pool="prefill"}}'))
+                and bool(prometheus.query(f'pdserve_autoscaler_observed_latency_seconds{{{ns}, kind="ttft"}}'))
             ),
             timeout=120,
             interval=1,
-            message="the load, the fallback, the failed pull, the operator's series and the first rule evaluations",
+            message="the load, the fallback, the failed pull, the operator's and autoscaler's series, the rules",
+        )
+        # Prometheus out of the autoscaler's reach for a few ticks: its queries fail and are counted.
+        forwarder.close()
+        wait_for(
+            lambda: _value(prometheus, f"sum(pdserve_autoscaler_query_errors_total{{{ns}}})") > 0,
+            timeout=60,
+            interval=1,
+            message="the autoscaler's failed queries, scraped",
+        )
+        forwarder.open()
+        wait_for(
+            lambda: (
+                bool(prometheus.query(f'pdserve_autoscaler_demand{{{ns}, pool="prefill"}}'))
+                and bool(prometheus.query(f'pdserve_autoscaler_observed_latency_seconds{{{ns}, kind="ttft"}}'))
+            ),
+            timeout=90,
+            interval=1,
+            message="the autoscaler reading Prometheus again (its failures are retried with backoff)",
         )
         yield Setup(namespace, prometheus, rules_file, groups)
 
@@ -341,9 +311,12 @@ def test_the_provoked_alerts_are_active_and_the_burn_rates_are_exact(setup: Setu
         ("PDServeTTFTBudgetBurnSlow", SERVICE),
         ("PDServiceStalled", "broken"),
         ("PDServeKVTransferFailures", SERVICE),
-        ("PDServePoolAtMaxReplicas", SERVICE),
         ("PDServeAutoscalerQueryErrors", SERVICE),
     }
+    # PDServePoolAtMaxReplicas' input (its ratio over 15 minutes is the promtool tests' part): the prefill pool's
+    # decisions at its maximum.
+    at_max = f'pdserve_autoscaler_decisions_total{{{ns}, pool="prefill", reason="AtMaxReplicas"}}'
+    assert (setup.prometheus.value(f"sum({at_max})") or 0) > 0
 
     def active() -> set[tuple[str, str]]:
         found = set()

@@ -155,6 +155,7 @@ class Autoscalers:
         for key in sorted(wanted - set(self._tasks)):
             loop = ServiceLoop(key, self)
             self.loops[key] = loop
+            self.metrics.begin(*key)
             self._tasks[key] = asyncio.create_task(loop.run(), name=f"autoscaler {key[0]}/{key[1]}")
             log.info("Started autoscaler loop pdservice=%s/%s", *key)
 

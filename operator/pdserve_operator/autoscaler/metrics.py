@@ -18,7 +18,9 @@ Names are a contract (dashboards and alerts read them); every per-service series
 
 A value that is unknown this tick (no traffic for a quantile, no metrics) has no sample rather than a stale or a
 zero one; a service's series are removed when its loop stops (PDService deleted, autoscaling turned off,
-leadership lost), so only the leader exports them.
+leadership lost), so only the leader exports them. The error counters start at 0 for every stage and query when
+a loop starts (`begin`): Prometheus' rate() needs a sample before the first error to see it, so an alert or a
+panel on them sees the first failure, not only the second.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve_operator.autoscaler.decision import Decision
+from pdserve_operator.autoscaler.queries import BY_NAME
 from pdserve_operator.autoscaler.signals import ROLES, ServiceSignals
 
 SERVICE_LABELS = ("namespace", "pdservice")
 LATENCY_KINDS = ("ttft", "itl", "prefill_ttft", "decode_itl")
+ERROR_STAGES = ("collect", "decide", "scale")
 
 
 class AutoscalerMetrics:
@@ -115,16 +119,28 @@ class AutoscalerMetrics:
         for query in signals.failed_queries:
             self.query_errors.labels(namespace, name, query).inc()
 
+    def begin(self, namespace: str, name: str) -> None:
+        """A service's loop started: its error counters exist at 0 (see the module docstring)."""
+        for stage in ERROR_STAGES:
+            self.errors.labels(namespace, name, stage)
+        for query in BY_NAME:
+            self.query_errors.labels(namespace, name, query)
+
     def error(self, namespace: str, name: str, stage: str) -> None:
         self.errors.labels(namespace, name, stage).inc()
 
     def forget(self, namespace: str, name: str) -> None:
-        """Remove a service's gauges (its loop stopped): only a running loop's numbers are exported."""
+        """Remove a service's gauges and error counters (its loop stopped): only a running loop's numbers are
+        exported."""
         for gauge in (self.desired, self.current, self.ready, self.capacity, self.demand):
             for role in ROLES:
                 _remove(gauge, (namespace, name, role))
         for kind in LATENCY_KINDS:
             _remove(self.latency, (namespace, name, kind))
+        for stage in ERROR_STAGES:
+            _remove(self.errors, (namespace, name, stage))
+        for query in BY_NAME:
+            _remove(self.query_errors, (namespace, name, query))
 
 
 def _set(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
@@ -134,6 +150,6 @@ def _set(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
         gauge.labels(*labels).set(value)
 
 
-def _remove(gauge: Gauge, labels: tuple[str, ...]) -> None:
+def _remove(family: Gauge | Counter, labels: tuple[str, ...]) -> None:
     with contextlib.suppress(KeyError):  # never set
-        gauge.remove(*labels)
+        family.remove(*labels)

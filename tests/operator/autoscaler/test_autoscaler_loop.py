@@ -212,6 +212,15 @@ async def test_loops_run_on_the_leader_for_scaled_services_and_stop_when_that_en
     await asyncio.sleep(0)  # the loop's first tick
     await wait_until(lambda: world.board.get(KEY) is not None)
     assert world.metric("pdserve_autoscaler_desired_replicas", namespace=NAMESPACE, pdservice=NAME, pool="prefill")
+    # The error counters exist at 0 from the start, so rate() sees the first failure.
+    service = {"namespace": NAMESPACE, "pdservice": NAME}
+    for stage in ("collect", "decide", "scale"):
+        assert world.metric("pdserve_autoscaler_errors_total", **service, stage=stage) == 0
+    assert world.metric("pdserve_autoscaler_query_errors_total", **service, query="router_ttft_pd") == 0
+    assert (
+        world.metric("pdserve_autoscaler_errors_total", namespace=NAMESPACE, pdservice="external-only", stage="scale")
+        is None
+    )
 
     # Leadership lost: the loop stops, its series and its report go (only the leader exports them).
     world.leader = False
@@ -221,6 +230,8 @@ async def test_loops_run_on_the_leader_for_scaled_services_and_stop_when_that_en
     assert (
         world.metric("pdserve_autoscaler_desired_replicas", namespace=NAMESPACE, pdservice=NAME, pool="prefill") is None
     )
+    assert world.metric("pdserve_autoscaler_errors_total", **service, stage="scale") is None
+    assert world.metric("pdserve_autoscaler_query_errors_total", **service, query="router_ttft_pd") is None
 
     # Leader again: the loop comes back; the PDService handed to an external scaler stops it.
     world.leader = True
