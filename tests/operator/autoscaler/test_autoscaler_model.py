@@ -432,3 +432,20 @@ def test_kv_held_for_handoffs_does_not_shrink_decode_capacity() -> None:
     _, calm = run(signals(d=decode(pods=running)))
     _, pulling = run(signals(d=decode(pods=waiting, waiting_deferred=60.0, waiting=60.0)))
     assert pulling.decode.capacity_per_replica == pytest.approx(calm.decode.capacity_per_replica, rel=1e-6)
+
+
+def test_long_streams_are_sized_for_prefill_arrivals_by_decode_load_not_tokens_per_finished_request() -> None:
+    # 200 streams of ~16k tokens: 8k tokens/s, and this window saw 1.5 of them finish where 7.5 were due.
+    # Prefill's queue grew by 7.5 requests in 15 s: requests arrive at twice the rate it hands on, so decode's
+    # load is heading for twice what it is, not for arrivals x 8000 / 0.1 tokens.
+    raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0, decode_surprise=0.0)
+    slow = dict(request_rate=0.5, prompt_tokens_rate=500.0, uncached_tokens_rate=500.0, prompt_tokens_quantile=1000.0)
+    long = decode(request_rate=0.1, prompt_tokens_rate=100.0, generated_tokens_rate=8000.0, running=200.0)
+    _, est = run(
+        signals(at=100.0, p=prefill(**slow, waiting=0.0), d=long),
+        signals(at=115.0, p=prefill(**slow, waiting=7.5), d=long),
+        config=raw,
+    )
+    assert est.prefill.arrival_rate == pytest.approx(1.0)
+    assert est.decode.demand == pytest.approx(2 * 8000.0)
+    assert any("arriving at prefill" in note for note in est.decode.notes)
