@@ -394,9 +394,9 @@ class _DecodeProbe:
 
 def test_decode_capacity_holds_with_long_outputs_and_few_completions_per_window() -> None:
     # Long streams (16k output tokens on average, ~7 minutes each) at 0.3 requests/s on two decode replicas:
-    # ~60 streams run at once, yet a 15 s window sees about four of them finish. Tokens per finished request
-    # swings with those few completions; the batch decode holds does not. The simulator's truth is its cost
-    # model at the context its running sequences actually hold.
+    # ~100 streams run at once, yet the replay's 30 s window sees about eight of them finish. Tokens per finished
+    # request swings with those few completions; the batch decode holds does not. The simulator's truth is its
+    # cost model at the context its running sequences actually hold.
     rng = random.Random(7)
     requests: list[Request] = []
     at = 0.0
