@@ -17,8 +17,17 @@ Algorithm, per pool and per tick:
    current workload mix: prefill S is the idle latency of a prompt at the SLO percentile of uncached length, mu
    the token throughput of full batches; decode S is one step that admits a request (under load nearly every
    step does, so the tail steps carry that cost), mu = 1 / (per-sequence cost + attention over the mean context
-   + the request's own prefill tokens amortised over its output). Decode is also capped by max_num_seqs and by
-   the KV cache (mean context x batch). k starts at 1.
+   of a running sequence + the request's own prefill tokens amortised over its output). Decode is also capped by
+   max_num_seqs and by the KV cache (mean context x batch). k starts at 1.
+   Decode's mean context is read from what decode holds now, not from finished requests: the KV the running
+   sequences occupy (the pods' KV usage, less the blocks reserved by requests still waiting on a KV handoff)
+   over the running sequences. Finished requests are a poor census of a decode batch: with long outputs a
+   stream outlives many windows, a window sees few completions, and tokens per finished request swings by a
+   factor of several from one window to the next (a window with one completion where four were due reads a
+   fourfold output, so a fourfold context and a KV cache holding a quarter of the sequences; a window with
+   none falls back to a default). Running sequences also weigh long streams as the batch does: a stream
+   stays in the batch in proportion to its length. Only without those gauges does the context come from
+   finished requests (mean prompt + half the mean output).
 3. Learning. Each settled replica (ready for the warm-up period; warm-up samples over-scaled Dynamo's decode)
    gives a (load, latency) pair. A lightly loaded pair measures S; a loaded one whose latency shows queueing
    measures k = (T/S - 1)(1 - u)/u; a pair far past the target (`OVERLOAD`) is an overload transient, whose
@@ -34,7 +43,10 @@ Algorithm, per pool and per tick:
    and keep those engines busy until drained).
    Decode: tokens generated per second plus, for each request waiting for a sequence slot or KV blocks, the rate
    it would generate at the target, and at least what prefill is being sent (decode's load is prefill's output a
-   moment later: sized from it, both pools move together on a jump instead of one after the other). Requests
+   moment later: sized from it, both pools move together on a jump instead of one after the other). What prefill
+   sends is its arrivals x tokens per request only while decode's streams are short next to the window and
+   finish by the dozen in it (the per-request count is then sound); with long streams it is decode's own load
+   scaled by prefill's arrivals over the requests prefill handed on (the requests per window cancel). Requests
    waiting on a KV handoff (vLLM's "deferred") are not decode demand:
    their KV blocks inflate KV usage without load (llm-d's finding), so KV usage never drives decode.
    A Holt filter (level + trend) predicts demand over the horizon a new replica needs to become ready; a trend
@@ -58,7 +70,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from pdserve_operator.autoscaler.signals import Role, ServiceSignals
+from pdserve_operator.autoscaler.signals import PoolSignals, Role, ServiceSignals
 
 #: Learned ratios never leave [1/CLAMP, CLAMP] x the prior: a garbage sample burst cannot run away.
 CLAMP = 4.0
@@ -73,6 +85,12 @@ DEVIATION_DECAY = 0.05
 #: Typical shapes used only when a pool has no traffic to measure them (demand is then ~0 anyway).
 DEFAULT_PROMPT_TOKENS = 1024.0
 DEFAULT_OUTPUT_TOKENS = 128.0
+#: Tokens per finished request is trusted (to size decode for prefill's arrivals) only when the window saw at
+#: least this many completions...
+MIN_COMPLETIONS = 50.0
+#: ...and a request spends at most this many windows on decode (Little's law: running / finished per second).
+#: Longer streams span windows: their tokens are counted in windows where they do not finish.
+MAX_STREAM_SHARE = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,7 +498,10 @@ def _decode(
     output = _ratio(pool.generated_tokens_rate, pool.request_rate) or DEFAULT_OUTPUT_TOKENS
     prompt = _ratio(pool.prompt_tokens_rate, pool.request_rate) or DEFAULT_PROMPT_TOKENS
     local_prefill = _ratio(pool.uncached_tokens_rate, pool.request_rate) or 0.0
-    context = prompt + output / 2.0
+    # The batch's mean context as decode holds it now (module docstring, step 2); from finished requests only
+    # when the pods report no running sequences or KV usage.
+    held = running_context(pool, profile, prompt)
+    context = held if held is not None else prompt + output / 2.0
     prior = Curve(profile.decode_step_base_s(), 1.0 / profile.decode_per_token_s(context, output, local_prefill), 1.0)
     fit = _learn(
         state.decode_fit.decayed(now, config.learn_half_life_s), pool.settled_pairs(), prior, config, config.slo.itl_s
@@ -506,12 +527,10 @@ def _decode(
         # Decode's load is prefill's output a moment later: when requests arrive faster at prefill than decode
         # sees them (a jump, or prefill short of capacity), size decode for what is coming, not for what has
         # come, so the two pools move together instead of one after the other.
-        if upstream.arrival_rate is not None and pool.request_rate is not None:
-            direct = max(0.0, pool.request_rate - (signals.prefill.request_rate or 0.0))
-            coming = (upstream.arrival_rate + direct) * output
-            if coming > demand_now:
-                demand_now = coming
-                notes.append(f"sized for the {upstream.arrival_rate:.0f} requests/s arriving at prefill")
+        coming = _coming(signals, upstream, load, output)
+        if coming is not None and upstream.arrival_rate is not None and coming > demand_now:
+            demand_now = coming
+            notes.append(f"sized for the {upstream.arrival_rate:.0f} requests/s arriving at prefill")
         if (pool.waiting_deferred or 0.0) > 0 and (pool.kv_usage or 0.0) > 0.5:
             notes.append(
                 f"KV usage {pool.kv_usage:.0%} includes {pool.waiting_deferred:.0f} requests waiting on KV "
@@ -534,6 +553,46 @@ def _decode(
         steady_demand=steady,
     )
     return fit, forecast, estimate
+
+
+def running_context(pool: PoolSignals, profile: EngineProfile, prompt: float) -> float | None:
+    """Mean context (tokens) of the sequences a decode pool is running: the KV its ready pods hold, less what
+    requests waiting on a KV handoff reserve (their prompt each; vLLM's "deferred" wait), over the pods' running
+    sequences. None when no pod reports both gauges or nothing runs: then there is no batch to measure."""
+    running = 0.0
+    held = 0.0
+    for pod in pool.pods:
+        if pod.running is None or pod.kv_usage is None:
+            continue
+        running += pod.running
+        held += pod.kv_usage * profile.kv_cache_tokens
+    if running < 1.0:
+        return None
+    # A handoff's blocks are reserved before its KV arrives: decode holds them, but no step reads them yet.
+    handoffs = (pool.waiting_deferred or 0.0) * prompt
+    return max((held - handoffs) / running, 1.0)
+
+
+def _coming(signals: ServiceSignals, upstream: PoolEstimate, load: float, output: float) -> float | None:
+    """Decode's load once what arrives at prefill now reaches it (module docstring, step 4); None = unknown.
+    `output` is tokens per finished request, `load` decode's generated tokens per second."""
+    pool, prefill, window_s = signals.decode, signals.prefill, signals.window_s
+    arrivals = upstream.arrival_rate
+    if arrivals is None or pool.request_rate is None:
+        return None
+    finished = pool.request_rate
+    stream_s = _ratio(pool.running, finished)
+    short = stream_s is None or stream_s <= MAX_STREAM_SHARE * window_s
+    if finished * window_s >= MIN_COMPLETIONS and short:
+        # Short streams, many completions: tokens per finished request is the mean output.
+        direct = max(0.0, finished - (prefill.request_rate or 0.0))
+        return (arrivals + direct) * output
+    # Long streams: decode's load grows as prefill's arrivals outrun the requests it handed on. Both rates count
+    # the same few requests per window, so their ratio stays sound where tokens per finished request does not.
+    handed_on = prefill.request_rate
+    if handed_on is None or handed_on <= 0:
+        return None
+    return load * max(arrivals / handed_on, 1.0)
 
 
 def _ttft_cause(

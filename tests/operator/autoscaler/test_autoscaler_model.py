@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import random
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
 
+from pdserve_dev.replay.cluster import ReplayCluster, ReplayConfig
+from pdserve_dev.replay.engines import DecodeEngine
+from pdserve_dev.replay.observe import Observation
+from pdserve_dev.replay.scalers import profile_from_timing
+from pdserve_dev.replay.trace import Request
 from pdserve_operator.autoscaler.model import (
     H200_8B,
     Cause,
@@ -20,6 +26,8 @@ from pdserve_operator.autoscaler.model import (
     prefill_budget_s,
 )
 from pdserve_operator.autoscaler.signals import PodSample, PoolSignals, RouterSignals, ServiceSignals
+from pdserve_sim.presets import H200_8B as H200_8B_TIMING
+from pdserve_sim.presets import TimingParams
 
 SLO = Slo(ttft_s=0.8, itl_s=0.04, percentile=90)
 CONFIG = ModelConfig(slo=SLO, horizon_s=45.0)
@@ -340,3 +348,104 @@ def test_decode_is_sized_for_what_prefill_is_being_sent() -> None:
     assert any("arriving at prefill" in note for note in est.decode.notes)
     _, calm = run(signals(), config=raw)
     assert calm.decode.demand == pytest.approx(20_000.0)
+
+
+# ------------------------------------------------------------------------ decode capacity with long outputs
+
+
+def _true_decode_capacity(timing: TimingParams, context: float, target_s: float) -> float:
+    """Tokens per second one decode replica of the simulator generates with its steps at `target_s`, when its
+    running sequences hold `context` tokens each: the largest batch whose step (one that admits a request, as
+    the tail steps under load do) fits the target, within max_num_seqs and the KV cache."""
+    slots = min(timing.max_num_seqs, int(timing.num_kv_blocks * timing.block_size / context))
+    batch = max(
+        (b for b in range(1, slots + 1) if timing.step_seconds(1, b, round(b * context)) <= target_s), default=1
+    )
+    return batch / timing.step_seconds(1, batch, round(batch * context))
+
+
+@dataclass
+class _DecodeProbe:
+    """A fixed-size service that runs the model every tick beside the simulator's own truth."""
+
+    name: str
+    size: tuple[int, int]
+    config: ModelConfig
+    replay: ReplayCluster | None = None
+    state: ModelState = field(default_factory=ModelState)
+    #: (time, model capacity per replica, true capacity per replica, required replicas, completions in window)
+    ticks: list[tuple[float, float, float, float, float]] = field(default_factory=list)
+
+    def tick(self, observation: Observation) -> tuple[int, int]:
+        self.state, est = estimate(self.config, self.state, observation.signals)
+        assert self.replay is not None
+        engines = [r.engine for r in self.replay.replicas["decode"] if isinstance(r.engine, DecodeEngine)]
+        batch = sum(e.batch for e in engines)
+        pool = observation.signals.decode
+        if batch and est.decode.required is not None and pool.request_rate is not None:
+            context = sum(e.context for e in engines) / batch
+            truth = _true_decode_capacity(H200_8B_TIMING, context, self.config.slo.itl_s * self.config.target_fraction)
+            completions = pool.request_rate * observation.signals.window_s
+            self.ticks.append(
+                (observation.at, est.decode.capacity_per_replica, truth, est.decode.required, completions)
+            )
+        return self.size
+
+
+def test_decode_capacity_holds_with_long_outputs_and_few_completions_per_window() -> None:
+    # Long streams (16k output tokens on average, ~7 minutes each) at 0.3 requests/s on two decode replicas:
+    # ~100 streams run at once, yet the replay's 30 s window sees about eight of them finish. Tokens per finished
+    # request swings with those few completions; the batch decode holds does not. The simulator's truth is its
+    # cost model at the context its running sequences actually hold.
+    rng = random.Random(7)
+    requests: list[Request] = []
+    at = 0.0
+    while at < 900.0:
+        at += rng.expovariate(0.3)
+        requests.append(Request(at, 1000, int(rng.uniform(8_000, 24_000))))
+    profile = profile_from_timing(H200_8B_TIMING)
+    config = ModelConfig(slo=SLO, prefill_profile=profile, decode_profile=profile)
+    probe = _DecodeProbe("probe", (2, 2), config)
+    replay = ReplayCluster(ReplayConfig(H200_8B_TIMING, H200_8B_TIMING, SLO, (2, 2)), requests, probe)
+    probe.replay = replay
+    outcome = replay.run()
+    assert outcome.attainment(SLO) == 1.0  # two replicas are enough: the ITL stays in target throughout
+
+    # The steady part: every stream of the first minutes has had time to finish, arrivals still come.
+    steady = [t for t in probe.ticks if 600.0 <= t[0] <= 900.0]
+    assert len(steady) >= 15
+    assert sum(t[4] for t in steady) / len(steady) < 10  # few completions per window
+    errors = [model / truth for _, model, truth, _, _ in steady]
+    assert all(0.8 <= e <= 1.25 for e in errors), [f"{e:.2f}" for e in errors]
+    # And the pool it asks for is the one that carries the load (2), not a multiple of it.
+    assert max(t[3] for t in steady) <= 3.0, [f"{t[3]:.1f}" for t in steady]
+
+
+def test_kv_held_for_handoffs_does_not_shrink_decode_capacity() -> None:
+    # 100 sequences of ~2000 tokens per replica hold 200k tokens of KV; 60 more requests wait on their KV pull
+    # with 1000-token prompts reserved. The batch is the same either way, so is the capacity.
+    kv = H200_8B.kv_cache_tokens
+    running = tuple(
+        PodSample(f"d-{i}", load=4000.0, latency_s=0.02, running=100.0, kv_usage=200_000 / kv) for i in range(4)
+    )
+    waiting = tuple(replace(p, kv_usage=(200_000 + 15 * 1000) / kv) for p in running)
+    _, calm = run(signals(d=decode(pods=running)))
+    _, pulling = run(signals(d=decode(pods=waiting, waiting_deferred=60.0, waiting=60.0)))
+    assert pulling.decode.capacity_per_replica == pytest.approx(calm.decode.capacity_per_replica, rel=1e-6)
+
+
+def test_long_streams_are_sized_for_prefill_arrivals_by_decode_load_not_tokens_per_finished_request() -> None:
+    # 200 streams of ~16k tokens: 8k tokens/s, and this window saw 1.5 of them finish where 7.5 were due.
+    # Prefill's queue grew by 7.5 requests in 15 s: requests arrive at twice the rate it hands on, so decode's
+    # load is heading for twice what it is, not for arrivals x 8000 / 0.1 tokens.
+    raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0, decode_surprise=0.0)
+    slow = dict(request_rate=0.5, prompt_tokens_rate=500.0, uncached_tokens_rate=500.0, prompt_tokens_quantile=1000.0)
+    long = decode(request_rate=0.1, prompt_tokens_rate=100.0, generated_tokens_rate=8000.0, running=200.0)
+    _, est = run(
+        signals(at=100.0, p=prefill(**slow, waiting=0.0), d=long),
+        signals(at=115.0, p=prefill(**slow, waiting=7.5), d=long),
+        config=raw,
+    )
+    assert est.prefill.arrival_rate == pytest.approx(1.0)
+    assert est.decode.demand == pytest.approx(2 * 8000.0)
+    assert any("arriving at prefill" in note for note in est.decode.notes)
