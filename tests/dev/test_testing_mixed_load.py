@@ -48,6 +48,11 @@ async def test_every_answer_of_a_healthy_pool_counts_as_succeeded() -> None:
     assert results.sent == results.succeeded > 0, results.summary()
     assert results.routes["pd"] > 0 and results.routes["decode-only"] > 0  # both paths were taken
     assert results.worst_ttft_seconds > 0
+    # One first-token time per stream, the worst among them the one reported.
+    streams = sum(1 for shape in default_mix((3, 17)) if shape.stream)
+    assert len(results.ttfts) >= streams
+    assert max(ttft for _, ttft in results.ttfts) == results.worst_ttft_seconds
+    assert not results.failure_kinds
 
 
 @pytest.mark.parametrize(
@@ -71,3 +76,26 @@ async def test_failures_are_sorted_by_what_the_client_saw(faults: dict[str, int]
         results = load.results
     assert results.succeeded == 0, results.summary()
     assert getattr(results, outcome) == results.sent, results.summary()
+    if outcome == "failed_told":
+        assert results.failure_kinds == {"http-503": results.failed_told}
+
+
+async def test_a_stream_cut_behind_a_router_is_told_after_its_tokens() -> None:
+    """The router ends a stream its decode engine cut with an error event: a told failure, of the one kind a
+    router cannot hide by retrying (tokens were already sent)."""
+    mix = [Shape(chat=False, stream=True, long=False, max_tokens=5)]
+    async with (
+        sim_in_process(role="prefill") as prefill,
+        sim_in_process(role="decode") as decode,
+        router(prefill.url, decode.url) as url,
+    ):
+        await set_faults(decode.url, disconnect_after_tokens=2)
+        async with MixedLoad(url, "sim-model", concurrency=1, mix=mix) as load:
+
+            async def counted() -> bool:
+                return load.results.failed_told >= 3
+
+            await wait_for_async(counted, within=20, message=load.results.summary)
+        results = load.results
+    assert results.failed_told == results.sent, results.summary()
+    assert results.failure_kinds == {"stream-after-tokens": results.failed_told}

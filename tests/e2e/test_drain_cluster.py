@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from pdserve_dev.chaos import service as chaos_service
+from pdserve_dev.chaos.service import external_pools_manifest
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
 from pdserve_dev.testing.mixed_load import MixedLoad, Shape, default_mix
@@ -68,13 +69,7 @@ DRAINING = re.compile(r"Draining in-flight requests count=(\d+) held_kv=(\d+)")
 
 
 def pdservice(namespace: str) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "local-sim.yaml").read_text())
-    doc["metadata"] = {"name": NAME, "namespace": namespace}
-    spec = doc["spec"]
-    external = {"enabled": True, "mode": "external", "minReplicas": 1}
-    spec["prefill"] = {"replicas": 2, "autoscaling": {**external, "maxReplicas": 2}}
-    spec["decode"] = {"replicas": 4, "maxNumSeqs": MAX_NUM_SEQS, "autoscaling": {**external, "maxReplicas": 4}}
-    return doc
+    return external_pools_manifest(NAME, namespace, prefill=2, decode=4, max_num_seqs=MAX_NUM_SEQS)
 
 
 @pytest.fixture(scope="module")
@@ -108,20 +103,11 @@ def router(cluster: ClusterHelper, namespace: str, tmp_path_factory: pytest.Temp
 
 
 def scale(cluster: ClusterHelper, namespace: str, role: str, replicas: int) -> None:
-    """What an autoscaler does: write the pool StatefulSet's replicas (kubectl scale goes through /scale)."""
-    cluster.kubectl("scale", f"statefulset/{NAME}-{role}", f"--replicas={replicas}", "-n", namespace)
+    chaos_service.scale(cluster, namespace, NAME, role, replicas)
 
 
 def wait_pool(cluster: ClusterHelper, namespace: str, role: str, replicas: int, router: str) -> None:
-    """Wait until the pool has exactly `replicas` pods, all Ready, and the router can use all of them."""
-
-    def settled() -> bool:
-        pods = cluster.pods(namespace, f"pdserve.io/role={role}")
-        ready = cluster.pod_ips(namespace, f"pdserve.io/role={role}")
-        up = metric_value(scrape_sync(f"{router}/metrics"), "pdserve_router_endpoint_up", role=role)
-        return len(pods) == replicas and len(ready) == replicas and up == replicas
-
-    wait_for(settled, timeout=180, interval=0.5, message=f"{replicas} {role} engines Ready and used by the router")
+    chaos_service.wait_pool(cluster, namespace, role, replicas, router=router)
 
 
 def log_sizes(cluster: ClusterHelper, namespace: str, pods: list[str]) -> dict[str, int]:

@@ -423,6 +423,33 @@ class LocalCluster:
             self._start_prometheus()
             self._mark("prometheus", t)
 
+    # -- faults ---------------------------------------------------------------------------------------------
+
+    def stop_apiserver(self, timeout: float = 15.0) -> None:
+        """Stop kube-apiserver (SIGTERM, SIGKILL after `timeout`), by the PID this cluster recorded for it.
+
+        For fault tests (the chaos benchmark): clients lose their watches and every request is refused until
+        `start_apiserver`; etcd and the rest of the cluster keep running, so nothing is lost meanwhile.
+        """
+        recorded = [t for t in processes.tracked_processes(self.workdir / "pids") if t.name == "kube-apiserver"]
+        if not recorded:
+            raise ClusterError("This cluster has no kube-apiserver running")
+        processes.stop(recorded, timeout)
+        old = self._popen.pop("kube-apiserver", None)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.wait(timeout=1)
+
+    def start_apiserver(self, timeout: float = 60.0) -> None:
+        """Start kube-apiserver again after `stop_apiserver`, on the same port with the same PKI and etcd;
+        return once it answers /readyz."""
+        if self.state is None:
+            raise ClusterError("The cluster is not started")
+        pki = Pki(self.workdir / "pki")
+        self._spawn("kube-apiserver", self._apiserver_args(Path(self.state.bin_dir), pki, self.network))
+        ca, server = ssl.create_default_context(cafile=str(pki.ca_cert)), self.state.server
+        self._wait("kube-apiserver", lambda: _http_ok(f"{server}/readyz", ca), timeout)
+
     # -- Prometheus -----------------------------------------------------------------------------------------
 
     def start_prometheus(self, timeout: float = 60.0) -> str:

@@ -71,6 +71,13 @@ class LoadResults:
     worst_ttft_seconds: float = 0.0
     routes: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
+    ttfts: list[tuple[float, float]] = field(default_factory=list)
+    """(monotonic time of the first token, TTFT in seconds) of every stream that got a token: a chaos run splits
+    them at the fault to compare the worst TTFT with the steady state's."""
+    failure_kinds: Counter[str] = field(default_factory=Counter)
+    """Why each `failed_told` request failed: `stream-after-tokens` (an error event once tokens had been sent:
+    the only failure a router may not hide by retrying), `stream-before-tokens` (an error event before any
+    token) or `http-<status>` (an error status, streamed or not)."""
 
     @property
     def in_flight(self) -> int:
@@ -200,6 +207,7 @@ class MixedLoad:
                 results.routes[response.headers.get("X-Pdserve-Route", "?")] += 1
                 if response.status != 200:
                     detail = (await response.read())[:300].decode(errors="replace")
+                    results.failure_kinds[f"http-{response.status}"] += 1
                     self._count("failed_told", f"{label}: HTTP {response.status}: {detail}")
                     return
                 if shape.stream:
@@ -252,10 +260,13 @@ async def _check_stream(
             except ValueError:
                 return "bad_tokens", f"not JSON: {payload[:100]!r}"
             if "error" in chunk:
+                results.failure_kinds["stream-after-tokens" if tokens else "stream-before-tokens"] += 1
                 return "failed_told", f"error event after {tokens} tokens: {chunk['error']}"
             found = _tokens_of(chunk)
             if found and tokens == 0:
-                results.worst_ttft_seconds = max(results.worst_ttft_seconds, time.monotonic() - started)
+                now = time.monotonic()
+                results.worst_ttft_seconds = max(results.worst_ttft_seconds, now - started)
+                results.ttfts.append((now, now - started))
             tokens += found
             for choice in chunk.get("choices") or ():
                 finish = choice.get("finish_reason") or finish

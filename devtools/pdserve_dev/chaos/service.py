@@ -1,0 +1,297 @@
+"""One PDService on the local cluster's process node, and the faults and reads a chaos scenario needs.
+
+The PDService is the local example's (`examples/local-sim.yaml`): every pod on the process node, the vLLM image
+run as the engine simulator with the renderer's exact command line (its `--shutdown-timeout`, preStop hook and
+grace period, its `PDSERVE_KV_COMPAT`), the pdserve image run as the real router. Both pools are
+`autoscaling.mode: external`, so the operator keeps whatever replicas `/scale` was given: `scale` writes them the
+way an autoscaler does. The operator runs as a local process (`OperatorProcess`) so a scenario can kill it.
+
+Every method blocks (kubectl, HTTP reads): a scenario that runs a load on its event loop calls them in a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.api.crdgen import custom_resource_definition
+from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.metrics import metric_value, scrape_sync
+from pdserve_dev.testing.operator import OperatorProcess
+from pdserve_dev.testing.wait import wait_for
+
+NAME = "chaos"
+MODEL = "tiny-llama"
+#: Two engine images: switching between them changes the kv-compat value (a rolling update that must never pair
+#: engines of different values).
+IMAGES = ("vllm/vllm-openai:v0.32.0", "vllm/vllm-openai:v0.32.1")
+ENGINES = "pdserve.io/role in (prefill,decode)"
+ENGINE_PORT = 8000
+ROUTER_PORT = 8080
+#: What the operator may own, by kubectl resource name (checked for duplicates after a restart mid-rollout).
+CHILD_RESOURCES = (
+    "statefulsets",
+    "deployments",
+    "services",
+    "configmaps",
+    "serviceaccounts",
+    "roles",
+    "rolebindings",
+    "poddisruptionbudgets",
+)
+
+
+def external_pools_manifest(
+    name: str,
+    namespace: str,
+    *,
+    prefill: int,
+    decode: int,
+    max_num_seqs: int,
+    image: str = IMAGES[0],
+    router_replicas: int = 1,
+    max_replicas: int = 4,
+) -> dict[str, Any]:
+    """The local example's PDService with both pools scaled by an external writer (`scale`)."""
+    process_node = {"pdserve.io/process-node": "true"}
+    toleration = {"key": "pdserve.io/process-node", "operator": "Exists", "effect": "NoSchedule"}
+    external = {"enabled": True, "mode": "external", "minReplicas": 1, "maxReplicas": max_replicas}
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": MODEL, "uri": "hf://pdserve/tiny-llama"},
+            "engine": {"image": image, "maxModelLen": 4096, "kvLeaseSeconds": 30},
+            "prefill": {"replicas": prefill, "autoscaling": external},
+            "decode": {"replicas": decode, "maxNumSeqs": max_num_seqs, "autoscaling": external},
+            "placement": {"gpuNodeSelector": process_node, "tolerations": [toleration], "rdma": "required"},
+            "router": {
+                "replicas": router_replicas,
+                "nodeSelector": process_node,
+                "tolerations": [toleration],
+                "routing": {"disaggregationThreshold": 64},
+            },
+        },
+    }
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def scale(cluster: ClusterHelper, namespace: str, name: str, role: str, replicas: int) -> None:
+    """What an autoscaler does: write the pool StatefulSet's replicas (kubectl scale goes through /scale)."""
+    cluster.kubectl("scale", f"statefulset/{name}-{role}", f"--replicas={replicas}", "-n", namespace)
+
+
+def endpoints_up(router: str, role: str) -> int:
+    """How many engines of `role` the router at `router` uses now (-1 when it does not answer)."""
+    try:
+        return int(metric_value(scrape_sync(f"{router}/metrics", timeout=3), "pdserve_router_endpoint_up", role=role))
+    except OSError:
+        return -1
+
+
+def wait_pool(
+    cluster: ClusterHelper, namespace: str, role: str, replicas: int, *, router: str, timeout: float = 180.0
+) -> None:
+    """Wait until the pool has exactly `replicas` pods, all Ready, and the router uses all of them."""
+
+    def settled() -> bool:
+        pods = cluster.pods(namespace, f"pdserve.io/role={role}")
+        return len(pods) == replicas and all(map(ready, pods)) and endpoints_up(router, role) == replicas
+
+    wait_for(settled, timeout=timeout, interval=0.5, message=f"{replicas} {role} engines Ready and used by the router")
+
+
+@dataclass
+class ChaosService:
+    """The deployed PDService (`deploy`), its operator process and the router the load goes through."""
+
+    cluster: ClusterHelper
+    namespace: str
+    workdir: Path
+    operator: OperatorProcess
+    router: str = ""
+    """Base URL of the router pod the load goes through."""
+    log: Callable[[str], None] = print
+
+    @classmethod
+    def deploy(
+        cls,
+        cluster: ClusterHelper,
+        workdir: Path,
+        *,
+        prefill: int,
+        decode: int,
+        max_num_seqs: int,
+        log: Callable[[str], None] = print,
+    ) -> ChaosService:
+        """Install the CRD, start the operator, apply the PDService and wait until it is Available and the router
+        uses every engine."""
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(custom_resource_definition()))
+        cluster.wait_crd_established()
+        namespace = cluster.create_namespace("chaos")
+        operator = cls._operator(cluster, workdir, namespace)
+        service = cls(cluster, namespace, workdir, operator, log=log)
+        operator.start().wait_ready()
+        cluster.apply(
+            external_pools_manifest(NAME, namespace, prefill=prefill, decode=decode, max_num_seqs=max_num_seqs)
+        )
+        result = cluster.kubectl(
+            "wait", "--for=condition=Available", f"pds/{NAME}", "-n", namespace, "--timeout=240s", timeout=260,
+            check=False,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise RuntimeError(f"{NAME} not Available: {result.stderr.strip()}\n{operator.log_tail()}")
+        service.use_router(service.router_pods()[0])
+        service.wait_pool("prefill", prefill)
+        service.wait_pool("decode", decode)
+        return service
+
+    @staticmethod
+    def _operator(cluster: ClusterHelper, workdir: Path, namespace: str) -> OperatorProcess:
+        return OperatorProcess(
+            cluster.kubeconfig, workdir / "operator.log", namespaces=[namespace], identity="chaos",
+            lease_namespace=namespace,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        self.operator.stop()
+
+    # -- the PDService ----------------------------------------------------------------------------------------
+
+    def pds(self) -> dict[str, Any]:
+        found: dict[str, Any] = self.cluster.get_json(f"pds/{NAME}", "-n", self.namespace)
+        return found
+
+    def patch(self, spec: dict[str, Any]) -> None:
+        self.cluster.kubectl(
+            "patch", f"pds/{NAME}", "-n", self.namespace, "--type=merge", "-p", json.dumps({"spec": spec})
+        )
+
+    def kv_compat(self) -> str:
+        return str(self.pds().get("status", {}).get("kvCompatHash", ""))
+
+    def converged(self) -> bool:
+        """The operator has caught up with the spec: status for this generation, Available."""
+        doc = self.pds()
+        status = doc.get("status", {})
+        available = any(c["type"] == "Available" and c["status"] == "True" for c in status.get("conditions", []))
+        return available and status.get("observedGeneration") == doc["metadata"]["generation"]
+
+    def owned_children(self) -> Counter[str]:
+        """How many objects of each kind the PDService owns (a controller ownerReference to its UID)."""
+        uid = self.pds()["metadata"]["uid"]
+        items = self.cluster.get_json(",".join(CHILD_RESOURCES), "-n", self.namespace)["items"]
+        return Counter(
+            item["kind"]
+            for item in items
+            if any(ref.get("uid") == uid for ref in item["metadata"].get("ownerReferences", []))
+        )
+
+    # -- pools --------------------------------------------------------------------------------------------------
+
+    def scale(self, role: str, replicas: int) -> None:
+        scale(self.cluster, self.namespace, NAME, role, replicas)
+
+    def wait_pool(self, role: str, replicas: int, timeout: float = 180.0) -> None:
+        wait_pool(self.cluster, self.namespace, role, replicas, router=self.router, timeout=timeout)
+
+    def shape(self, prefill: int, decode: int) -> None:
+        """Bring both pools to these sizes (each a no-op where it already is) and wait until they serve."""
+        self.scale("prefill", prefill)
+        self.scale("decode", decode)
+        self.wait_pool("prefill", prefill)
+        self.wait_pool("decode", decode)
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        return self.cluster.pods(self.namespace, selector)
+
+    def engine_url(self, pod: dict[str, Any]) -> str:
+        return f"http://{pod['status']['podIP']}:{ENGINE_PORT}"
+
+    def engine_state(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """The simulator's `/sim/state` (running, waiting, held_kv, ...); empty when it does not answer."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.engine_url(pod)}/sim/state", timeout=3) as response:
+                state: dict[str, Any] = json.loads(response.read())
+                return state
+        except (OSError, ValueError):
+            return {}
+
+    def engine_metric(self, pod: dict[str, Any], name: str) -> float:
+        return metric_value(scrape_sync(f"{self.engine_url(pod)}/metrics", timeout=3), name)
+
+    def rolled_to(self, value: str, prefill: int, decode: int) -> bool:
+        """Every engine runs with kv-compat `value`, the pools are whole and Ready, no Service of another value is
+        left, and the router uses every engine."""
+        pods = self.pods(ENGINES)
+        values = {pod["metadata"]["labels"].get("pdserve.io/kv-compat") for pod in pods}
+        services = self.cluster.get_json("services", "-n", self.namespace, "-l", "pdserve.io/kv-compat")["items"]
+        stale = [s for s in services if s["metadata"]["labels"]["pdserve.io/kv-compat"] != value]
+        return (
+            len(pods) == prefill + decode
+            and values == {value}
+            and all(map(ready, pods))
+            and not stale
+            and endpoints_up(self.router, "prefill") == prefill
+            and endpoints_up(self.router, "decode") == decode
+        )
+
+    # -- faults ---------------------------------------------------------------------------------------------
+
+    def kill_pod(self, pod: dict[str, Any]) -> None:
+        """A crash, then the pod's removal: SIGKILL the pod's processes (no drain, no preStop: what a node failure
+        or an OOM kill does to work in hand), then `kubectl delete --grace-period=0 --force` so its controller
+        replaces it with a new incarnation."""
+        name = pod["metadata"]["name"]
+        for container in pod["spec"]["containers"]:
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                pid = self.cluster.container_process(self.namespace, name, container["name"]).pid
+                # The process node starts each container as a process-group leader: the group is that container.
+                os.killpg(pid, signal.SIGKILL)
+        self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--grace-period=0", "--force", "--wait=false")
+
+    def restart_operator(self) -> None:
+        """SIGKILL the operator (no lease release, no cleanup) and start a new one with the same identity."""
+        self.operator.kill()
+        self.operator = self._operator(self.cluster, self.workdir, self.namespace)
+        self.operator.start().wait_ready(timeout=90)
+
+    # -- the router -------------------------------------------------------------------------------------------
+
+    def router_pods(self) -> list[dict[str, Any]]:
+        """The router's Ready pods, oldest first."""
+        pods = [pod for pod in self.pods("pdserve.io/role=router") if ready(pod) and pod["status"].get("podIP")]
+        return sorted(pods, key=lambda pod: pod["metadata"]["creationTimestamp"])
+
+    def use_router(self, pod: dict[str, Any]) -> None:
+        self.router = f"http://{pod['status']['podIP']}:{ROUTER_PORT}"
+
+    def wait_routers(self, replicas: int, timeout: float = 120.0) -> list[dict[str, Any]]:
+        """Wait until exactly `replicas` router pods exist, all Ready and using every engine; return them."""
+
+        def settled() -> list[dict[str, Any]] | None:
+            pods = self.pods("pdserve.io/role=router")
+            if len(pods) != replicas or not all(map(ready, pods)):
+                return None
+            engines = self.pods(ENGINES)
+            for pod in pods:
+                url = f"http://{pod['status']['podIP']}:{ROUTER_PORT}"
+                if endpoints_up(url, "prefill") + endpoints_up(url, "decode") != len(engines):
+                    return None
+            return self.router_pods()
+
+        return wait_for(settled, timeout=timeout, interval=0.5, message=f"{replicas} router pods Ready")
