@@ -188,3 +188,27 @@ def test_deployment_pdb_and_endpointslices_follow_kwok_pods(cluster: ClusterHelp
         return ips if len(ips) == 3 else None
 
     assert wait_for(sliced, timeout=30, message="3 endpoints") == set(cluster.pod_ips(namespace, "app=decode"))
+
+
+def test_kube_apiserver_stops_and_starts_again_with_the_cluster_state_kept(
+    cluster: ClusterHelper, namespace: str
+) -> None:
+    """The chaos benchmark's apiserver-restart fault: the process the cluster started is stopped (clients are
+    refused), then started again on the same address, with etcd's objects still there."""
+    if cluster.local is None:
+        pytest.skip("a reused cluster: its kube-apiserver is not this session's to restart")
+    cluster.kubectl("create", "configmap", "kept", f"--namespace={namespace}", "--from-literal=k=v")
+    cluster.local.stop_apiserver()
+    try:
+        refused = cluster.kubectl("get", "configmap", "kept", f"--namespace={namespace}", check=False, timeout=30)
+        assert refused.returncode != 0
+    finally:
+        cluster.local.start_apiserver()
+    assert cluster.get_json("configmap", "kept", f"--namespace={namespace}")["data"] == {"k": "v"}
+    # The controllers reconnected too: a Deployment still gets its ReplicaSet and pods scheduled.
+    cluster.kubectl("create", "deployment", "after", "--image=busybox", f"--namespace={namespace}")
+    wait_for(
+        lambda: cluster.get_json("replicasets", f"--namespace={namespace}")["items"],
+        timeout=60,
+        message="the Deployment controller acting after the restart",
+    )
