@@ -600,3 +600,25 @@ def test_process_node_registers_restarts_its_pods_and_stops_them(
         for pid_file in pods_dir.glob("*.pid"):  # never leave a process behind, even when the test failed
             with contextlib.suppress(ValueError, ProcessLookupError):
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_status_report_never_lands_on_a_same_named_successor(cluster: ClusterHelper, namespace: str) -> None:
+    """The worker of a force-deleted pod may report once more before it notices the deletion, when the
+    StatefulSet's replacement (same name, new UID) already exists: its report carries its pod's UID, which the API
+    server checks, so the successor's status (its address) stays the successor's own. Without the check the stale
+    address merged into the successor's podIPs and every later report of it failed: it never turned Ready."""
+    from kubernetes.client.exceptions import ApiException
+
+    from pdserve_dev.process_node.kube import Kube
+
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "successor"}}
+    pod["spec"] = {"nodeName": "no-such-node", "containers": [{"name": "c", "image": "pdserve-test/http:1"}]}
+    cluster.apply(pod, namespace=namespace)
+    uid = _pod(cluster, namespace, "successor")["metadata"]["uid"]
+    kube = Kube(str(cluster.kubeconfig))
+    with pytest.raises(ApiException) as refused:
+        kube.patch_pod_status(namespace, "successor", {"podIP": "198.18.9.9"}, uid="0" * 8 + uid[8:])
+    assert refused.value.status == 409
+    assert "podIP" not in _pod(cluster, namespace, "successor")["status"]
+    kube.patch_pod_status(namespace, "successor", {"podIP": "198.18.9.9", "podIPs": [{"ip": "198.18.9.9"}]}, uid=uid)
+    assert _pod(cluster, namespace, "successor")["status"]["podIPs"] == [{"ip": "198.18.9.9"}]

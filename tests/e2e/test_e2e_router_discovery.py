@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve_dev.chaos.watch import MismatchWatcher
 from pdserve_dev.demo import prompt_tokens_by_source
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import metric_value, scrape_sync, series
@@ -45,7 +46,6 @@ ROUTER = f"{NAME}-router"
 TOPOLOGY = f"{NAME}-router-topology"
 # A label of the process node that EndpointSlices do not carry: the operator must read the node and publish it.
 TOPOLOGY_KEY = "pdserve.io/process-node"
-MISMATCH = "pdserve:sim_kv_compat_mismatch_total"
 NEW_IMAGE = "vllm/vllm-openai:v0.32.1"
 ENGINES = "pdserve.io/role in (prefill,decode)"
 
@@ -213,49 +213,12 @@ def test_a_pd_request_pairs_through_the_service_account_router(cluster: ClusterH
 
 
 @dataclass
-class Watcher:
-    """Polls every engine pod's mismatch counter (the highest value seen per pod incarnation: a pod that is gone
-    keeps what it last reported) and whether engines of two kv-compat values were ready at once."""
-
-    cluster: ClusterHelper
-    namespace: str
-    mismatches: dict[str, float] = field(default_factory=dict)
-    mixed_polls: int = 0
-    polls: int = 0
-    mixed: threading.Event = field(default_factory=threading.Event)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            with contextlib.suppress(Exception):  # a kubectl racing a deletion: the next poll sees the pod
-                self.poll()
-            self.stop.wait(0.3)
-
-    def poll(self) -> None:
-        values = set()
-        for pod in self.cluster.pods(self.namespace, ENGINES):
-            ip, uid = pod.get("status", {}).get("podIP"), pod["metadata"]["uid"]
-            if _ready(pod):
-                values.add(pod["metadata"]["labels"]["pdserve.io/kv-compat"])
-            if ip:
-                with contextlib.suppress(OSError):
-                    found = metric_value(scrape_sync(f"http://{ip}:8000/metrics", timeout=2), MISMATCH)
-                    self.mismatches[uid] = max(found, self.mismatches.get(uid, 0.0))
-        self.polls += 1
-        if len(values) > 1:
-            self.mixed_polls += 1
-            self.mixed.set()
-        else:
-            self.mixed.clear()
-
-
-@dataclass
 class Load:
     """Clients sending long (PD) and short prompts, streaming and not, until stopped; outcomes counted, and
     counted apart while the watcher saw engines of both values ready."""
 
     router: str
-    watcher: Watcher
+    watcher: MismatchWatcher
     outcomes: Counter[str] = field(default_factory=Counter)
     while_mixed: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
@@ -301,10 +264,9 @@ def test_a_rolling_update_of_the_engine_image_never_pairs_mismatched_engines(
 ) -> None:
     namespace = service.namespace
     old = cluster.get_json(f"pds/{NAME}", "-n", namespace)["status"]["kvCompatHash"]
-    watcher = Watcher(cluster, namespace)
+    watcher = MismatchWatcher(cluster, namespace, interval=0.3).start()
     load = Load(service.router, watcher)
-    threads = [threading.Thread(target=watcher.run, daemon=True)]
-    threads += [threading.Thread(target=load.run, daemon=True) for _ in range(3)]
+    threads = [threading.Thread(target=load.run, daemon=True) for _ in range(3)]
     for thread in threads:
         thread.start()
     try:
@@ -330,10 +292,9 @@ def test_a_rolling_update_of_the_engine_image_never_pairs_mismatched_engines(
         wait_for(lambda: load.outcomes["pd"] >= served + 10, timeout=60, message="PD traffic after the rollout")
     finally:
         load.stop.set()
-        watcher.stop.set()
         for thread in threads:
             thread.join(timeout=90)
-    watcher.poll()  # the last word of every engine still running
+        watcher.stop()  # with a last poll: the last word of every engine still running
 
     print(
         f"rollout: outcomes {dict(load.outcomes)}, while mixed {dict(load.while_mixed)}, "
@@ -342,7 +303,7 @@ def test_a_rolling_update_of_the_engine_image_never_pairs_mismatched_engines(
     # The rollout did put engines of both values side by side, with traffic flowing meanwhile: a router that paired
     # by anything but the slices' kv-compat labels would have mixed them.
     assert watcher.mixed_polls > 0 and load.while_mixed["pd"] >= 10, (watcher.mixed_polls, load.while_mixed)
-    assert sum(watcher.mismatches.values()) == 0, watcher.mismatches
+    assert watcher.total == 0, watcher.mismatches
     assert len(watcher.mismatches) >= 8  # the four old engines and the four new ones were all read
     served = load.outcomes["pd"] + load.outcomes["decode-only"] + load.outcomes["fallback"]
     assert served == sum(load.outcomes.values()), (load.outcomes, load.failures[:5])

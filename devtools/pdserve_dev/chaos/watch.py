@@ -30,6 +30,8 @@ class MismatchWatcher:
     mismatches: dict[str, float] = field(default_factory=dict)
     mixed_polls: int = 0
     polls: int = 0
+    mixed: threading.Event = field(default_factory=threading.Event)
+    """Set while the last poll found Ready engines of two values (a load can count what it sent meanwhile)."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -65,4 +67,8 @@ class MismatchWatcher:
                     found = metric_value(scrape_sync(f"http://{ip}:{ENGINE_PORT}/metrics", timeout=2), MISMATCH)
                     self.mismatches[uid] = max(found, self.mismatches.get(uid, 0.0))
         self.polls += 1
-        self.mixed_polls += len(values) > 1
+        if len(values) > 1:
+            self.mixed_polls += 1
+            self.mixed.set()
+        else:
+            self.mixed.clear()

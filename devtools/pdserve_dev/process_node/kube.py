@@ -73,12 +73,23 @@ class Kube:
             response.close()
             response.release_conn()
 
-    def patch_pod_status(self, namespace: str, name: str, status: Obj) -> Obj:
+    def patch_pod_status(self, namespace: str, name: str, status: Obj, uid: str | None = None) -> Obj:
+        """Patch a pod's status; with `uid`, only if the pod of that name still is that incarnation.
+
+        As the kubelet does (`statusutil.PatchPodStatus`): the UID in the patch is a precondition, and the API
+        server refuses it (409) for another pod of the same name. Without it, the worker of a force-deleted pod
+        that reports once more before it notices the deletion writes its own address into the status of the
+        StatefulSet's replacement (same name, new UID), whose own reports then fail ("may specify no more than
+        one IP for each IP family") and which never turns Ready.
+        """
+        body: Obj = {"status": status}
+        if uid is not None:
+            body["metadata"] = {"uid": uid}
         return _json(
             self.core.patch_namespaced_pod_status(
                 name,
                 namespace,
-                {"status": status},
+                body,
                 _content_type=_STRATEGIC,
                 _preload_content=False,
                 _request_timeout=30,

@@ -579,7 +579,7 @@ class PodWorker(threading.Thread):
         )
         if status == self._last_status:
             return
-        self.ctx.kube.patch_pod_status(self.namespace, self.pod_name, status)
+        self.ctx.kube.patch_pod_status(self.namespace, self.pod_name, status, uid=self.uid)
         if (self._last_status or {}).get("phase") != status["phase"]:
             log.info("Pod phase changed pod=%s phase=%s ip=%s", self.label, status["phase"], self.ip)
         self._last_status = status
