@@ -622,3 +622,21 @@ def test_a_status_report_never_lands_on_a_same_named_successor(cluster: ClusterH
     assert "podIP" not in _pod(cluster, namespace, "successor")["status"]
     kube.patch_pod_status(namespace, "successor", {"podIP": "198.18.9.9", "podIPs": [{"ip": "198.18.9.9"}]}, uid=uid)
     assert _pod(cluster, namespace, "successor")["status"]["podIPs"] == [{"ip": "198.18.9.9"}]
+
+
+def test_a_pod_marked_not_ready_by_another_writer_is_reported_ready_again(
+    cluster: ClusterHelper, node_dir: Path, namespace: str
+) -> None:
+    """What the node lifecycle controller does after a control-plane outage longer than the node's grace period:
+    it marks the node's pods Ready=False in the API. The process node, whose probes still pass, reports them Ready
+    again (as the kubelet's status manager reconciles), or they stay out of their Services for good."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "marked"}, "spec": _pod_spec(_container())}
+    cluster.apply(pod, namespace=namespace)
+    wait_for(partial(_is_ready, cluster, namespace, "marked"), timeout=60, message="the pod Ready")
+    conditions = _pod(cluster, namespace, "marked")["status"]["conditions"]
+    marked = [{**c, "status": "False"} if c["type"] == "Ready" else c for c in conditions]
+    cluster.kubectl(
+        "patch", "pod", "marked", f"--namespace={namespace}", "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {"conditions": marked}}),
+    )  # fmt: skip
+    wait_for(partial(_is_ready, cluster, namespace, "marked"), timeout=30, message="the pod reported Ready again")

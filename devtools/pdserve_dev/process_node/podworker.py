@@ -577,7 +577,7 @@ class PodWorker(threading.Thread):
             now=time.time(),
             previous_conditions=(self._last_status or {}).get("conditions"),
         )
-        if status == self._last_status:
+        if status == self._last_status and _still_reported(pod.get("status") or {}, status):
             return
         self.ctx.kube.patch_pod_status(self.namespace, self.pod_name, status, uid=self.uid)
         if (self._last_status or {}).get("phase") != status["phase"]:
@@ -730,3 +730,18 @@ def host_environment(kubeconfig: str, *, sandbox: bool) -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join(dict.fromkeys([venv_bin, *env.get("PATH", "").split(os.pathsep)]))
     return env
+
+
+def _still_reported(api: Obj, ours: Obj) -> bool:
+    """Whether the pod's status in the API (the watch's latest copy) still says what the worker last reported:
+    its phase, its address and each condition it reports.
+
+    Another writer may have changed it since: the node lifecycle controller marks every pod of a node Ready=False
+    when the node's heartbeat went stale (a control-plane outage longer than its grace period is enough). The
+    kubelet's status manager reconciles such a difference by reporting again; so does the worker, or the pods
+    stay unready behind their Services for good once the node is back (found by the chaos benchmark's
+    kube-apiserver restart)."""
+    if api.get("phase") != ours.get("phase") or api.get("podIP") != ours.get("podIP"):
+        return False
+    theirs = {condition.get("type"): condition.get("status") for condition in api.get("conditions") or []}
+    return all(theirs.get(condition["type"]) == condition["status"] for condition in ours.get("conditions") or [])
