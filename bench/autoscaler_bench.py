@@ -274,8 +274,22 @@ def _slice_text(slice_s: tuple[float, float | None]) -> str:
     return f"{start:.0f} s to the end" if length is None else f"{start:.0f}-{start + length:.0f} s"
 
 
+def _replica_summary(timeline: Sequence[Sequence[float]]) -> dict[str, dict[str, float]]:
+    """Mean and largest replicas per pool over a (time, prefill, decode) timeline."""
+    steps = max(len(timeline), 1)
+    return {
+        "mean_replicas": {
+            "prefill": round(sum(t[1] for t in timeline) / steps, 2),
+            "decode": round(sum(t[2] for t in timeline) / steps, 2),
+        },
+        "max_replicas": {
+            "prefill": max((t[1] for t in timeline), default=0),
+            "decode": max((t[2] for t in timeline), default=0),
+        },
+    }
+
+
 def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: float, slo: Slo = SLO) -> dict[str, Any]:
-    timeline = outcome.timeline
     ttft = [job.first_token - job.arrival for job in outcome.jobs if job.first_token is not None]
     tpot = [job.tpot for job in outcome.jobs if job.output > 1]
     return {
@@ -284,14 +298,7 @@ def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: floa
         "gpu_seconds": round(outcome.gpu_seconds, 1),
         "ratio_to_static": round(outcome.gpu_seconds / static_gpu, 4) if static_gpu else None,
         "actions": outcome.actions,
-        "mean_replicas": {
-            "prefill": round(sum(t[1] for t in timeline) / max(len(timeline), 1), 2),
-            "decode": round(sum(t[2] for t in timeline) / max(len(timeline), 1), 2),
-        },
-        "max_replicas": {
-            "prefill": max((t[1] for t in timeline), default=0),
-            "decode": max((t[2] for t in timeline), default=0),
-        },
+        **_replica_summary(outcome.timeline),
         "ttft_p90_s": round(_quantile(ttft, 0.9), 4),
         "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
         "kv_overflow_steps": outcome.kv_overflows,
@@ -433,7 +440,7 @@ def run_closed_loop(log: Callable[[str], None]) -> dict[str, Any]:
         ),
         log,
     )
-    timeline = live.timeline
+
     ttft = [a.ttft_s for a in live.answers]
     tpot = [a.tpot_s for a in live.answers if a.output_tokens > 1]
     results.append(
@@ -444,14 +451,7 @@ def run_closed_loop(log: Callable[[str], None]) -> dict[str, Any]:
             "gpu_seconds": round(live.gpu_seconds, 1),
             "ratio_to_static": round(live.gpu_seconds / static_gpu, 4) if static_gpu else None,
             "actions": live.actions,
-            "mean_replicas": {
-                "prefill": round(sum(t[1] for t in timeline) / max(len(timeline), 1), 2),
-                "decode": round(sum(t[2] for t in timeline) / max(len(timeline), 1), 2),
-            },
-            "max_replicas": {
-                "prefill": max((t[1] for t in timeline), default=0),
-                "decode": max((t[2] for t in timeline), default=0),
-            },
+            **_replica_summary(live.timeline),
             "ttft_p90_s": round(_quantile(ttft, 0.9), 4),
             "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
             "failed": live.failed,
