@@ -138,3 +138,46 @@ def test_a_command_that_does_not_exist_exits_127_and_says_so(settings: launch.Sa
     )
     assert proc.returncode == 127
     assert "cannot execute 'no-such-program-anywhere'" in proc.stderr
+
+
+@pytest.mark.parametrize("read_only_root", [True, False], ids=["tmp-volume", "private-tmp"])
+def test_an_install_under_the_hosts_tmp_stays_runnable_below_the_containers_tmp(
+    settings: launch.SandboxSettings, tmp_path: Path, read_only_root: bool
+) -> None:
+    """A checkout under /tmp (CI clones there) holds the interpreter that stands in for the image: the container's
+    /tmp (an emptyDir volume, or its private tmpfs) must not hide it."""
+    install = Path("/tmp") / f"pdserve-sandbox-install-{uuid.uuid4().hex}"
+    (install / "bin").mkdir(parents=True)
+    try:
+        tool = install / "bin" / "tool"
+        tool.write_text("#!/bin/sh\necho ran\n")
+        tool.chmod(0o755)
+        install.chmod(0o755)
+        reachable = launch.SandboxSettings(
+            python=settings.python, launcher=settings.launcher, reachable=(*settings.reachable, str(install / "bin"))
+        )
+        security = Security(uid=65532, gid=65532, capabilities=(), no_new_privs=True, read_only_root=read_only_root)
+        pod = tmp_path / "pod"
+        scratch = pod / "volumes" / "scratch"
+        scratch.mkdir(parents=True)
+        scratch.chmod(0o777)
+        mounts = [{"source": str(scratch), "target": "/tmp", "readOnly": False}] if read_only_root else []
+        spec = pod / "spec.json"
+        launch.write_spec(
+            spec,
+            root=pod / "rootfs",
+            mounts=mounts,
+            security=security,
+            working_dir="/",
+            hostname="pod-1",
+            reachable=reachable.reachable,
+        )
+        (pod / "rootfs").mkdir()
+        argv = reachable.command(spec, [str(tool)])
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=pod)
+        assert (proc.returncode, proc.stdout) == (0, "ran\n"), proc.stderr
+        assert list(scratch.iterdir()) == ([Path(scratch / install.name)] if read_only_root else [])
+    finally:
+        tool.unlink(missing_ok=True)
+        (install / "bin").rmdir()
+        install.rmdir()

@@ -18,7 +18,9 @@ path, with the standard library only, so it starts in a few milliseconds) when i
    permission added: an image's files are readable by its user, ``/root/.pyenv`` on the host is not.
 4. Each volume is bind-mounted at its mountPath (a file for subPath mounts of files); ``readOnly`` mounts are
    read-only. Without a volume there, ``/dev/shm`` is a private 64 MiB tmpfs, and so is ``/tmp`` unless the root
-   file system is read-only (a container's own writable layer, instead of the host's ``/tmp``).
+   file system is read-only (a container's own writable layer, instead of the host's ``/tmp``). A ``reachable``
+   path such a mount would hide (a checkout or virtualenv under the host's ``/tmp``, as CI clones are) is bound
+   back below it, read-only.
 5. ``readOnlyRootFilesystem``: every mount of the root is made read-only recursively (``mount_setattr`` with
    ``AT_RECURSIVE``) except the writable volumes, ``/dev`` and ``/proc``. Writes elsewhere fail with EROFS, as in
    a container.
@@ -42,6 +44,7 @@ import json
 import os
 import stat
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -164,6 +167,11 @@ class Root:
             except SandboxError:
                 # An entry that cannot be bound (e.g. a stale mount point) is left out of the container's view.
                 (os.rmdir if stat.S_ISDIR(info.st_mode) else os.unlink)(target)
+
+    def own(self, real_dir: str) -> None:
+        """Mark a folder whose content is the container's own (a tmpfs or a volume mounted there): points are
+        made in it as they are, not shadowed."""
+        self._owned.add(real_dir)
 
     def shadow(self, real_dir: str, add_mode: int = 0) -> None:
         """Replace `real_dir` in this namespace by a tmpfs holding bind mounts of its entries (see module doc)."""
@@ -296,6 +304,14 @@ def set_up(spec: dict[str, Any]) -> None:
             target = root.resolve(path, create="dir")
             _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, options)
             writable.append(target)
+            targets.add(path)
+    # The interpreter and the pdserve install stand in for the image's files; a checkout under the host's /tmp
+    # (a CI clone) would be hidden by the container's /tmp. Bind them back, read-only, below that mount.
+    for cover, entry in hidden_entries(spec.get("reachable", []), targets):
+        root.own(root.resolve(cover))
+        target = root.resolve(entry, create="dir" if os.path.isdir(entry) else "file")
+        _mount(entry, target, None, MS_BIND | MS_REC)
+        read_only.append(target)
     working_dir = root.resolve(spec.get("workingDir") or "/", create="dir")
     root.drop_stash()
     if spec.get("readOnlyRoot"):
@@ -322,6 +338,19 @@ def set_up(spec: dict[str, Any]) -> None:
         _capset(list(keep))
     if spec.get("noNewPrivs") and _prctl(PR_SET_NO_NEW_PRIVS, 1) != 0:
         raise SandboxError("set no_new_privs: refused")
+
+
+def hidden_entries(paths: Iterable[str], covers: Iterable[str]) -> list[tuple[str, str]]:
+    """(cover, entry) for each host entry that holds one of `paths` but lies below a container mount in `covers`
+    (which hides it): the entry right below the deepest such mount, e.g. ("/tmp", "/tmp/checkout") for
+    "/tmp/checkout/.venv"."""
+    deepest_first = sorted((c.rstrip("/") for c in covers if c.rstrip("/")), key=len, reverse=True)
+    found: dict[str, str] = {}
+    for path in paths:
+        cover = next((c for c in deepest_first if path.startswith(c + "/")), None)
+        if cover is not None:
+            found.setdefault(cover + "/" + path[len(cover) + 1 :].split("/")[0], cover)
+    return [(cover, entry) for entry, cover in found.items()]
 
 
 def probe(folder: str) -> None:
