@@ -143,19 +143,23 @@ class ChaosService:
         namespace = cluster.create_namespace("chaos")
         operator = cls._operator(cluster, workdir, namespace)
         service = cls(cluster, namespace, workdir, operator, log=log)
-        operator.start().wait_ready()
-        cluster.apply(
-            external_pools_manifest(NAME, namespace, prefill=prefill, decode=decode, max_num_seqs=max_num_seqs)
-        )
-        result = cluster.kubectl(
-            "wait", "--for=condition=Available", f"pds/{NAME}", "-n", namespace, "--timeout=240s", timeout=260,
-            check=False,
-        )  # fmt: skip
-        if result.returncode != 0:
-            raise RuntimeError(f"{NAME} not Available: {result.stderr.strip()}\n{operator.log_tail()}")
-        service.use_router(service.router_pods()[0])
-        service.wait_pool("prefill", prefill)
-        service.wait_pool("decode", decode)
+        try:
+            operator.start().wait_ready()
+            cluster.apply(
+                external_pools_manifest(NAME, namespace, prefill=prefill, decode=decode, max_num_seqs=max_num_seqs)
+            )
+            result = cluster.kubectl(
+                "wait", "--for=condition=Available", f"pds/{NAME}", "-n", namespace, "--timeout=240s", timeout=260,
+                check=False,
+            )  # fmt: skip
+            if result.returncode != 0:
+                raise RuntimeError(f"{NAME} not Available: {result.stderr.strip()}\n{operator.log_tail()}")
+            service.use_router(service.router_pods()[0])
+            service.wait_pool("prefill", prefill)
+            service.wait_pool("decode", decode)
+        except BaseException:
+            service.stop()  # the caller gets no service to stop: the operator process must not outlive the run
+            raise
         return service
 
     @staticmethod
