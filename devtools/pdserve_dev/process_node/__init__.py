@@ -68,7 +68,9 @@ What it does not emulate
 * No images: the host's files stand in for the image's (the image map says which command an image runs and as
   which user). A container whose root is not read-only writes to the host's files (except ``/tmp`` and
   ``/dev/shm``, which are private). Folders leading to the interpreter that the container's user could not
-  enter (``/root`` when Python lives under ``/root/.pyenv``) are made enterable in the container's view.
+  enter (``/root`` when Python lives under ``/root/.pyenv``) are made enterable in the container's view. An
+  interpreter or checkout under the host's ``/tmp`` is bound back, read-only, below the container's ``/tmp``; with
+  a ``/tmp`` volume its (empty) mount point shows in the volume's folder.
 * No cgroups or resource limits, no network namespaces: every pod shares the host network, so two pods that
   bind 0.0.0.0 on the same port collide (bind the pod IP; pdserve's operator, router and simulator bind
   ``PDSERVE_BIND_HOST``).
