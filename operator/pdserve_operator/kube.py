@@ -264,6 +264,12 @@ class KubeApi:
         self.metrics.lease_writes.inc()
         return self._request("PUT", path, kind, body=body).body
 
-    def list(self, path: str, kind: str, label_selector: str = "") -> list[dict[str, Any]]:
+    def list_at(self, path: str, kind: str, label_selector: str = "") -> tuple[list[dict[str, Any]], str]:
+        """The items and the list's own resourceVersion (the revision the snapshot was taken at: an object whose
+        resourceVersion is higher was written after it, so a relist must not drop it for being absent)."""
         query = [("labelSelector", label_selector)] if label_selector else []
-        return list(self._request("GET", path, kind, query=query).body.get("items", []))
+        body = self._request("GET", path, kind, query=query).body
+        return list(body.get("items", [])), str((body.get("metadata") or {}).get("resourceVersion") or "")
+
+    def list(self, path: str, kind: str, label_selector: str = "") -> list[dict[str, Any]]:
+        return self.list_at(path, kind, label_selector)[0]

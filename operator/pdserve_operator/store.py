@@ -106,18 +106,30 @@ class Store:
                 self._by_owner[owner].discard(key)
         return owner
 
-    def replace_kind(self, kind: str, namespaces: Collection[str] | None, objects: list[dict[str, Any]]) -> int:
+    def replace_kind(
+        self,
+        kind: str,
+        namespaces: Collection[str] | None,
+        objects: list[dict[str, Any]],
+        listed_at: str = "",
+    ) -> int:
         """Make the cache's objects of `kind` (in `namespaces`, or everywhere) exactly `objects`, a fresh list.
 
         This is an informer's relist: it drops entries whose DELETED event was never seen (kopf re-lists after a
-        410 Gone without synthesising deletions), which would otherwise hide a missing child forever. Returns the
-        number of stale entries dropped."""
+        410 Gone without synthesising deletions), which would otherwise hide a missing child forever. An entry
+        written after the list's snapshot (`listed_at`, the list's resourceVersion; its watch event arrived while
+        the list was on its way) is kept: dropping it would make a reconcile see an existing child as missing.
+        Returns the number of stale entries dropped."""
         fresh = {key_of(obj): obj for obj in objects}
+        snapshot = _resource_version({"metadata": {"resourceVersion": listed_at}})
         with self._lock:
             stale = [
                 key
-                for key in self._objects
-                if key[0] == kind and (namespaces is None or key[1] in namespaces) and key not in fresh
+                for key, current in self._objects.items()
+                if key[0] == kind
+                and (namespaces is None or key[1] in namespaces)
+                and key not in fresh
+                and (snapshot < 0 or _resource_version(current) <= snapshot)
             ]
         for key in stale:
             self.delete({"kind": key[0], "metadata": {"namespace": key[1], "name": key[2]}})

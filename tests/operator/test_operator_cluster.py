@@ -7,6 +7,7 @@ and Ready; all kwok GPU nodes are tainted, so a plain kwok CPU node is added for
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import threading
@@ -26,10 +27,12 @@ from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import validate
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
-from pdserve_dev.testing.wait import wait_for
+from pdserve_dev.testing.wait import wait_for, wait_for_async
 from pdserve_operator import drift
+from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import SERVICE_ACCOUNT
 from pdserve_operator.kube import KubeApi
+from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import observe
 from pdserve_operator.render import render
 
@@ -541,6 +544,67 @@ def test_restart_mid_reconcile_converges_without_duplicates(cluster: ClusterHelp
             wait_for(caught_up, 60)
         finally:
             second.stop()
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_a_starting_controller_lists_the_children_before_its_first_pass(
+    cluster: ClusterHelper, crd: None, tmp_path: Path
+) -> None:
+    """The PDService's watch event may come before any child's (kopf watches each kind on its own): the first pass
+    must still see the children that exist, not "create" them over what an external autoscaler set (the chaos
+    benchmark's restarted operator reset both pools that way). The controller runs in this process against the
+    real API server, fed the owner's event and nothing else, which is that race at its worst."""
+    namespace = cluster.create_namespace("op-sync")
+    try:
+        document = example("sync", namespace)
+        document["spec"]["decode"]["autoscaling"] = {"enabled": True, "mode": "external", "minReplicas": 1}
+        first = start_operator(cluster, namespace, tmp_path, "first")
+        try:
+            first.wait_ready()
+            cluster.apply(document)
+            cluster.kubectl(
+                "wait",
+                "--for=condition=Available",
+                "pdservices.pdserve.io/sync",
+                f"--namespace={namespace}",
+                "--timeout=120s",
+            )
+            cluster.kubectl("scale", "statefulset/sync-decode", "--replicas=2", f"--namespace={namespace}")
+        finally:
+            first.stop()
+        owner = pds_get(cluster, namespace, "sync")
+        api = KubeApi(new_api_client(cluster.kubeconfig))
+        metrics = OperatorMetrics()
+        controller = Controller(api, namespaces=[namespace], metrics=metrics, resync_seconds=3600)
+
+        def passes() -> float:
+            return sum(
+                sample.value
+                for family in metrics.registry.collect()
+                if family.name == "pdserve_operator_reconciles"
+                for sample in family.samples
+                if sample.name.endswith("_total")
+            )
+
+        async def counted() -> bool:
+            return passes() >= 1
+
+        async def first_pass() -> None:
+            stop = asyncio.Event()
+            controller.on_owner_event({"type": "ADDED", "object": owner})
+            task = asyncio.create_task(controller.run(stop))
+            try:
+                await wait_for_async(counted, within=60, message="the first pass")
+            finally:
+                stop.set()
+                await task
+
+        asyncio.run(first_pass())
+        assert controller.synced.is_set()
+        assert not [write for write in api.writes if write.startswith("apply ")], api.writes
+        replicas = cluster.get_json("statefulset", "sync-decode", f"--namespace={namespace}")["spec"]["replicas"]
+        assert replicas == 2
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 

@@ -15,8 +15,9 @@ from typing import Any, cast
 import yaml
 
 from pdserve_dev.testing.fake_kube import FakeKube
+from pdserve_dev.testing.wait import wait_for_async
 from pdserve_operator.controller import Controller
-from pdserve_operator.kube import KubeApi
+from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.metrics import OperatorMetrics
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
@@ -80,3 +81,45 @@ async def test_a_pass_that_asks_to_run_again_is_run_again_without_an_event() -> 
     ctl.queue.done(key)
     assert len(ctl.queue) == 0
     assert await asyncio.wait_for(ctl.queue.get(), 10) == key
+
+
+class RefusingLists(FakeKube):
+    """FakeKube whose lists fail `failures` times (an API server still starting), then answer empty."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.refusals = failures
+        self.lists = 0
+
+    def list_at(self, path: str, kind: str, label_selector: str = "") -> tuple[list[dict[str, Any]], str]:
+        self.lists += 1
+        if self.refusals:
+            self.refusals -= 1
+            raise ApiError(0, "connection refused", "ConnectionError")
+        return [], "1"
+
+
+async def test_no_pass_runs_before_the_first_list_which_is_retried_until_it_succeeds() -> None:
+    kube = RefusingLists(failures=2)
+    ctl = Controller(cast(KubeApi, kube), metrics=OperatorMetrics())
+    ctl.on_owner_event({"type": "ADDED", "object": kube.add_owner(yaml.safe_load(EXAMPLE.read_text()))})
+    stop = asyncio.Event()
+    task = asyncio.create_task(ctl.run(stop))
+    try:
+        await asyncio.wait_for(ctl.synced.wait(), 10)
+        assert kube.refusals == 0 and kube.lists > 2  # two refused rounds, then one list per watched kind
+        assert ctl.store.snapshot(NAMESPACE, NAME).children == {}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_controller_stopped_before_its_first_list_exits() -> None:
+    kube = RefusingLists(failures=1_000)
+    ctl = Controller(cast(KubeApi, kube), metrics=OperatorMetrics())
+    stop = asyncio.Event()
+    task = asyncio.create_task(ctl.run(stop))
+    await wait_for_async(lambda: asyncio.to_thread(lambda: kube.lists >= 1), within=5)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert not ctl.synced.is_set()

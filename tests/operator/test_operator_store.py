@@ -65,3 +65,14 @@ def test_relist_drops_entries_whose_deletion_was_missed() -> None:
     assert dropped == 1
     assert list(store.snapshot("ns", "llama").children) == [("Service", "ns", "llama-prefill")]
     assert store.snapshot("elsewhere", "x").children  # outside the relisted namespaces: untouched
+
+
+def test_relist_keeps_entries_written_after_its_snapshot() -> None:
+    # The list was taken at revision 20; a Service created at 25 reached the cache by its watch event while the
+    # list was on its way: absent from the list, but not stale. One from revision 12 that the list lacks is.
+    store = Store()
+    store.put(obj("Service", "llama-old", 12))
+    store.put(obj("Service", "llama-new", 25))
+    dropped = store.replace_kind("Service", ["ns"], [obj("Service", "llama-prefill", 18)], listed_at="20")
+    assert dropped == 1
+    assert sorted(key[2] for key in store.snapshot("ns", "llama").children) == ["llama-new", "llama-prefill"]

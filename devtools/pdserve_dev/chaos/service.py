@@ -238,21 +238,41 @@ class ChaosService:
     def engine_metric(self, pod: dict[str, Any], name: str) -> float:
         return metric_value(scrape_sync(f"{self.engine_url(pod)}/metrics", timeout=3), name)
 
-    def rolled_to(self, value: str, prefill: int, decode: int) -> bool:
-        """Every engine runs with kv-compat `value`, the pools are whole and Ready, no Service of another value is
-        left, and the router uses every engine."""
+    def rollout_gaps(self, value: str, prefill: int, decode: int) -> list[str]:
+        """What still separates the service from a finished rollout to kv-compat `value` (empty: finished): every
+        engine runs with that value, the pools are whole and Ready, no Service of another value is left, and the
+        router uses every engine. A timed-out wait reports these, so a stuck rollout says where it stuck."""
         pods = self.pods(ENGINES)
-        values = {pod["metadata"]["labels"].get("pdserve.io/kv-compat") for pod in pods}
+        gaps = []
+        if len(pods) != prefill + decode:
+            gaps.append(f"{len(pods)} engine pods, not {prefill + decode}")
+        values = sorted({pod["metadata"]["labels"].get("pdserve.io/kv-compat") or "" for pod in pods})
+        if values != [value]:
+            gaps.append(f"kv-compat values {values}")
+        unready = sorted(pod["metadata"]["name"] for pod in pods if not ready(pod))
+        if unready:
+            gaps.append(f"not Ready: {unready}")
         services = self.cluster.get_json("services", "-n", self.namespace, "-l", "pdserve.io/kv-compat")["items"]
-        stale = [s for s in services if s["metadata"]["labels"]["pdserve.io/kv-compat"] != value]
-        return (
-            len(pods) == prefill + decode
-            and values == {value}
-            and all(map(ready, pods))
-            and not stale
-            and endpoints_up(self.router, "prefill") == prefill
-            and endpoints_up(self.router, "decode") == decode
+        stale = sorted(
+            s["metadata"]["name"] for s in services if s["metadata"]["labels"]["pdserve.io/kv-compat"] != value
         )
+        if stale:
+            gaps.append(f"Services of another value: {stale}")
+        for role, wanted in (("prefill", prefill), ("decode", decode)):
+            used = endpoints_up(self.router, role)
+            if used != wanted:
+                gaps.append(f"the router uses {used} {role} engines, not {wanted}")
+        return gaps
+
+    def wait_rolled_to(self, value: str, prefill: int, decode: int, timeout: float) -> None:
+        """Wait until the rollout to `value` finished; on timeout, say what was still missing."""
+        gaps: list[str] = []
+
+        def finished() -> bool:
+            gaps[:] = self.rollout_gaps(value, prefill, decode)
+            return not gaps
+
+        wait_for(finished, timeout, 1.0, lambda: f"the rollout to the new image ({'; '.join(gaps)})")
 
     # -- faults ---------------------------------------------------------------------------------------------
 
