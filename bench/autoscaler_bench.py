@@ -185,18 +185,24 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+def model_config(slo: Slo, interval_s: float, startup_s: float) -> ModelConfig:
+    """The autoscaler's capacity model as every policy of a run uses it: both pools profiled from the H200 8B
+    timing, a horizon of one start-up plus one tick (what a replica asked for now can first serve)."""
+    profile = profile_from_timing(H200_8B)
+    return ModelConfig(
+        slo=slo,
+        prefill_profile=profile,
+        decode_profile=profile,
+        interval_s=interval_s,
+        horizon_s=startup_s + interval_s,
+        disaggregation_threshold=THRESHOLD,
+    )
+
+
 def run_scenario(scenario: Scenario, startup_s: float, log: Callable[[str], None]) -> dict[str, Any]:
     """Replay one scenario under every policy; the result dict of the JSON output."""
     requests = scenario.make()
-    profile = profile_from_timing(H200_8B)
-    model = ModelConfig(
-        slo=SLO,
-        prefill_profile=profile,
-        decode_profile=profile,
-        interval_s=INTERVAL_S,
-        horizon_s=startup_s + INTERVAL_S,
-        disaggregation_threshold=THRESHOLD,
-    )
+    model = model_config(SLO, INTERVAL_S, startup_s)
     minute = 60.0 / scenario.compression
     peak_p, peak_d, peak_at = static_peak(model, requests, minute, THRESHOLD)
     bounds = PolicyConfig(
@@ -366,15 +372,7 @@ def run_closed_loop(log: Callable[[str], None]) -> dict[str, Any]:
     from pdserve_dev.replay.live import LiveConfig, run_live
 
     requests = live_requests()
-    profile = profile_from_timing(H200_8B)
-    model = ModelConfig(
-        slo=LIVE_SLO,
-        prefill_profile=profile,
-        decode_profile=profile,
-        interval_s=LIVE_INTERVAL_S,
-        horizon_s=LIVE_STARTUP_S + LIVE_INTERVAL_S,
-        disaggregation_threshold=THRESHOLD,
-    )
+    model = model_config(LIVE_SLO, LIVE_INTERVAL_S, LIVE_STARTUP_S)
     bounds = PolicyConfig(
         prefill=PoolBounds(1, 3), decode=PoolBounds(1, 2), scale_down_window_s=float(LIVE_SCALE_DOWN_S)
     )

@@ -26,6 +26,7 @@ panel on them sees the first failure, not only the second.
 from __future__ import annotations
 
 import contextlib
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -35,7 +36,9 @@ from pdserve_operator.autoscaler.signals import ROLES, ServiceSignals
 
 SERVICE_LABELS = ("namespace", "pdservice")
 LATENCY_KINDS = ("ttft", "itl", "prefill_ttft", "decode_itl")
-ERROR_STAGES = ("collect", "decide", "scale")
+ErrorStage = Literal["collect", "decide", "scale"]
+"""Where a loop step failed: the `stage` label of `pdserve_autoscaler_errors_total` (type-checked at each call)."""
+ERROR_STAGES: tuple[ErrorStage, ...] = get_args(ErrorStage)
 
 
 class AutoscalerMetrics:
@@ -126,7 +129,7 @@ class AutoscalerMetrics:
         for query in BY_NAME:
             self.query_errors.labels(namespace, name, query)
 
-    def error(self, namespace: str, name: str, stage: str) -> None:
+    def error(self, namespace: str, name: str, stage: ErrorStage) -> None:
         self.errors.labels(namespace, name, stage).inc()
 
     def forget(self, namespace: str, name: str) -> None:
