@@ -109,13 +109,29 @@ def settle(cluster: ClusterHelper, namespace: str, operator: OperatorProcess) ->
     operator.wait_quiet(max(1, pdservice_count(cluster, namespace)))
 
 
-def matches_render(cluster: ClusterHelper, namespace: str, name: str) -> bool:
+def render_gaps(cluster: ClusterHelper, namespace: str, name: str) -> list[str]:
+    """The rendered objects the cluster lacks or holds with other values (`drift.contains`), as "Kind/name"."""
     observed = {(o["kind"], o["metadata"]["name"]): o for o in children(cluster, namespace, name)}
+    gaps = []
     for obj in rendered(cluster, namespace, name):
         have = observed.get((obj["kind"], obj["metadata"]["name"]))
         if have is None or not drift.contains(obj, have):
-            return False
-    return True
+            gaps.append(f"{obj['kind']}/{obj['metadata']['name']}" + (" missing" if have is None else ""))
+    return gaps
+
+
+def wait_matches_render(cluster: ClusterHelper, namespace: str, name: str, timeout: float = 30) -> None:
+    """Wait until every rendered object is in the cluster as rendered. Waited for, not asserted at one instant: the
+    render follows the pods (their kv-compat values, their nodes' topology labels), so a pod the StatefulSet
+    controller replaces just before the check changes the render until the operator's next pass (seconds). On
+    timeout the message names what still differs."""
+    gaps: list[str] = []
+
+    def matched() -> bool:
+        gaps[:] = render_gaps(cluster, namespace, name)
+        return not gaps
+
+    wait_for(matched, timeout, interval=0.5, message=lambda: f"the children to match the render (differ: {gaps})")
 
 
 # ----------------------------------------------------------------------------------------------------- fixtures
@@ -207,7 +223,7 @@ def test_example_becomes_available_with_rendered_children(
 ) -> None:
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in children(cluster, namespace, llama))
     assert kinds == sorted((o["kind"], o["metadata"]["name"]) for o in rendered(cluster, namespace, llama))
-    assert matches_render(cluster, namespace, llama)
+    wait_matches_render(cluster, namespace, llama)
     for obj in children(cluster, namespace, llama):
         refs = obj["metadata"]["ownerReferences"]
         assert [(r["kind"], r["name"], r["controller"]) for r in refs] == [("PDService", llama, True)]
@@ -300,7 +316,7 @@ def test_update_replicas_image_and_router_settings(
     after = pds_get(cluster, namespace, llama)
     assert after["metadata"]["generation"] > before["metadata"]["generation"]
     assert after["status"]["decode"] == {"replicas": 3, "readyReplicas": 3, "desiredReplicas": 3}
-    assert matches_render(cluster, namespace, llama)
+    wait_matches_render(cluster, namespace, llama)
     config = cluster.get_json("configmap", "llama-router", f"--namespace={namespace}")
     assert "disaggregationThresholdTokens: 1024" in config["data"]["router.yaml"]
     pods = cluster.pods(namespace, "pdserve.io/role in (prefill,decode)")
@@ -328,7 +344,7 @@ def test_drift_is_restored(cluster: ClusterHelper, namespace: str, operator: Ope
         return str(sts["spec"]["template"]["spec"]["containers"][0]["image"])
 
     wait_for(lambda: image() != "evil:latest", 30, message="the StatefulSet template to be restored")
-    assert matches_render(cluster, namespace, llama)
+    wait_matches_render(cluster, namespace, llama)
 
 
 def test_empty_string_fields_settle(cluster: ClusterHelper, namespace: str, operator: OperatorProcess) -> None:
@@ -530,7 +546,7 @@ def test_restart_mid_reconcile_converges_without_duplicates(cluster: ClusterHelp
             objects = children(cluster, namespace, "restart")
             names = [(o["kind"], o["metadata"]["name"]) for o in objects]
             assert len(names) == len(set(names)) == len(rendered(cluster, namespace, "restart"))
-            assert matches_render(cluster, namespace, "restart")
+            wait_matches_render(cluster, namespace, "restart")
             assert partial <= len(names)
 
             def caught_up() -> bool:
