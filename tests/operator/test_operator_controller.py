@@ -17,6 +17,7 @@ import yaml
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_operator.controller import Controller
+from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.metrics import OperatorMetrics
 
@@ -84,12 +85,14 @@ async def test_a_pass_that_asks_to_run_again_is_run_again_without_an_event() -> 
 
 
 class RefusingLists(FakeKube):
-    """FakeKube whose lists fail `failures` times (an API server still starting), then answer empty."""
+    """FakeKube whose lists fail `failures` times (an API server still starting), then answer empty; it notes how
+    many lists had been made when the first object was applied."""
 
     def __init__(self, failures: int) -> None:
         super().__init__()
         self.refusals = failures
         self.lists = 0
+        self.lists_at_first_apply: int | None = None
 
     def list_at(self, path: str, kind: str, label_selector: str = "") -> tuple[list[dict[str, Any]], str]:
         self.lists += 1
@@ -97,6 +100,11 @@ class RefusingLists(FakeKube):
             self.refusals -= 1
             raise ApiError(0, "connection refused", "ConnectionError")
         return [], "1"
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.lists_at_first_apply is None:
+            self.lists_at_first_apply = self.lists
+        return super().apply(obj)
 
 
 async def test_no_pass_runs_before_the_first_list_which_is_retried_until_it_succeeds() -> None:
@@ -106,9 +114,12 @@ async def test_no_pass_runs_before_the_first_list_which_is_retried_until_it_succ
     stop = asyncio.Event()
     task = asyncio.create_task(ctl.run(stop))
     try:
-        await asyncio.wait_for(ctl.synced.wait(), 10)
-        assert kube.refusals == 0 and kube.lists > 2  # two refused rounds, then one list per watched kind
-        assert ctl.store.snapshot(NAMESPACE, NAME).children == {}
+        # The counted event: the first pass applied the children (the lists found none).
+        await wait_for_async(lambda: asyncio.to_thread(lambda: bool(kube.written())), within=10)
+        # Two refused lists (each round stops at its first kind), then one list of every watched kind, all before
+        # that first apply.
+        assert kube.lists_at_first_apply == 2 + len(OBSERVED)
+        assert ctl.synced.is_set()
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
