@@ -34,13 +34,14 @@ CHUNK_BYTES = 6
 CHUNK_CHARS = CHUNK_BYTES
 
 _WORD = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_") | frozenset(range(0x80, 0x100))
-_SPACE = frozenset(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ")
+SPACE_BYTES = frozenset(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ")
+"""The space class: bytes that separate tokens and are not tokens themselves."""
 
 # Greedy `[word]{1,6}` cuts a run of n word bytes into exactly its ceil(n / 6) slices, in C.
 _TOKEN_SLICES = re.compile(rb"[A-Za-z0-9_\x80-\xff]{1,6}|[^A-Za-z0-9_\x80-\xff\t\n\x0b\x0c\r\x1c-\x1f ]")
 
 # Each byte mapped to its class letter: w(ord), s(pace) as b" ", o(ther) as b"p".
-_CLASSES = bytes((0x77 if b in _WORD else 0x20 if b in _SPACE else 0x70) for b in range(256))
+_CLASSES = bytes((0x77 if b in _WORD else 0x20 if b in SPACE_BYTES else 0x70) for b in range(256))
 _SIX_WORD = b"w" * CHUNK_BYTES
 
 

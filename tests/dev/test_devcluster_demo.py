@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,5 +34,8 @@ def test_demo_routes_a_long_prompt_through_prefill_and_pulls_its_kv() -> None:
     assert ", 0 computed locally" in output
     # The SLO autoscaler's decision on the burst, as its Event says it, and in `kubectl get pds -o wide`.
     assert "Event after" in output and "Scaled prefill 1 -> 2: TTFT p90" in output
-    assert "> 500 ms target" in output
+    # The decision states the measured TTFT against the target: above it when the burst breached it first, or
+    # still below it when the autoscaler scaled for the prefill demand it measured before the breach (CI saw
+    # "TTFT p90 489 ms <= 500 ms target" once); which comes first depends on the machine's speed.
+    assert re.search(r"Scaled prefill 1 -> 2: TTFT p90 [\d.]+ m?s (>|<=) 500 ms target", output), output[-4000:]
     assert "PREFILL-SCALING" in output

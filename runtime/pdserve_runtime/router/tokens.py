@@ -26,6 +26,13 @@ the end. Then B - G <= u < max(B - G, 1) + block, so:
 
 The common part itself is found by the prefix tracker with memcmp over stored keys (`prefix.py`), so the cost of
 a routing decision depends on the threshold, not on the prompt's length.
+
+One place where this is not the simulator's answer, on purpose: two prompts whose first different byte is a space
+byte (" a" against "a", "a  b" against "a b"). The model's tokens ignore spaces, so the simulator may hold more
+tokens than the byte comparison shows; the router counts from the first different byte, as a real tokenizer's
+tokens (which encode whitespace) would differ there. It then counts too many uncached tokens, never too few: the
+error only ever sends a prompt through prefill. Comparing whitespace-insensitively would cost a pass over every
+prompt and be wrong for real engines.
 """
 
 from __future__ import annotations
