@@ -146,8 +146,7 @@ class Controller:
                 continue
             self.synced.set()
             log.info("Cache synced objects=%d", self.store.size())
-            self.enqueue_all()  # owners that arrived while the list was on its way were queued already; harmless
-            return True
+            return True  # every owner in the store was queued by its event (or by taking the lead): none to add
         return False
 
     async def _resync(self, stop: asyncio.Event) -> None:
@@ -182,9 +181,7 @@ class Controller:
                     item.setdefault("apiVersion", kind.api_version)
                     item.setdefault("kind", kind.kind)
                     objects.append(item)
-            # Several namespaces: several snapshots; the oldest bounds what counts as written after the list.
-            listed_at = min(versions, key=lambda v: int(v) if v.isdigit() else -1) if versions else ""
-            dropped += self.store.replace_kind(kind.kind, self.namespaces or None, objects, listed_at)
+            dropped += self.store.replace_kind(kind.kind, self.namespaces or None, objects, versions)
         self.metrics.cached_objects.set(self.store.size())
         return dropped
 

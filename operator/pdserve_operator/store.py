@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from pdserve_operator.plan import ObjectKey, key_of
@@ -24,13 +24,18 @@ OwnerKey = tuple[str, str]  # (namespace, PDService name)
 _SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
-def _resource_version(obj: Mapping[str, Any]) -> int:
+def _version(value: str | None) -> int:
     # resourceVersions are opaque by contract but etcd revisions in practice; used only to drop an older copy that
-    # arrives after a newer one (an apply response racing its own watch event). Unparseable -> always accept.
+    # arrives after a newer one (an apply response racing its own watch event) and to tell a relist's stale entries
+    # from ones written after it. Unparseable -> -1 (always accepted, never judged stale by version).
     try:
-        return int(obj.get("metadata", {}).get("resourceVersion") or -1)
+        return int(value or -1)
     except ValueError:
         return -1
+
+
+def _resource_version(obj: Mapping[str, Any]) -> int:
+    return _version(obj.get("metadata", {}).get("resourceVersion"))
 
 
 class Store:
@@ -111,17 +116,18 @@ class Store:
         kind: str,
         namespaces: Collection[str] | None,
         objects: list[dict[str, Any]],
-        listed_at: str = "",
+        listed_at: Iterable[str] = (),
     ) -> int:
         """Make the cache's objects of `kind` (in `namespaces`, or everywhere) exactly `objects`, a fresh list.
 
         This is an informer's relist: it drops entries whose DELETED event was never seen (kopf re-lists after a
         410 Gone without synthesising deletions), which would otherwise hide a missing child forever. An entry
-        written after the list's snapshot (`listed_at`, the list's resourceVersion; its watch event arrived while
-        the list was on its way) is kept: dropping it would make a reconcile see an existing child as missing.
-        Returns the number of stale entries dropped."""
+        written after the lists' snapshots is kept (`listed_at`: the resourceVersion of each list `objects` came
+        from, one per namespace; the oldest bounds it): its watch event arrived while a list was on its way, and
+        dropping it would make a reconcile see an existing child as missing. Returns the number of stale entries
+        dropped."""
         fresh = {key_of(obj): obj for obj in objects}
-        snapshot = _resource_version({"metadata": {"resourceVersion": listed_at}})
+        snapshot = min((_version(version) for version in listed_at), default=-1)
         with self._lock:
             stale = [
                 key

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from pdserve_dev.process_node.node import SELECTOR, TOLERATION
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.load import Load
 from pdserve_dev.testing.net import TcpForwarder
@@ -53,8 +54,6 @@ STREAMS, STREAM_PROMPT, STREAM_OUTPUT = 200, 900, (1500, 2500)
 
 
 def manifest(namespace: str) -> dict[str, Any]:
-    process_node = {"pdserve.io/process-node": "true"}
-    toleration = {"key": "pdserve.io/process-node", "operator": "Exists", "effect": "NoSchedule"}
     scaled = {"enabled": True, "minReplicas": 1, "maxReplicas": 3}
     return {
         "apiVersion": "pdserve.io/v1alpha1",
@@ -73,11 +72,11 @@ def manifest(namespace: str) -> dict[str, Any]:
             },
             "prefill": {"replicas": 1, "autoscaling": scaled},
             "decode": {"replicas": 1, "autoscaling": scaled},
-            "placement": {"gpuNodeSelector": process_node, "tolerations": [toleration], "rdma": "off"},
+            "placement": {"gpuNodeSelector": SELECTOR, "tolerations": [TOLERATION], "rdma": "off"},
             "router": {
                 "replicas": 1,
-                "nodeSelector": process_node,
-                "tolerations": [toleration],
+                "nodeSelector": SELECTOR,
+                "tolerations": [TOLERATION],
                 "routing": {"disaggregationThreshold": 1024},
             },
             "slo": {"ttftMilliseconds": TTFT_TARGET_MS, "itlMilliseconds": ITL_TARGET_MS, "percentile": 90},

@@ -27,7 +27,7 @@ from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import validate
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.operator import OperatorProcess, ensure_cpu_node
-from pdserve_dev.testing.wait import wait_for, wait_for_async
+from pdserve_dev.testing.wait import wait_for, wait_for_async, wait_until_none_left
 from pdserve_operator import drift
 from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import SERVICE_ACCOUNT
@@ -125,13 +125,9 @@ def wait_matches_render(cluster: ClusterHelper, namespace: str, name: str, timeo
     render follows the pods (their kv-compat values, their nodes' topology labels), so a pod the StatefulSet
     controller replaces just before the check changes the render until the operator's next pass (seconds). On
     timeout the message names what still differs."""
-    gaps: list[str] = []
-
-    def matched() -> bool:
-        gaps[:] = render_gaps(cluster, namespace, name)
-        return not gaps
-
-    wait_for(matched, timeout, interval=0.5, message=lambda: f"the children to match the render (differ: {gaps})")
+    wait_until_none_left(
+        lambda: render_gaps(cluster, namespace, name), timeout, 0.5, "the children to match the render"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- fixtures

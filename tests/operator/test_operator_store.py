@@ -73,6 +73,6 @@ def test_relist_keeps_entries_written_after_its_snapshot() -> None:
     store = Store()
     store.put(obj("Service", "llama-old", 12))
     store.put(obj("Service", "llama-new", 25))
-    dropped = store.replace_kind("Service", ["ns"], [obj("Service", "llama-prefill", 18)], listed_at="20")
+    dropped = store.replace_kind("Service", ["ns"], [obj("Service", "llama-prefill", 18)], listed_at=["20"])
     assert dropped == 1
     assert sorted(key[2] for key in store.snapshot("ns", "llama").children) == ["llama-new", "llama-prefill"]

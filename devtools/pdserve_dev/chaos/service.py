@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.api.crdgen import custom_resource_definition
+from pdserve_dev.process_node.node import SELECTOR, TOLERATION
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
 from pdserve_dev.testing.operator import OperatorProcess
-from pdserve_dev.testing.wait import wait_for
+from pdserve_dev.testing.wait import wait_for, wait_until_none_left
 
 NAME = "chaos"
 MODEL = "tiny-llama"
@@ -60,8 +61,6 @@ def external_pools_manifest(
     max_replicas: int = 4,
 ) -> dict[str, Any]:
     """The local example's PDService with both pools scaled by an external writer (`scale`)."""
-    process_node = {"pdserve.io/process-node": "true"}
-    toleration = {"key": "pdserve.io/process-node", "operator": "Exists", "effect": "NoSchedule"}
     external = {"enabled": True, "mode": "external", "minReplicas": 1, "maxReplicas": max_replicas}
     return {
         "apiVersion": "pdserve.io/v1alpha1",
@@ -72,11 +71,11 @@ def external_pools_manifest(
             "engine": {"image": image, "maxModelLen": 4096, "kvLeaseSeconds": 30},
             "prefill": {"replicas": prefill, "autoscaling": external},
             "decode": {"replicas": decode, "maxNumSeqs": max_num_seqs, "autoscaling": external},
-            "placement": {"gpuNodeSelector": process_node, "tolerations": [toleration], "rdma": "required"},
+            "placement": {"gpuNodeSelector": SELECTOR, "tolerations": [TOLERATION], "rdma": "required"},
             "router": {
                 "replicas": router_replicas,
-                "nodeSelector": process_node,
-                "tolerations": [toleration],
+                "nodeSelector": SELECTOR,
+                "tolerations": [TOLERATION],
                 "routing": {"disaggregationThreshold": 64},
             },
         },
@@ -266,13 +265,9 @@ class ChaosService:
 
     def wait_rolled_to(self, value: str, prefill: int, decode: int, timeout: float) -> None:
         """Wait until the rollout to `value` finished; on timeout, say what was still missing."""
-        gaps: list[str] = []
-
-        def finished() -> bool:
-            gaps[:] = self.rollout_gaps(value, prefill, decode)
-            return not gaps
-
-        wait_for(finished, timeout, 1.0, lambda: f"the rollout to the new image ({'; '.join(gaps)})")
+        wait_until_none_left(
+            lambda: self.rollout_gaps(value, prefill, decode), timeout, 1.0, "the rollout to the new image"
+        )
 
     # -- faults ---------------------------------------------------------------------------------------------
 

@@ -25,6 +25,10 @@ Obj = dict[str, Any]
 
 LABEL = "pdserve.io/process-node"
 TAINT: Obj = {"key": LABEL, "value": "true", "effect": "NoSchedule"}
+#: What a pod spec (or a PDService's placement and router) needs to run on the process node: its label, and a
+#: toleration of its taint.
+SELECTOR: dict[str, str] = {LABEL: "true"}
+TOLERATION: Obj = {"key": LABEL, "operator": "Exists", "effect": TAINT["effect"]}
 HOST_IP = "127.0.0.1"
 
 # Generous, so the scheduler never runs out of room on the one node that runs real processes.

@@ -34,6 +34,7 @@ from typing import Any
 
 from pdserve.api.crdgen import custom_resource_definition
 from pdserve_dev.cluster.cluster import LocalCluster
+from pdserve_dev.process_node.node import SELECTOR, TOLERATION
 from pdserve_dev.replay.trace import Request
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.load import Answer, Load
@@ -85,9 +86,6 @@ class LiveOutcome:
 
 
 def manifest(config: LiveConfig) -> dict[str, Any]:
-    process_node = {"pdserve.io/process-node": "true"}
-    toleration = {"key": "pdserve.io/process-node", "operator": "Exists", "effect": "NoSchedule"}
-
     def pool(bounds: tuple[int, int], initial: int) -> dict[str, Any]:
         return {
             "replicas": initial,
@@ -108,11 +106,11 @@ def manifest(config: LiveConfig) -> dict[str, Any]:
             },
             "prefill": pool(config.prefill, config.initial[0]),
             "decode": pool(config.decode, config.initial[1]),
-            "placement": {"gpuNodeSelector": process_node, "tolerations": [toleration], "rdma": "off"},
+            "placement": {"gpuNodeSelector": SELECTOR, "tolerations": [TOLERATION], "rdma": "off"},
             "router": {
                 "replicas": 1,
-                "nodeSelector": process_node,
-                "tolerations": [toleration],
+                "nodeSelector": SELECTOR,
+                "tolerations": [TOLERATION],
                 "routing": {"disaggregationThreshold": config.threshold},
             },
             "slo": {

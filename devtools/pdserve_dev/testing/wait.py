@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -48,6 +48,18 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise WaitTimeoutError(_timeout_message(message, predicate, timeout, last_error))
         time.sleep(interval)
+
+
+def wait_until_none_left(problems: Callable[[], Sequence[str]], timeout: float, interval: float, what: str) -> None:
+    """Wait until `problems()` lists nothing (each entry says what still differs from the awaited state); on
+    timeout the message says `what` was awaited and what the last call still listed."""
+    left: list[str] = []
+
+    def settled() -> bool:
+        left[:] = problems()
+        return not left
+
+    wait_for(settled, timeout, interval, lambda: f"{what} (still: {'; '.join(left)})")
 
 
 async def wait_for_async(
