@@ -8,6 +8,8 @@ exposition that showed it, never on a scrape taken after a sleep.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -231,11 +233,22 @@ async def test_a_client_disconnect_before_the_first_byte_releases_the_engine(
     router_server: Any, make_config: Callable[..., RouterConfig], stage: str
 ) -> None:
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
-        await set_faults(p.url if stage == "prefill" else d.url, latency_s=10)
+        # The engine would hold the request for a minute: only the client's disconnect can end it in time.
+        engine_url = p.url if stage == "prefill" else d.url
+        await set_faults(engine_url, latency_s=60)
         config = make_config([p.url], [d.url], disaggregation_threshold_tokens=0)
         async with router_server(config) as (url, router):
-            with pytest.raises(TimeoutError):
-                await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}, within=0.3)
+            client = asyncio.create_task(post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}))
+
+            async def engine_has_it() -> bool:
+                return await requests_seen(engine_url) == 1
+
+            # Disconnect once the engine has the request (a counted event; a client timeout could instead end
+            # before the router had even read the request, and then there is nothing to count).
+            await wait_for_async(engine_has_it, within=10, message=f"the request at the {stage} engine")
+            client.cancel()  # leaving its session closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await client
             # The router counts the abandoned request once its handler has wound up: then nothing is held.
             exposition = await finished(url)
             engine = router.table.states(stage)[0]
