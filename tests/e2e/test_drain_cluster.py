@@ -68,11 +68,15 @@ class Scenario:
     mix: list[Shape]
     clients_after: int
 
+    @property
+    def removed(self) -> list[str]:
+        """The pods the scale-down removes: a StatefulSet scales down from its highest ordinals."""
+        return [f"{NAME}-{self.role}-{i}" for i in range(self.after, self.before)]
+
 
 DECODE = Scenario("decode", 4, 1, clients=12, mix=default_mix((30, 120, LONG_OUTPUT)), clients_after=4)
 _LONG_HEAVY = [s for s in default_mix((200, 400)) if not s.stream and (s.long or s.max_tokens == 200)]
 PREFILL = Scenario("prefill", 2, 1, clients=20, mix=_LONG_HEAVY, clients_after=20)
-REMOVED = f"{NAME}-prefill-1"  # a StatefulSet scales down from its highest ordinal
 DRAINING = re.compile(r"Draining in-flight requests count=(\d+) held_kv=(\d+)")
 
 
@@ -144,8 +148,7 @@ async def run_scale_down(
 
     kubectl runs in threads: the load's clients share this event loop and must not stall while the test waits.
     """
-    role, after = scenario.role, scenario.after
-    removed = [f"{NAME}-{role}-{i}" for i in range(after, scenario.before)]
+    role, after, removed = scenario.role, scenario.after, scenario.removed
     async with MixedLoad(router, MODEL, concurrency=scenario.clients, mix=scenario.mix) as load:
         await load.wait_succeeded(2 * scenario.clients, within=180)  # every client has run a few requests: steady
         await wait_for_async(lambda: moment(load), within=120, message="the moment to scale down")
@@ -203,7 +206,8 @@ async def test_prefill_scale_down_2_to_1_under_load_loses_no_request(
     failed_pulls = "vllm:nixl_num_failed_transfers_total"
     failed_before = metric_value(scrape_sync(f"http://{decode_ip}:8000/metrics"), failed_pulls)
 
-    [removed_ip] = [pod["status"]["podIP"] for pod in cluster.pods(namespace) if pod["metadata"]["name"] == REMOVED]
+    [removed] = PREFILL.removed
+    removed_ip = cluster.get_json("pod", removed, f"--namespace={namespace}")["status"]["podIP"]
     held_before = 0
 
     async def kv_just_handed_out_behind_a_deep_queue(_: MixedLoad) -> bool:
