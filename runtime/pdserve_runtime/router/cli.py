@@ -35,6 +35,10 @@ def load_config(
     threshold: int | None = None,
     fallback: bool | None = None,
     engine_metrics_interval: float | None = None,
+    metrics_port: int | None = None,
+    min_body_rate: float | None = None,
+    max_chunk_metadata_bytes: int | None = None,
+    client_write_timeout: float | None = None,
 ) -> RouterConfig:
     """The effective configuration: file, then flags, then PDSERVE_BIND_HOST. Raises click errors."""
     data: dict[str, Any] = {}
@@ -65,8 +69,15 @@ def load_config(
     if fallback is not None:
         policy["fallbackToDecode"] = fallback
     data["policy"] = policy
-    if engine_metrics_interval is not None:
-        data["engineMetricsIntervalSeconds"] = engine_metrics_interval
+    for key, value in (
+        ("engineMetricsIntervalSeconds", engine_metrics_interval),
+        ("metricsPort", metrics_port),
+        ("minBodyBytesPerSecond", min_body_rate),
+        ("maxChunkMetadataBytes", max_chunk_metadata_bytes),
+        ("clientWriteTimeoutSeconds", client_write_timeout),
+    ):
+        if value is not None:
+            data[key] = value
     bind = os.environ.get("PDSERVE_BIND_HOST")
     if bind:
         data["host"] = bind
@@ -97,6 +108,31 @@ def load_config(
     default=None,
     help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off) [default: 2].",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port of GET /metrics, apart from the client port (0: any free port, logged) [default: 9090].",
+)
+@click.option(
+    "--min-body-rate",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Bytes per second under which a request body still arriving gives way when body memory is short "
+    "[default: 65536].",
+)
+@click.option(
+    "--max-chunk-metadata-bytes",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Chunk extensions and trailers allowed per chunked request body; more gets 400 [default: 4096].",
+)
+@click.option(
+    "--client-write-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds a client may leave an answer unread before its connection is closed [default: 30].",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--access-log/--no-access-log", default=False, help="Log every request line (costs CPU).")
 def router(  # noqa: PLR0917 (click passes every option as an argument)
@@ -109,6 +145,10 @@ def router(  # noqa: PLR0917 (click passes every option as an argument)
     threshold: int | None,
     fallback: bool | None,
     engine_metrics_interval: float | None,
+    metrics_port: int | None,
+    min_body_rate: float | None,
+    max_chunk_metadata_bytes: int | None,
+    client_write_timeout: float | None,
     log_level: str,
     access_log: bool,
 ) -> None:
@@ -125,6 +165,10 @@ def router(  # noqa: PLR0917 (click passes every option as an argument)
         threshold=threshold,
         fallback=fallback,
         engine_metrics_interval=engine_metrics_interval,
+        metrics_port=metrics_port,
+        min_body_rate=min_body_rate,
+        max_chunk_metadata_bytes=max_chunk_metadata_bytes,
+        client_write_timeout=client_write_timeout,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     serve(config, access_log=access_log)
@@ -151,8 +195,8 @@ async def _serve(config: RouterConfig, access_log: bool) -> None:
     # collections on the request path only walk request-scoped objects (shorter GC pauses, lower p99).
     gc.collect()
     gc.freeze()
-    log.info("Started router host=%s port=%d discovery=%s threshold=%d", config.host, port, config.discovery,
-             config.policy.disaggregation_threshold_tokens)  # fmt: skip
+    log.info("Started router host=%s port=%d metrics_port=%d discovery=%s threshold=%d", config.host, port,
+             router.metrics_port, config.discovery, config.policy.disaggregation_threshold_tokens)  # fmt: skip
     await stop.wait()
     log.info("Stopping router grace=%.0fs", config.shutdown_grace_seconds)
     await router.stop(config.shutdown_grace_seconds)

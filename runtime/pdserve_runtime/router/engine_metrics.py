@@ -21,7 +21,7 @@ import re
 from time import monotonic
 
 from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
-from pdserve_runtime.router.upstream import EngineClient, UpstreamError
+from pdserve_runtime.transport.client import EngineClient, UpstreamError
 
 log = logging.getLogger("pdserve.router")
 
