@@ -12,15 +12,14 @@ for engines that have not answered yet; an engine whose length is unknown is che
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from typing import Any
 
 import orjson
 
-from pdserve_runtime.router.endpoints import EndpointTable
-from pdserve_runtime.transport.client import EngineClient, UpstreamError
+from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
+from pdserve_runtime.router.engine_poller import EnginePoller
+from pdserve_runtime.transport.client import EngineClient
 
 log = logging.getLogger("pdserve.router")
 
@@ -48,40 +47,24 @@ def model_context_length(answer: bytes, served_model_name: str) -> int | None:
     return None
 
 
-class ContextLengthLearner:
+class ContextLengthLearner(EnginePoller):
     """Background task filling `EndpointState.max_model_len` of decode engines."""
 
+    name = "pdserve-router-context-length"
+
     def __init__(self, table: EndpointTable, served_model_name: str, connect_timeout: float) -> None:
+        super().__init__(_INTERVAL)
         self._table = table
         self._name = served_model_name
         self._within = connect_timeout + 2.0
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self, client: EngineClient) -> None:
-        self._task = asyncio.create_task(self._run(client), name="pdserve-router-context-length")
+    def due(self) -> list[EndpointState]:
+        return [state for state in self._table.states("decode") if state.max_model_len is None]
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self, client: EngineClient) -> None:
-        while True:
-            unknown = [state for state in self._table.states("decode") if state.max_model_len is None]
-            if unknown:
-                await asyncio.gather(*(self.read(client, state.url) for state in unknown))
-            await asyncio.sleep(_INTERVAL)
-
-    async def read(self, client: EngineClient, url: str) -> None:
+    async def poll(self, client: EngineClient, state: EndpointState) -> None:
         """Read one engine's context length into its state (a failure leaves it unknown, tried again later)."""
-        try:
-            status, body, _ = await client.get(url, "/v1/models", limit=_MODELS_LIMIT, within=self._within)
-        except (UpstreamError, TimeoutError) as exc:
-            log.debug("Failed reading models endpoint=%s error=%s", url, exc)
-            return
-        length = model_context_length(body, self._name) if status == 200 else None
-        for state in self._table.states("decode"):
-            if state.url == url and length is not None:
-                state.max_model_len = length
-                log.info("Read context length endpoint=%s max_model_len=%d", state.endpoint.label, length)
+        body = await self.get(client, state, "/v1/models", _MODELS_LIMIT, self._within)
+        length = model_context_length(body, self._name) if body is not None else None
+        if length is not None:
+            state.max_model_len = length
+            log.info("Read context length endpoint=%s max_model_len=%d", state.endpoint.label, length)

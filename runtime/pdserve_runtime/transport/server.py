@@ -615,21 +615,9 @@ class _Connection(asyncio.Protocol):
             self._stop(_budget_refusal(refused))
 
     def _evicted(self, status: int) -> None:
-        """The budget took this connection's body back to make room for others: answer and close."""
-        if self.lost or self.message is None:
-            return
-        reject = _budget_refusal(status)
-        self.reject = reject
-        log.info("Refused request client=%s status=%d reason=%s", self.client, status, reject.message)
-        if self.current is not None:
-            # An answer is under way on this connection: drop the body being received, close after the answer.
-            self._release_message()
-            self.message = None
-            self.closing_after_response = True
-            if self.transport is not None:
-                self.transport.pause_reading()
-            return
-        self._answer_and_close(reject.status, reject.message, reject.headers, linger=True)
+        """The budget took this connection's body back to make room for others: refuse it."""
+        if not self.lost and self.message is not None:
+            self._fail(_budget_refusal(status))
 
     def _next(self) -> None:
         """Start the handler of the next complete request, if any."""
