@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -125,7 +126,8 @@ def _start_backend(  # noqa: PLR0917 (one call site per backend, every argument 
 
 
 def _median(values: list[float]) -> float:
-    ordered = sorted(values)
+    """The median of the rounds that measured something (a round whose window saw no first token is NaN)."""
+    ordered = sorted(value for value in values if not math.isnan(value))
     if not ordered:
         return float("nan")
     mid = len(ordered) // 2
