@@ -109,7 +109,8 @@ def _start_backend(  # noqa: PLR0917 (one call site per backend, every argument 
         procs.append(base)
         url = f"http://127.0.0.1:{port}"
         _wait_http(url, "/ready")
-        targets.append(Target("pdserve-base", url, baseline="direct-pd", router=base))
+        # A checkout from before the metrics port serves /metrics on its client port.
+        targets.append(Target("pdserve-base", url, baseline="direct-pd", router=base, metrics_url=url))
     binary = vllm_router_binary()
     if with_vllm and binary:
         port = free_port()
@@ -145,6 +146,7 @@ def _row(result: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
         "relay": result["tokens_per_s"] / max(1e-9, base["tokens_per_s"]),
         "events_per_s": result["tokens_per_s"],
         "cpu_ms": result["cpu_ms_per_request"],
+        "own_p50": result["own_p50_ms"],
         "cpu_pct": result["router_cpu_pct"],
         "pd_share": routes.get("pd", 0) / max(1, sum(routes.values())) if routes else float("nan"),
         "errors": result["errors"],
@@ -247,8 +249,8 @@ def _report_against_baseline(table: dict[str, dict[str, dict[str, float]]]) -> N
         return
     print()
     print("| prompt | streams | added TTFT p50 this / baseline tree | p99 this / baseline | difference p50 | "
-          "CPU per request this / baseline |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- |")
+          "router's own share of TTFT p50 this / baseline | CPU per request this / baseline |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for case, rows in table.items():
         tokens, streams, kind = CASES[case]
         ours, base = rows.get("pdserve-pd"), rows.get("pdserve-base")
@@ -257,6 +259,7 @@ def _report_against_baseline(table: dict[str, dict[str, dict[str, float]]]) -> N
         print(f"| {tokens} tokens{', ITL 0' if kind == 'unpaced' else ''} | {streams} | "
               f"{ours['added_p50']:+.2f} / {base['added_p50']:+.2f} ms | {ours['added_p99']:+.2f} / "
               f"{base['added_p99']:+.2f} ms | {ours['added_p50'] - base['added_p50']:+.2f} ms | "
+              f"{ours['own_p50']:.3f} / {base['own_p50']:.3f} ms | "
               f"{ours['cpu_ms']:.2f} / {base['cpu_ms']:.2f} ms |")  # fmt: skip
 
 
