@@ -27,7 +27,7 @@ def _matches(kind: Kind) -> Any:
     return lambda resource: resource.group == kind.group and resource.plural == kind.plural
 
 
-def configure(settings: kopf.OperatorSettings, *, server_timeout: int = 270, client_timeout: int = 300) -> None:
+def configure(settings: kopf.OperatorSettings, *, server_timeout: int, client_timeout: int) -> None:
     """kopf settings: bookkeeping in annotations, bounded watches and requests, server-side child selectors."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.pdserve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.pdserve.io")

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.settings import OperatorSettings
 from pdserve.api.validation import validate
 from pdserve_dev.testing.fake_kube import Call, FakeKube
 from pdserve_operator.kube import NotLeaderError
@@ -25,6 +27,7 @@ from pdserve_operator.plan import WORKLOAD_KINDS
 from pdserve_operator.reconcile import Outcome, RetryLaterError, reconcile
 from pdserve_operator.render import render
 from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama-8b"
@@ -53,6 +56,7 @@ class World:
     def __init__(self, applier: Executor | None) -> None:
         self.kube = FakeKube()
         self.store = Store()
+        self.views = SpecViews(DEFAULT_POLICY)
         self.applier = applier
         self._ticks = itertools.count()
 
@@ -71,7 +75,16 @@ class World:
             self.store.put(obj)
 
     def reconcile(self) -> Outcome:
-        return reconcile(NAMESPACE, NAME, self.store, self.kube, self.now, applier=self.applier)
+        return reconcile(
+            NAMESPACE,
+            NAME,
+            self.store,
+            self.kube,
+            self.now,
+            views=self.views,
+            crash_window=OperatorSettings.crash_recovery_seconds,
+            applier=self.applier,
+        )
 
     def pass_calls(self) -> tuple[Outcome, list[Call]]:
         mark = self.kube.mark()
@@ -365,7 +378,14 @@ def test_a_crashed_engine_is_reported_once_and_recovers_after_the_window(world: 
     def run_at(clock: str) -> tuple[Outcome, list[Call]]:
         mark = world.kube.mark()
         outcome = reconcile(
-            NAMESPACE, NAME, world.store, world.kube, lambda: clock, applier=world.applier, crash_window=window
+            NAMESPACE,
+            NAME,
+            world.store,
+            world.kube,
+            lambda: clock,
+            views=world.views,
+            crash_window=window,
+            applier=world.applier,
         )
         return outcome, world.kube.calls_since(mark)
 

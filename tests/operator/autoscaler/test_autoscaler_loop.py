@@ -23,15 +23,18 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_dev.testing.metrics import samples
 from pdserve_operator.autoscaler.collector import Target
-from pdserve_operator.autoscaler.loop import Autoscalers, LoopSettings, ServiceLoop, wants_loop
+from pdserve_operator.autoscaler.loop import CHECK_S, MAX_BACKOFF, Autoscalers, LoopSettings, ServiceLoop, wants_loop
 from pdserve_operator.autoscaler.metrics import AutoscalerMetrics
 from pdserve_operator.autoscaler.report import ScalingBoard
 from pdserve_operator.autoscaler.signals import ROLES, PodState, PoolSignals, RouterSignals, ServiceSignals
 from pdserve_operator.reconcile import reconcile
 from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama-8b"
@@ -56,8 +59,6 @@ class Scripted:
     ttft_s: float = 0.2
     broken: bool = False
     crash: bool = False
-    window_s: float = 15.0
-    warmup_s: float = 60.0
     seen: list[tuple[Target, list[PodState], list[str]]] = field(default_factory=list)
 
     def collect(
@@ -69,7 +70,7 @@ class Scripted:
         if self.broken:
             pools = {role: PoolSignals(role, target.desired[role]) for role in ROLES}
             return ServiceSignals(
-                now, self.window_s, target.percentile, pools["prefill"], pools["decode"],
+                now, target.window_s, target.percentile, pools["prefill"], pools["decode"],
                 errors=("prefill uncached_tokens: ConnectionError: refused",), failed_queries=("uncached_tokens",),
             )  # fmt: skip
         prefill = PoolSignals(
@@ -87,7 +88,19 @@ class Scripted:
         )
         decode = PoolSignals("decode", target.desired["decode"], ready=target.desired["decode"])
         router = RouterSignals(ttft_s=self.ttft_s, ttft_pd_s=self.ttft_s, itl_s=0.02, freshness_s=1.0)
-        return ServiceSignals(now, self.window_s, target.percentile, prefill, decode, router)
+        return ServiceSignals(now, target.window_s, target.percentile, prefill, decode, router)
+
+
+def loop_settings(
+    interval_s: float = OperatorSettings.autoscaler_interval_seconds, check_s: float = CHECK_S
+) -> LoopSettings:
+    """The loops' timing as the operator sets it by default, with a shorter tick or check where a test asks."""
+    return LoopSettings(
+        interval_s=interval_s,
+        window_s=OperatorSettings.autoscaler_window_seconds,
+        check_s=check_s,
+        max_backoff=MAX_BACKOFF,
+    )
 
 
 class World:
@@ -104,13 +117,15 @@ class World:
         self._clock = itertools.count(1_800_000_000, 15)
         self.delays: list[float] = []
         self.budget = 1_000_000
+        self.views = SpecViews(DEFAULT_POLICY)
         self.scalers = Autoscalers(
             self.store,
             self.kube,
             self.board,
             lambda: self.source,
+            views=self.views,
             metrics=AutoscalerMetrics(self.registry),
-            settings=settings or LoopSettings(),
+            settings=settings or loop_settings(),
             is_leader=lambda: self.leader,
             enqueue=self.queued.append,
             clock=lambda: float(next(self._clock)),
@@ -136,7 +151,16 @@ class World:
         self.store.put_owner(self.kube.add_owner(doc))
 
     def reconcile(self) -> None:
-        reconcile(NAMESPACE, NAME, self.store, self.kube, lambda: "2026-01-01T00:00:00Z", scaling=self.board)
+        reconcile(
+            NAMESPACE,
+            NAME,
+            self.store,
+            self.kube,
+            lambda: "2026-01-01T00:00:00Z",
+            views=self.views,
+            crash_window=OperatorSettings.crash_recovery_seconds,
+            scaling=self.board,
+        )
 
     def sts(self, role: str) -> dict[str, Any]:
         return self.kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-{role}")]
@@ -252,7 +276,7 @@ async def test_loops_run_on_the_leader_for_scaled_services_and_stop_when_that_en
 
 
 async def test_run_stops_every_loop_when_the_operator_stops() -> None:
-    world = World(settings=LoopSettings(interval_s=0.01, check_s=0.01))
+    world = World(settings=loop_settings(interval_s=0.01, check_s=0.01))
     stop = asyncio.Event()
     runner = asyncio.create_task(world.scalers.run(stop))
     await wait_until(lambda: len(world.source.seen) >= 3)
@@ -415,7 +439,7 @@ async def test_metrics_unavailable_holds_and_says_why() -> None:
 
 
 async def test_a_refused_scale_is_reported_and_retried_with_backoff() -> None:
-    world = World(settings=LoopSettings(interval_s=0.01, max_backoff=4.0))
+    world = World(settings=loop_settings(interval_s=0.01))
     world.source.load, world.source.ttft_s = 100_000.0, 1.2
     world.kube.fail("scale", 422, "admission webhook denied the request", times=3)
     loop = world.loop()
@@ -438,7 +462,7 @@ async def test_a_refused_scale_is_reported_and_retried_with_backoff() -> None:
 
 
 async def test_a_crashing_collector_never_stops_the_loop() -> None:
-    world = World(settings=LoopSettings(interval_s=0.01, max_backoff=4.0))
+    world = World(settings=loop_settings(interval_s=0.01))
     world.source.crash = True
     loop = world.loop()
     delays = await run_ticks(world, loop, 4)
@@ -450,7 +474,7 @@ async def test_a_crashing_collector_never_stops_the_loop() -> None:
 
 
 async def test_leadership_lost_mid_tick_ends_the_loop() -> None:
-    world = World(settings=LoopSettings(interval_s=0.01))
+    world = World(settings=loop_settings(interval_s=0.01))
     world.source.load, world.source.ttft_s = 100_000.0, 1.2
     world.kube.leader = False
     await asyncio.wait_for(world.loop().run(), 5)  # returns instead of retrying
