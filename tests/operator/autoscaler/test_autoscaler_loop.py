@@ -15,7 +15,7 @@ import asyncio
 import copy
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,10 +28,21 @@ from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_dev.testing.metrics import samples
 from pdserve_operator.autoscaler.collector import Target
-from pdserve_operator.autoscaler.loop import CHECK_S, MAX_BACKOFF, Autoscalers, LoopSettings, ServiceLoop, wants_loop
+from pdserve_operator.autoscaler.core import AutoscalerConfig, config_from_spec
+from pdserve_operator.autoscaler.loop import (
+    CHECK_S,
+    MAX_BACKOFF,
+    Autoscalers,
+    LoopSettings,
+    ServiceLoop,
+    ServiceView,
+    read_service,
+    wants_loop,
+)
 from pdserve_operator.autoscaler.metrics import AutoscalerMetrics
 from pdserve_operator.autoscaler.report import ScalingBoard
 from pdserve_operator.autoscaler.signals import ROLES, PodState, PoolSignals, RouterSignals, ServiceSignals
+from pdserve_operator.observed import Snapshot
 from pdserve_operator.reconcile import reconcile
 from pdserve_operator.store import Store
 from pdserve_operator.view import SpecViews
@@ -161,6 +172,9 @@ class World:
             crash_window=OperatorSettings.crash_recovery_seconds,
             scaling=self.board,
         )
+
+    def snapshot(self) -> Snapshot:
+        return self.store.snapshot(NAMESPACE, NAME)
 
     def sts(self, role: str) -> dict[str, Any]:
         return self.kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-{role}")]
@@ -409,6 +423,87 @@ async def test_an_external_pool_is_never_scaled_by_the_loop() -> None:
     assert [c.name for c in world.kube.calls if c.verb == "scale"] == [f"{NAME}-prefill"]
     report = world.board.get(KEY)
     assert report is not None and report.pools["decode"].reason == "ExternallyScaled"
+
+
+# ------------------------------------------------------------------------------------------ a tick's steps
+
+
+def service_view(world: World) -> ServiceView:
+    view = read_service(KEY, world.views.checked(world.store.owner(*KEY) or {}).require()[1], world.snapshot())
+    assert view is not None
+    return view
+
+
+def configured(world: World) -> AutoscalerConfig:
+    settings = world.scalers.settings
+    return config_from_spec(service_view(world).spec, interval_s=settings.interval_s, window_s=settings.window)
+
+
+def test_read_service_reads_the_pools_and_the_live_pods_from_the_cache() -> None:
+    world = World()
+    terminating = pod(f"{NAME}-router-old", "router")
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    world.store.put(terminating)
+    view = service_view(world)
+    assert view.desired == {"prefill": 1, "decode": 4}
+    assert {role: sts["metadata"]["name"] for role, sts in view.statefulsets.items()} == {
+        "prefill": f"{NAME}-prefill",
+        "decode": f"{NAME}-decode",
+    }
+    assert sorted(p["metadata"]["name"] for p in view.engine_pods) == sorted(
+        [f"{NAME}-prefill-0", *(f"{NAME}-decode-{i}" for i in range(4))]
+    )
+    assert view.routers == [f"{NAME}-router-abc"]  # the terminating one serves no new request
+    # A pool without its StatefulSet yet: nothing to read (the reconcile creates it first).
+    world.store.delete(world.sts("decode"))
+    spec = world.views.checked(world.store.owner(*KEY) or {}).require()[1]
+    assert read_service(KEY, spec, world.snapshot()) is None
+
+
+async def test_collect_asks_for_the_window_and_warm_up_the_service_is_configured_with() -> None:
+    world = World(settings=LoopSettings(interval_s=20.0, window_s=45.0, check_s=CHECK_S, max_backoff=MAX_BACKOFF))
+    loop, config = world.loop(), configured(world)
+    signals = await loop.collect(service_view(world), config, 1_800_000_000.0)
+    target, pods, routers = world.source.seen[-1]
+    assert (target.window_s, target.warmup_s, target.percentile) == (45.0, 60.0, 90)
+    assert target.desired == {"prefill": 1, "decode": 4} and signals.window_s == 45.0
+    assert config.model.interval_s == 20.0
+    assert {p.role for p in pods} == {"prefill", "decode"} and routers == [f"{NAME}-router-abc"]
+
+
+async def test_decide_keeps_what_the_model_learned_when_the_spec_changes() -> None:
+    world = World()
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    loop, config = world.loop(), configured(world)
+    signals = await loop.collect(service_view(world), config, 1_800_000_000.0)
+    first = loop.decide(config, signals)
+    autoscaler = loop.autoscaler
+    assert first.prefill.desired > 1 and autoscaler is not None
+    narrower = replace(config, policy=replace(config.policy, prefill=replace(config.policy.prefill, max_replicas=2)))
+    again = loop.decide(narrower, signals)
+    assert loop.autoscaler is autoscaler and autoscaler.config is narrower
+    assert again.prefill.desired == 2
+
+
+async def test_actuate_writes_scale_adopts_it_and_explain_remembers_when() -> None:
+    world = World()
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    loop, config, view = world.loop(), configured(world), service_view(world)
+    signals = await loop.collect(view, config, 1_800_000_000.0)
+    decision = loop.decide(config, signals)
+    body = world.store.owner(*KEY)
+    assert body is not None
+    assert await loop.actuate(body, view, decision, 1_800_000_000.0) == {}
+    assert [(c.verb, c.name) for c in world.kube.calls if c.verb == "scale"] == [("scale", f"{NAME}-prefill")]
+    cached = world.snapshot().child("StatefulSet", NAMESPACE, f"{NAME}-prefill")
+    assert cached is not None and cached["spec"]["replicas"] == decision.prefill.desired
+    assert [e["reason"] for e in world.kube.events if e["reason"] == "Scaled"] == ["Scaled"]
+    report = loop.explain(decision, signals, config, {}, 1_800_000_000.0)
+    assert report.pools["prefill"].last_scale_time == "2027-01-15T08:00:00Z"
+    assert loop.last_scale_time == {"prefill": "2027-01-15T08:00:00Z", "decode": None}
+    # A refused write is not a scale: the time stays what it was.
+    later = loop.explain(decision, signals, config, {"prefill": "refused"}, 1_800_000_100.0)
+    assert later.pools["prefill"].last_scale_time == "2027-01-15T08:00:00Z"
 
 
 # --------------------------------------------------------------------------------------------------- failures
