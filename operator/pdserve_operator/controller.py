@@ -50,7 +50,7 @@ class Controller:
         resync_seconds: float,
         relist_seconds: float,
         crash_window: float,
-        namespaces: Collection[str] = (),
+        namespaces: Collection[str],
         is_leader: Callable[[], bool] = lambda: True,
         metrics: OperatorMetrics | None = None,
         applier: Executor | None = None,
@@ -58,8 +58,9 @@ class Controller:
         nodes: NodeLabels | None = None,
     ) -> None:
         """`views`: each PDService's validation result under the administrator's policy, shared with the
-        autoscaler's loops. `workers`, `resync_seconds`, `relist_seconds`, `crash_window`: the process settings of
-        the same names (`pdserve.api.settings.OperatorSettings`; `crash_window` is `crash_recovery_seconds`)."""
+        autoscaler's loops. `workers`, `resync_seconds`, `relist_seconds`, `crash_window`, `namespaces`: the
+        process settings of the same names (`pdserve.api.settings.OperatorSettings`; `crash_window` is
+        `crash_recovery_seconds`; no namespace: cluster-wide)."""
         self.api = api
         self.metrics = metrics if metrics is not None else api.metrics
         self.applier = applier

@@ -66,7 +66,7 @@ def connection_info(configuration: k8s.Configuration, *, trust_env: bool = False
     )
 
 
-def register(controller: Controller, registry: kopf.OperatorRegistry, *, kubeconfig: str | None = None) -> None:
+def register(controller: Controller, registry: kopf.OperatorRegistry, *, kubeconfig: str | None) -> None:
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
         return connection_info(load_configuration(kubeconfig), trust_env=settings.networking.trust_env)

@@ -149,6 +149,11 @@ def _shape(annotation: Any, where: str) -> tuple[type, bool, bool, tuple[str, ..
     raise TypeError(f"{where}: unsupported setting type {annotation!r}")
 
 
+def help_text(row: Setting) -> str:
+    """The row's help, with what overrides it (an environment variable) said once for `--help` and the docs."""
+    return row.help if row.env is None else f"{row.help} ${row.env}, when set, wins."
+
+
 def click_type(row: Setting) -> Any:
     """The click parameter type of a row."""
     if row.choices:
@@ -178,7 +183,7 @@ def click_option(row: Setting, shown_default: str | None = None) -> Callable[[F]
         multiple=row.multiple,
         metavar=row.metavar,
         show_default=show,
-        help=row.help,
+        help=help_text(row),
         **extra,
     )
     return decorator

@@ -25,10 +25,11 @@ is written (`config=`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pdserve.api.optioning import setting
+from pdserve.api.optioning import Setting, setting
 from pdserve.api.policy import HOST_PATH_FLAG
+from pdserve.api.router_config import RouterConfig
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[LogLevel, ...] = ("debug", "info", "warning", "error")
@@ -40,7 +41,8 @@ cluster runs each pod as a process on its own loopback address)."""
 
 @dataclass(frozen=True)
 class OperatorSettings:
-    """`pdserve operator`: run the PDService operator."""
+    """The PDService operator: it reconciles every PDService into its children, and with a Prometheus it runs the
+    SLO autoscaler of the pools scaled by pdserve."""
 
     # ---------------------------------------------------------------------------------------- API server, scope
     kubeconfig: str | None = setting(
@@ -65,7 +67,7 @@ class OperatorSettings:
         "0.0.0.0",
         "--bind",
         env=BIND_HOST_ENV,
-        help=f"Address of the metrics and health servers ({BIND_HOST_ENV} wins, as for the router and the simulator).",
+        help="Address of the metrics and health servers.",
     )
 
     # ------------------------------------------------------------------------------------------ leader election
@@ -150,3 +152,18 @@ class OperatorSettings:
     # ---------------------------------------------------------------------------------------------------- logs
     log_format: LogFormat = setting("json", "--log-format", help="Log format.", chart="operator.logFormat")
     log_level: LogLevel = setting("info", "--log-level", help="Log level.", chart="operator.logLevel")
+
+
+COMMANDS: tuple[tuple[str, type[Any]], ...] = (("operator", OperatorSettings),)
+"""Each command's settings table, in the order the reference page lists them."""
+
+
+def shown_default(row: Setting) -> str | None:
+    """What `--help` and the reference page give as the default of an option that has none of its own (a router
+    flag overriding a configuration file field: that field's default), else None."""
+    if row.config is None:
+        return None
+    value: Any = RouterConfig.model_construct(served_model_name="")
+    for part in row.config.split("."):
+        value = getattr(value, part)
+    return str(value).lower() if isinstance(value, bool) else str(value)

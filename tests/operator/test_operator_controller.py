@@ -40,6 +40,7 @@ def new_controller(kube: FakeKube, crash_window: float = OperatorSettings.crash_
         resync_seconds=defaults.resync_seconds,
         relist_seconds=defaults.relist_seconds,
         crash_window=crash_window,
+        namespaces=(),
         metrics=OperatorMetrics(),
     )
 
