@@ -55,7 +55,16 @@ from pdserve_operator.render.router import router_endpoint
 from pdserve_operator.store import Store
 from pdserve_operator.view import SpecViews
 
-__all__ = ["Outcome", "RetryLaterError", "observe", "plan_writes", "reconcile", "status_intent", "transition_events"]
+__all__ = [
+    "Outcome",
+    "RetryLaterError",
+    "observe",
+    "plan_writes",
+    "reconcile",
+    "status_intent",
+    "transition_events",
+    "update_status",
+]
 
 log = logging.getLogger("pdserve.operator.reconcile")
 
@@ -113,7 +122,7 @@ def reconcile(
     else:
         _log_rejected(body, checked)
         done, outcome = Executed(), Outcome("invalid")
-    _report_status(
+    update_status(
         body,
         checked,
         done,
@@ -238,7 +247,7 @@ def _condition(status: Mapping[str, Any] | None, type_: str) -> dict[str, Any]:
     return {}
 
 
-def _report_status(
+def update_status(
     body: dict[str, Any],
     checked: Validated,
     done: Executed,
