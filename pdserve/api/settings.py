@@ -154,7 +154,44 @@ class OperatorSettings:
     log_level: LogLevel = setting("info", "--log-level", help="Log level.", chart="operator.logLevel")
 
 
-COMMANDS: tuple[tuple[str, type[Any]], ...] = (("operator", OperatorSettings),)
+@dataclass(frozen=True)
+class RouterSettings:
+    """The PD router: the OpenAI-compatible endpoint of one PDService. In a cluster the operator runs it with
+    `--config`, the file it renders from the PDService (`router_config.RouterConfig`, Kubernetes discovery); given
+    engine URLs instead it runs on its own (static mode). Flags given together with `--config` override the file."""
+
+    config_path: str | None = setting(None, "--config", file="any", help="RouterConfig YAML (Kubernetes mode).")
+    host: str | None = setting(None, "--host", env=BIND_HOST_ENV, config="host", help="Listen address.")
+    port: int | None = setting(None, "--port", config="port", help="Listen port.")
+    prefill: tuple[str, ...] = setting((), "--prefill", help="Prefill engine base URL (static mode, repeatable).")
+    decode: tuple[str, ...] = setting((), "--decode", help="Decode engine base URL (static mode, repeatable).")
+    served_model_name: str | None = setting(
+        None, "--served-model-name", help="Model name for /v1/models (default: ask a decode engine)."
+    )
+    threshold: int | None = setting(
+        None,
+        "--disaggregation-threshold",
+        config="policy.disaggregation_threshold_tokens",
+        help="Uncached prompt tokens at or above which a request goes through prefill (0: always).",
+    )
+    fallback: bool | None = setting(
+        None,
+        "--fallback/--no-fallback",
+        config="policy.fallback_to_decode",
+        help="Let decode prefill locally when prefill fails.",
+    )
+    engine_metrics_interval: float | None = setting(
+        None,
+        "--engine-metrics-interval",
+        minimum=0,
+        config="engine_metrics_interval_seconds",
+        help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off).",
+    )
+    log_level: LogLevel = setting("info", "--log-level", help="Log level.")
+    access_log: bool = setting(False, "--access-log/--no-access-log", help="Log every request line (costs CPU).")
+
+
+COMMANDS: tuple[tuple[str, type[Any]], ...] = (("operator", OperatorSettings), ("router", RouterSettings))
 """Each command's settings table, in the order the reference page lists them."""
 
 

@@ -11,6 +11,8 @@ import inspect
 import sys
 from typing import Any
 
+from pydantic.alias_generators import to_camel
+
 from pdserve.api.optioning import Setting, help_text, settings_of
 from pdserve.api.settings import COMMANDS, shown_default
 
@@ -57,9 +59,7 @@ def _flag(row: Setting) -> str:
 
 def _default(row: Setting) -> str:
     shown = shown_default(row)
-    if shown is not None:
-        return f"`{shown}`"
-    text = _value(row.default)
+    text = f"`{shown}`" if shown is not None else _value(row.default)
     if row.minimum is not None:
         text += f" (at least {row.minimum:g})"
     return text
@@ -77,7 +77,8 @@ def _chart(row: Setting) -> str:
 def _help(row: Setting) -> str:
     text = help_text(row)
     if row.config is not None:
-        text += f" Overrides the configuration file's `{row.config}`."
+        field = ".".join(to_camel(part) for part in row.config.split("."))
+        text += f" Overrides the configuration file's `{field}`."
     return text.replace("|", "\\|")
 
 

@@ -108,8 +108,10 @@ def test_help_shows_every_setting_with_its_default(command: str) -> None:
     for row in rows:
         entry = squeezed(entries[row.flag])
         assert squeezed(row.help) in entry, (row.name, entry)
-        default = shown_default(row) or shown(row.default)
-        if row.switch and row.negative_flag is not None:
+        # A default the option takes from elsewhere (a router flag: its configuration file field) is shown as click
+        # shows a described default: in parentheses.
+        default = f"({shown_default(row)})" if shown_default(row) is not None else shown(row.default)
+        if row.switch and row.negative_flag is not None and row.config is None:
             default = (row.flag if row.default else row.negative_flag).removeprefix("--")
         if default is not None:
             assert squeezed(f"[default: {default}") in entry, (row.name, entry)
@@ -117,32 +119,37 @@ def test_help_shows_every_setting_with_its_default(command: str) -> None:
             assert "[default:" not in entry, (row.name, entry)
 
 
-def test_the_operator_refuses_what_the_table_bounds() -> None:
+@pytest.mark.parametrize(
+    ("args", "flag", "bound"),
+    [
+        (("operator", "-A", "--autoscaler-interval-seconds", "0.1"), "--autoscaler-interval-seconds", "0.5"),
+        (("router", "--decode", "http://d:1", "--engine-metrics-interval", "-1"), "--engine-metrics-interval", "0"),
+    ],
+)
+def test_a_value_below_the_tables_bound_is_refused(args: tuple[str, ...], flag: str, bound: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "operator", "-A", "--autoscaler-interval-seconds", "0.1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        [sys.executable, "-m", "pdserve.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
     )
-    assert result.returncode == 2
-    assert "--autoscaler-interval-seconds" in result.stderr and "0.5" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert flag in result.stderr and f">={bound}" in result.stderr
 
 
 # -------------------------------------------------------------------------- no defaults below the root
 
-# The composition roots: where the table's values are read and handed down.
+# The composition roots, where the table's values are read and handed down; and the code below each, which is
+# handed them. A setting without a value of its own (None, nothing given) has no default to repeat; a router flag
+# overriding a configuration file field has its default there (`RouterConfig`), which the router reads.
 ROOTS = {
     ROOT / "operator" / "pdserve_operator" / "cli.py",
     ROOT / "operator" / "pdserve_operator" / "runner.py",
     ROOT / "runtime" / "pdserve_runtime" / "router" / "cli.py",
 }
-# The names the settings go by below the roots, where they differ from the table's.
+BELOW = {"operator": ROOT / "operator", "router": ROOT / "runtime"}
+# The names the operator's settings go by below the roots, where they differ from the table's.
 ALIASES = {
     "crash_window": "crash_recovery_seconds",
     "interval_s": "autoscaler_interval_seconds",
-    "window_s": "autoscaler_window_seconds",
+    "window_s": "autoscaler_window_seconds (the interval)",
     "warmup_s": "spec.autoscaling.warmupSeconds",
     "timeout_s": "prometheus_timeout",
     "server_timeout": "watch_timeout",
@@ -150,29 +157,39 @@ ALIASES = {
 }
 
 
+def defaulted(tree: ast.AST) -> list[tuple[str, int]]:
+    """(name, line) of every parameter and dataclass field with a default."""
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            args = node.args
+            positional = [*args.posonlyargs, *args.args]
+            found += [(a.arg, a.lineno) for a in positional[len(positional) - len(args.defaults) :]]
+            found += [(a.arg, a.lineno) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d]
+        elif isinstance(node, ast.ClassDef):
+            found += [
+                (item.target.id, item.lineno)
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None
+            ]
+    return found
+
+
 def defaults_below_the_root() -> list[str]:
-    """`file:line name` of every parameter or dataclass field below the composition roots that is named like a
-    setting and has a default."""
-    names = set(ALIASES) | {row.name for _, table in COMMANDS for row in settings_of(table)}
+    """`file:line name` of every parameter or dataclass field below a composition root that is named like one of
+    its command's settings (which has a default of its own) and has a default."""
     found = []
-    for path in sorted([*(ROOT / "operator").rglob("*.py"), *(ROOT / "runtime").rglob("*.py")]):
-        if path in ROOTS:
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            defaulted: list[tuple[str, int]] = []
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                args = node.args
-                positional = [*args.posonlyargs, *args.args]
-                defaulted += [(a.arg, a.lineno) for a in positional[len(positional) - len(args.defaults) :]]
-                defaulted += [(a.arg, a.lineno) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d]
-            elif isinstance(node, ast.ClassDef):
-                defaulted += [
-                    (item.target.id, item.lineno)
-                    for item in node.body
-                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None
+    for command, table in COMMANDS:
+        names = {r.name for r in settings_of(table) if r.default not in (None, ()) and r.config is None}
+        if command == "operator":
+            names |= set(ALIASES)
+        for path in sorted(BELOW[command].rglob("*.py")):
+            if path not in ROOTS:
+                found += [
+                    f"{path.relative_to(ROOT)}:{line} {name}"
+                    for name, line in defaulted(ast.parse(path.read_text()))
+                    if name in names
                 ]
-            found += [f"{path.relative_to(ROOT)}:{line} {name}" for name, line in defaulted if name in names]
     return found
 
 

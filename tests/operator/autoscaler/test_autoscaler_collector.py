@@ -76,7 +76,7 @@ async def _router(prefill: list[SimHandle], decode: list[SimHandle]) -> AsyncIte
         static_prefill=[s.url for s in prefill],
         static_decode=[s.url for s in decode],
     )
-    app = RouterApp(config)
+    app = RouterApp(config, access_log=False)
     port = await app.start("127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{port}"
