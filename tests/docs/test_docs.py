@@ -1,11 +1,11 @@
 """The README, every `docs/*.md` page and every other Markdown file of the repository show only commands, flags,
 links, paths and manifests that work.
 
-Each page is its own test case (a page added later, under docs/ or anywhere, is checked without a change here): every `pdserve`
-command line parses against the real click command tree and the offline ones run, every `kubectl` and `helm` flag
-is one the binary's own `--help` lists, every `helm install`/`upgrade` of the chart renders with `helm template`,
-every PDService shown validates, every relative link resolves (`pdserve_dev.doccheck` has the rules). A failure
-lists each problem as `PAGE:LINE: what is wrong`.
+Each page is its own test case (a page added later, under docs/ or anywhere, is checked without a change here):
+every `pdserve` command line parses against the real click command tree and the offline ones run, every `kubectl`
+and `helm` flag is one the binary's own `--help` lists, every `helm install`/`upgrade` of the chart renders with
+`helm template`, every PDService shown validates, every relative link resolves (`pdserve_dev.doccheck` has the
+rules). A failure lists each problem as `PAGE:LINE: what is wrong`.
 """
 
 from __future__ import annotations
