@@ -3,7 +3,7 @@ generated CRD (`kubectl apply --dry-run=server`). They must agree on every case:
 for a rule of `pdserve.api.rules` both name the same field with the same message.
 
 Cases the offline check alone refuses are listed too (`python_only`): rules CEL cannot express or that would newly
-refuse stored objects. For them the API server must admit, which keeps the README's split honest.
+refuse stored objects. For them the API server must admit, which keeps docs/api.md's split honest.
 """
 
 from __future__ import annotations

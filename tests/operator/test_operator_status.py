@@ -580,7 +580,7 @@ def test_kstatus_reads_every_status_as_the_conditions_say() -> None:
     objects.append(body(compute(body(), healthy(), now=T0), generation=4))
     expected.append("InProgress")
     # No status at all (no operator running): kstatus' rule for kinds it does not know says Current. Recorded here
-    # because it is why the README asks Flux users for healthCheckExprs and why Argo CD's health.lua says
+    # because it is why docs/gitops.md asks Flux users for healthCheckExprs and why Argo CD's health.lua says
     # Progressing for it.
     objects.append(body())
     expected.append("Current")
