@@ -155,6 +155,10 @@ BEYOND_POD_SECURITY = {"operator.securityContext.readOnlyRootFilesystem", "opera
 API_REFUSES = {"operator.securityContext.windowsOptions", "operator.securityContext.procMount"}
 """The API server's validation refuses these on a Linux pod before Pod Security looks (hostProcess needs
 hostNetwork; an Unmasked /proc needs a user namespace)."""
+COMPANIONS: dict[str, dict[str, Any]] = {
+    "operator.securityContext.privileged": {"operator.securityContext.allowPrivilegeEscalation": True},
+}
+"""What the API server requires beside a value (a privileged container cannot forbid privilege escalation)."""
 
 
 @pytest.mark.cluster
@@ -176,7 +180,7 @@ def test_the_schema_refuses_what_pod_security_restricted_refuses(cluster: Cluste
         default = dry_run({})
         assert default.returncode == 0 and "PodSecurity" not in default.stderr, default.stderr
         for path, value in WEAKER_SECURITY:
-            result = dry_run({path: value, "unsafe.allowPrivileged": True})
+            result = dry_run({path: value, **COMPANIONS.get(path, {}), "unsafe.allowPrivileged": True})
             if path in BEYOND_POD_SECURITY:
                 assert result.returncode == 0 and "PodSecurity" not in result.stderr, (path, result.stderr)
             elif path in API_REFUSES:
