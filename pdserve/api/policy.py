@@ -57,8 +57,7 @@ def _why_system(prefix: str) -> str:
         reason = f"it is or lies in the system folder {holder}"
     else:
         inside = [s for s in hostpaths.SYSTEM_PATHS if hostpaths.under(s, prefix)]
-        shown = ", ".join(inside[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
-        reason = f"it contains the system folders {shown}"
+        reason = f"it contains the system folders {', '.join(inside)}"
     return (
         f"{reason}, and a PDService's image must never read the node's system folders (docs/security.md lists "
         "them); allow a folder dedicated to models, e.g. /mnt/models"
