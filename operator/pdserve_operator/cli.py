@@ -49,7 +49,7 @@ log = logging.getLogger("pdserve.operator")
     multiple=True,
     metavar="PREFIX",
     help="A node folder spec.model.uri may name (repeatable). Default: none, node paths are refused. "
-    "Never / or a system path.",
+    "Never /, a system folder, or a folder holding one (/var, /opt; docs/security.md lists them).",
 )
 @click.option(
     "--crash-recovery-seconds",
