@@ -110,7 +110,7 @@ class OperatorSettings:
         HOST_PATH_FLAG,
         metavar="PREFIX",
         help="A node folder spec.model.uri may name (repeatable). Default: none, node paths are refused. "
-        "Never / or a system path.",
+        "Never /, a system folder, or a folder holding one (/var, /opt; docs/security.md lists them).",
         chart="operator.allowModelHostPaths",
     )
     # Long enough that a restarted engine that fails again right after becoming ready (a bad request, memory growth

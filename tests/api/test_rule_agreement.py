@@ -143,6 +143,27 @@ CASES = [
         {"model": {"name": "m", "uri": "/var"}},
         breaks=(("model-node-path-not-system", "spec.model"),),
     ),
+    # Distributions' and network plugins' state, and the folders holding it (issue 18.10).
+    Case(
+        "node-path-k3s",
+        {"model": {"name": "m", "uri": "/var/lib/rancher/k3s"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    Case(
+        "node-path-kubernetes-pki",
+        {"model": {"name": "m", "uri": "/var/lib/kubernetes"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    Case(
+        "node-path-cni-bin",
+        {"model": {"name": "m", "uri": "/opt/cni/bin"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    Case(
+        "node-path-above-cni",
+        {"model": {"name": "m", "uri": "/opt"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
     Case(
         "node-path-etc-un-normalised",
         {"model": {"name": "m", "uri": "/etc/../mnt"}},
