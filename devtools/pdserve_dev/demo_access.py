@@ -240,6 +240,9 @@ async def _outside(child: subprocess.Popen[bytes], control: int, echo: Callable[
         if kept is not None and not exited.done() and not stopping.is_set():
             published = await publish.serve_outer({name: Path(path) for name, path in kept.sockets.items()})
             echo(banner(kept, published_access(kept, published), kubectl_path()))
+            status = await exited
+            echo(f"Stopped. The demo's files (logs, kubeconfig) stay in {kept.workdir}")
+            return status
         return await exited
     finally:
         if published is not None:

@@ -26,6 +26,7 @@ import yaml
 from pdserve_dev import publish
 from pdserve_dev.cluster import netns
 from pdserve_dev.demo_access import Access, Kept, banner, published_access
+from pdserve_dev.testing.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -260,3 +261,12 @@ def test_a_signal_to_the_process_outside_alone_stops_the_demo_inside(
     proc.send_signal(signal.SIGTERM)  # not the group: only what `run_isolated` passes on reaches the demo
     assert proc.wait(timeout=30) == 130
     assert (tmp_path / "stopped").read_text() == "yes"
+
+
+def test_the_demo_inside_stops_when_the_process_outside_is_killed(
+    isolated_stand_in: tuple[subprocess.Popen[str], list[str]], tmp_path: Path
+) -> None:
+    proc, _ = isolated_stand_in
+    proc.kill()  # SIGKILL: nothing of it runs again; the kernel tells the demo (PR_SET_PDEATHSIG)
+    proc.wait(timeout=30)
+    wait_for((tmp_path / "stopped").exists, timeout=30, message="the demo inside kept running")
