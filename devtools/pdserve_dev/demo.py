@@ -180,7 +180,7 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None], control: in
     model = doc["spec"]["model"]["name"]
     chart = chart_path()
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-demo-"))
-    cluster = LocalCluster(workdir / "cluster", topology="minimal", process_node=True, log=echo)
+    cluster = LocalCluster(workdir / "cluster", topology="minimal", process_node=True, log=_cluster_log(echo, control))
     try:
         cluster.start()
         helper = ClusterHelper.from_cluster(cluster)
@@ -251,6 +251,14 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None], control: in
         cluster.stop()
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _cluster_log(echo: Callable[[str], None], control: int | None) -> Callable[[str], None]:
+    """The cluster's progress lines; in a namespace of its own, an address they name is said to be there (the user
+    gets the published ones at the end)."""
+    if control is None:
+        return echo
+    return lambda line: echo(f"{line} (inside the demo's network namespace)" if "://" in line else line)
 
 
 def router_port(helper: ClusterHelper, name: str) -> int:
