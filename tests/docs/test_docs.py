@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from pdserve.cli import main as pdserve_cli
-from pdserve_dev.cluster import build, versions
+from pdserve_dev.cluster import build
 from pdserve_dev.doccheck.cobra import CobraProgram
 from pdserve_dev.doccheck.markdown import read
 from pdserve_dev.doccheck.pages import PageChecker, Tools, markdown_pages
@@ -37,10 +37,7 @@ PENDING_PAGES: frozenset[str] = frozenset({"docs/router.md"})
 
 
 def _helm_run(args: Sequence[str]) -> tuple[int, str]:
-    # The project's helm build assumes Kubernetes v1.20 without a version: render for the local cluster's version,
-    # as pdserve_dev.testing.helm does.
-    extra = [] if "--kube-version" in args else ["--kube-version", versions.KUBERNETES_VERSION]
-    proc = helm(*args, *extra, check=False)
+    proc = helm(*args, check=False)
     return proc.returncode, proc.stderr
 
 

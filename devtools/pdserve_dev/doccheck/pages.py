@@ -53,7 +53,7 @@ class Tools:
     cli: click.Command
     kubectl: CobraProgram
     helm: CobraProgram
-    # `helm ARGS` -> (exit status, stderr); the caller adds what its helm build needs (e.g. --kube-version).
+    # `helm ARGS` -> (exit status, stderr).
     helm_run: Callable[[Sequence[str]], tuple[int, str]]
     programs: Programs
 
