@@ -86,7 +86,7 @@ def server_limits(config: RouterConfig) -> ServerLimits:
 class RouterApp:
     """One router: its state, its background tasks and its HTTP routes."""
 
-    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool = False) -> None:
+    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool) -> None:
         self.config = config
         policy = config.policy
         self.tracker = PrefixTracker(
@@ -114,7 +114,7 @@ class RouterApp:
         self.server.route("GET", "/v1/models", self.models)
         self.server.route("GET", "/health", self.health)
         self.server.route("GET", "/ready", self.ready)
-        self.metrics_server = HttpServer(limits, error_body=error_body)
+        self.metrics_server = HttpServer(limits, error_body=error_body, access_log=False)
         self.metrics_server.route("GET", "/metrics", self.prometheus)
         self._tasks: list[asyncio.Task[None]] = []
         interval = config.engine_metrics_interval_seconds

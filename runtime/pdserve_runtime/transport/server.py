@@ -907,7 +907,7 @@ def _parser_reason(exc: Exception) -> str:
 class HttpServer:
     """Listens, routes (method, path) to handlers, and tracks live connections."""
 
-    def __init__(self, limits: ServerLimits, *, error_body: ErrorBody = plain_error_body, access_log: bool = False):
+    def __init__(self, limits: ServerLimits, *, error_body: ErrorBody, access_log: bool) -> None:
         self.limits = limits
         self.error_body = error_body
         self.access_log = access_log

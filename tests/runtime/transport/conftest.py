@@ -13,7 +13,7 @@ import orjson
 import pytest
 import uvloop
 
-from pdserve_runtime.transport.server import HttpServer, Request, Responder, ServerLimits
+from pdserve_runtime.transport.server import HttpServer, Request, Responder, ServerLimits, plain_error_body
 
 MIB = 1024 * 1024
 
@@ -95,7 +95,7 @@ class App:
 async def serving(**limits: Any) -> AsyncIterator[tuple[str, HttpServer, App]]:
     """An HttpServer with the test app on a free loopback port; `limits` override LIMITS fields."""
     app = App()
-    server = HttpServer(replace(LIMITS, **limits))
+    server = HttpServer(replace(LIMITS, **limits), error_body=plain_error_body, access_log=False)
     server.route("GET", "/health", app.health)
     server.route("POST", "/echo", app.echo)
     server.route("POST", "/wait", app.wait)
