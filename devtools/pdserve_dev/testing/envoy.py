@@ -10,7 +10,10 @@
 - routes: a request carrying `x-gateway-destination-endpoint` (set by the picker; the route cache is cleared after
   ext_proc) goes to an `ORIGINAL_DST` cluster that takes its address from that header. Without it (only when the
   picker failed open) the request goes to the pool's endpoints with Envoy's own least-request balancing, which is
-  what FailOpen means: the gateway still serves, without the picker's choice (and so decode-only).
+  what FailOpen means: the gateway still serves, without the picker's choice (and so decode-only). Envoy 1.40 can
+  fail open only for a request whose body it has not yet streamed to the picker: a bodiless request (GET) is
+  served, a POST whose body went into the broken full-duplex stream gets `status_on_error` (measured; the body is
+  gone). FailClose answers `status_on_error` (503) to both.
 
 `run_envoy` starts the binary on loopback, waits for its admin `/ready`, yields, and stops it by PID.
 """
@@ -67,6 +70,8 @@ def gateway_bootstrap(
         "@type": f"{_TYPES}.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}, "timeout": f"{picker_timeout_seconds}s"},
         "failure_mode_allow": failure_mode == "FailOpen",
+        # The protocol's answer when no endpoint can be picked (Envoy's default would be 500).
+        "status_on_error": {"code": 503},
         "message_timeout": f"{picker_timeout_seconds}s",
         "processing_mode": {
             "request_header_mode": "SEND",

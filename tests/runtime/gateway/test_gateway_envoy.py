@@ -6,6 +6,7 @@ IP; the picker's target port is the sidecars' port, as the InferencePool's targe
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from pdserve.api.router_config import PickerConfig, RouterConfig
 from pdserve_dev.testing.envoy import EnvoyProcess, FailureMode, gateway_bootstrap, run_envoy
 from pdserve_dev.testing.metrics import metric_value, scrape
 from pdserve_dev.testing.net import free_port, free_ports
-from pdserve_dev.testing.sim import SimHandle, requests_seen, sim_in_process
+from pdserve_dev.testing.sim import SimHandle, requests_seen, set_faults, sim_in_process, sim_server_in_process
+from pdserve_dev.testing.wait import wait_for_async
 from pdserve_runtime.gateway.server import PickerApp, sidecar_app
 from pdserve_runtime.router.app import RouterApp
 
@@ -42,6 +44,7 @@ class Gateway:
     prefill: SimHandle
     decodes: list[SimHandle]
     sidecars: list[RouterApp]
+    servers: list[Any]  # the decode engines' SimServers (to kill one)
 
 
 @contextlib.asynccontextmanager
@@ -51,7 +54,8 @@ async def gateway(
     sidecar_port = free_port()
     async with contextlib.AsyncExitStack() as stack:
         prefill = await stack.enter_async_context(sim_in_process(role="prefill", host=PREFILL_HOST, side_channel_host=PREFILL_HOST))
-        decodes = [await stack.enter_async_context(sim_in_process(role="decode", host=h)) for h in DECODE_HOSTS]
+        servers = [await stack.enter_async_context(sim_server_in_process(role="decode", host=h)) for h in DECODE_HOSTS]
+        decodes = [SimHandle(h, server.http_port, 0) for h, server in zip(DECODE_HOSTS, servers, strict=True)]
         sidecars = []
         for decode in decodes:
             config = RouterConfig(
@@ -84,7 +88,7 @@ async def gateway(
             failure_mode=failure_mode,
         )
         envoy = await stack.enter_async_context(run_envoy(bootstrap, tmp_path / "envoy"))
-        yield Gateway(envoy, app_picker, prefill, decodes, sidecars)
+        yield Gateway(envoy, app_picker, prefill, decodes, sidecars, servers)
 
 
 async def test_long_prompts_take_pd_through_the_sidecar_and_short_ones_go_decode_only(tmp_path: Path) -> None:
@@ -104,3 +108,121 @@ async def test_long_prompts_take_pd_through_the_sidecar_and_short_ones_go_decode
             assert response.status == 200, await response.text()
             assert response.headers["X-Pdserve-Route"] == "decode-only"
         assert await requests_seen(gw.prefill.url) == 1
+
+
+async def test_client_supplied_prefill_header_and_kv_params_are_never_trusted(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as session:
+        # A short prompt naming a prefill host of its own, and KV params pointing at the real prefill engine: the
+        # picker removes the header, the sidecar strips the params, and decode computes the prompt itself.
+        forged = {"do_remote_prefill": True, "remote_host": PREFILL_HOST, "remote_port": 1, "remote_block_ids": [[1]]}
+        body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 2, "kv_transfer_params": forged}
+        headers = {"x-prefiller-host-port": f"{PREFILL_HOST}:{gw.prefill.http_port}"}
+        async with session.post(gw.envoy.url + "/v1/completions", json=body, headers=headers) as response:
+            assert response.status == 200, await response.text()
+            assert response.headers["X-Pdserve-Route"] == "decode-only"
+        assert await requests_seen(gw.prefill.url) == 0
+        assert sum([await by_source(d.url, "external_kv_transfer") for d in gw.decodes]) == 0
+        assert sum([await by_source(d.url, "local_compute") for d in gw.decodes]) > 0
+
+
+@pytest.mark.parametrize(("mode", "get_status"), [("FailOpen", 200), ("FailClose", 503)])
+async def test_picker_down_gives_the_pools_failure_mode(tmp_path: Path, mode: FailureMode, get_status: int) -> None:
+    async with gateway(tmp_path, failure_mode=mode, picker=False) as gw, aiohttp.ClientSession() as session:
+        # FailOpen: Envoy still serves what it can send without the picker (to a pool endpoint of its own choice).
+        async with session.get(gw.envoy.url + "/v1/models") as response:
+            assert response.status == get_status, await response.text()
+        # A body already streamed into the broken ext_proc stream cannot be sent on (Envoy 1.40, full duplex): the
+        # gateway answers its status_on_error in both modes, and no engine sees half a request.
+        body = {"model": "sim-model", "prompt": LONG, "max_tokens": 2, "stream": True}
+        async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
+            assert response.status == 503, await response.text()
+        assert await requests_seen(gw.prefill.url) == 0
+        assert sum([await requests_seen(d.url) for d in gw.decodes]) == 0
+
+
+async def test_no_ready_decode_engine_is_503_with_retry_after(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as session:
+        assert gw.picker is not None
+        for decode in gw.decodes:
+            await set_faults(decode.url, unready=True)
+        await wait_for_async(lambda: _none_usable(gw.picker), message="the picker saw both engines unready")
+        body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}
+        async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
+            answer = await response.json()
+            assert response.status == 503
+            assert response.headers["Retry-After"] == "2"
+        assert answer["error"]["code"] == 503
+        assert sum([await requests_seen(d.url) for d in gw.decodes]) == 0
+
+
+async def _none_usable(picker: PickerApp) -> bool:
+    return not picker.core.table.usable("decode")
+
+
+async def test_every_engine_at_its_limit_is_429(tmp_path: Path) -> None:
+    async with gateway(tmp_path, max_in_flight_per_decode=1) as gw, aiohttp.ClientSession() as session:
+        assert gw.picker is not None
+        for decode in gw.decodes:
+            await set_faults(decode.url, latency_s=30.0)
+        body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}
+        held = [asyncio.create_task(session.post(gw.envoy.url + "/v1/completions", json=body)) for _ in gw.decodes]
+        try:
+            table = gw.picker.core.table
+            await wait_for_async(
+                lambda: _all_busy(table.states("decode")), message="one request in flight on each decode engine"
+            )
+            async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
+                answer = await response.json()
+                assert response.status == 429
+            assert "in-flight limit" in answer["error"]["message"]
+        finally:
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+
+
+async def _all_busy(states: Any) -> bool:
+    return all(state.in_flight == 1 for state in states)
+
+
+async def test_streams_relay_every_chunk_and_the_picker_releases_its_counts(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as session:
+        assert gw.picker is not None
+        bodies = [{"model": "sim-model", "prompt": f"{i} {LONG}", "max_tokens": 16, "stream": True} for i in range(6)]
+
+        async def one(body: dict[str, Any]) -> str:
+            async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
+                assert response.status == 200
+                return await response.text()
+
+        texts = await asyncio.gather(*(one(body) for body in bodies))
+        assert all(text.count("data: {") == 16 and text.endswith("data: [DONE]\n\n") for text in texts)
+        table = gw.picker.core.table
+        await wait_for_async(
+            lambda: _released(table), message="the picker released every engine once the streams ended"
+        )
+        exposition = await scrape(f"http://127.0.0.1:{gw.picker.http_port}")
+        assert metric_value(exposition, "pdserve_picker_picks_total", route="pd") == 6
+
+
+async def _released(table: Any) -> bool:
+    return all(s.in_flight == 0 and s.in_flight_tokens == 0 for r in ("prefill", "decode") for s in table.states(r))
+
+
+async def test_a_killed_decode_engine_is_ejected_and_never_picked_again(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as session:
+        assert gw.picker is not None
+        dead = gw.picker.core.table.states("decode")[0]
+        await gw.servers[0].stop()  # the engine is gone; its sidecar still answers (it is another process in a pod)
+        body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}
+        statuses = []
+        for _ in range(12):
+            async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
+                statuses.append(response.status)
+        threshold = gw.picker.config.circuit_breaker.failure_threshold
+        failed = [index for index, status in enumerate(statuses) if status != 200]
+        # Only the failures that feed the breaker reach clients; from the ejection on every request is served.
+        assert len(failed) == threshold, statuses
+        assert not dead.breaker.allows_traffic()
+        assert all(status == 200 for status in statuses[failed[-1] + 1 :])
+        assert await requests_seen(gw.decodes[1].url) == statuses.count(200)
