@@ -34,13 +34,17 @@ from typing import Any
 from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL
 from pdserve.api.policy import DEFAULT_POLICY, Policy
+from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Validated, validate
+from pdserve_operator import gateway_status
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
 from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard
+from pdserve_operator.kinds import INFERENCE_POOL
 from pdserve_operator.kube import ApiError, KubeIO
 from pdserve_operator.nodes import NodeLabels
 from pdserve_operator.render import Observed, render
+from pdserve_operator.render import gateway as gateway_render
 from pdserve_operator.render.discovery import node_topology_labels
 from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole
 from pdserve_operator.store import Store
@@ -219,10 +223,25 @@ def reconcile(
         scaling_configured=scaling is not None and scaling.configured,
     )
     outcome.requeue_after = status_mod.next_check_seconds(observed, moment, crash_window)
+    if spec.router.mode == "gateway":
+        _report_inference_pool(api, pds, new_status, outcome)
     _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)
     if transient:
         raise RetryLaterError("; ".join(transient))
     return outcome
+
+
+def _report_inference_pool(api: KubeIO, pds: PDService, new_status: dict[str, Any], outcome: Outcome) -> None:
+    """status.inferencePool from the pool itself (read: the operator does not watch pools, their CRD is optional)."""
+    name = gateway_render.inference_pool_name(pds)
+    try:
+        pool = api.read(INFERENCE_POOL, pds.metadata.namespace, name)
+    except ApiError as exc:
+        log.warning("Failed to read InferencePool %s/%s error=%s", pds.metadata.namespace, name, exc)
+        pool = None
+    new_status["inferencePool"] = gateway_status.inference_pool_status(name, pool)
+    refresh = gateway_status.REFRESH_SECONDS
+    outcome.requeue_after = refresh if outcome.requeue_after is None else min(outcome.requeue_after, refresh)
 
 
 def _invalid(

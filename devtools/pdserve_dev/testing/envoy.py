@@ -113,7 +113,11 @@ def gateway_bootstrap(
                     "name": "gateway",
                     "address": _address(*listen),
                     "filter_chains": [
-                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
+                            ]
+                        }
                     ],
                 }
             ],
@@ -159,13 +163,20 @@ class EnvoyProcess:
         return {item["name"]: int(item["value"]) for item in document["stats"] if "value" in item}
 
 
-@contextlib.asynccontextmanager
-async def run_envoy(bootstrap: dict[str, Any], workdir: Path, *, timeout: float = 30.0) -> AsyncIterator[EnvoyProcess]:
-    """Start Envoy with `bootstrap` (its listener and admin addresses as given), wait until ready, stop it by PID."""
+def _write_config(bootstrap: dict[str, Any], workdir: Path) -> tuple[Path, Path]:
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "envoy.json"
     config.write_text(json.dumps(bootstrap))
-    log_path = workdir / "envoy.log"
+    return config, workdir / "envoy.log"
+
+
+@contextlib.asynccontextmanager
+async def run_envoy(
+    bootstrap: dict[str, Any], workdir: Path, *, ready_within: float = 30.0
+) -> AsyncIterator[EnvoyProcess]:
+    """Start Envoy with `bootstrap` (its listener and admin addresses as given), wait until ready, stop it by PID.
+    Envoy's log is `workdir/envoy.log`."""
+    config, log_path = await asyncio.to_thread(_write_config, bootstrap, workdir)
     listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
     admin = bootstrap["admin"]["address"]["socket_address"]
     binary = str(envoy_binary())
@@ -187,7 +198,7 @@ async def run_envoy(bootstrap: dict[str, Any], workdir: Path, *, timeout: float 
             except aiohttp.ClientError:
                 return False
 
-        await wait_for_async(ready, within=timeout, message="Envoy's admin /ready")
+        await wait_for_async(ready, within=ready_within, message="Envoy's admin /ready")
         yield envoy
     finally:
         if process.returncode is None:

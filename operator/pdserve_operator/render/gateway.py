@@ -153,10 +153,16 @@ def sidecar_container(spec: EffectiveSpec) -> dict[str, Any]:
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": gateway.sidecar_port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": SIDECAR_PORT_NAME}, "periodSeconds": 2,
-                           "failureThreshold": 2},  # fmt: skip
-        "livenessProbe": {"httpGet": {"path": "/health", "port": SIDECAR_PORT_NAME}, "periodSeconds": 10,
-                          "failureThreshold": 3},  # fmt: skip
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": SIDECAR_PORT_NAME},
+            "periodSeconds": 2,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": SIDECAR_PORT_NAME},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -183,14 +189,15 @@ def objects(pds: PDService, spec: EffectiveSpec, rendered: list[dict[str, Any]])
     out: list[dict[str, Any]] = []
     for obj in rendered:
         kind, name = obj["kind"], obj["metadata"]["name"]
+        replaced = obj
         if name == router_name and kind == "Deployment":
-            obj = picker_deployment(pds, spec)
+            replaced = picker_deployment(pds, spec)
         elif name == router_name and kind == "Service":
-            obj = picker_service(pds, spec)
+            replaced = picker_service(pds, spec)
         elif name == router_name and kind == "ConfigMap":
-            obj = picker_config_map(pds, spec)
+            replaced = picker_config_map(pds, spec)
         elif name == decode_name and kind == "StatefulSet":
-            obj = with_sidecar(obj, spec)
-        out.append(obj)
+            replaced = with_sidecar(obj, spec)
+        out.append(replaced)
     out.append(inference_pool(pds, spec))
     return out

@@ -112,7 +112,7 @@ async def _serve_picker(config: RouterConfig) -> None:
     help="Ports a prefill answer may name as remote_port (repeatable; default: any).",
 )
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-def sidecar(
+def sidecar(  # noqa: PLR0917 (click passes every option as an argument)
     host: str | None, port: int, decode: str, served_model_name: str, kv_ports: tuple[int, ...], log_level: str
 ) -> None:
     """Run the PD sidecar of a decode pod (router mode gateway)."""

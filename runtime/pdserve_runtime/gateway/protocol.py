@@ -121,7 +121,8 @@ def _struct_string(structs: Mapping[str, Struct], namespace: str, key: str) -> s
     fields = structs[namespace].fields
     if key not in fields or fields[key].WhichOneof("kind") != "string_value":
         return None
-    return fields[key].string_value
+    value: str = fields[key].string_value
+    return value
 
 
 def served_endpoint(request: pb.ProcessingRequest) -> str | None:

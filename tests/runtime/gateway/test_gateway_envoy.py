@@ -53,7 +53,9 @@ async def gateway(
 ) -> AsyncIterator[Gateway]:
     sidecar_port = free_port()
     async with contextlib.AsyncExitStack() as stack:
-        prefill = await stack.enter_async_context(sim_in_process(role="prefill", host=PREFILL_HOST, side_channel_host=PREFILL_HOST))
+        prefill = await stack.enter_async_context(
+            sim_in_process(role="prefill", host=PREFILL_HOST, side_channel_host=PREFILL_HOST)
+        )
         servers = [await stack.enter_async_context(sim_server_in_process(role="decode", host=h)) for h in DECODE_HOSTS]
         decodes = [SimHandle(h, server.http_port, 0) for h, server in zip(DECODE_HOSTS, servers, strict=True)]
         sidecars = []
@@ -145,7 +147,8 @@ async def test_no_ready_decode_engine_is_503_with_retry_after(tmp_path: Path) ->
         assert gw.picker is not None
         for decode in gw.decodes:
             await set_faults(decode.url, unready=True)
-        await wait_for_async(lambda: _none_usable(gw.picker), message="the picker saw both engines unready")
+        picker = gw.picker
+        await wait_for_async(lambda: _none_usable(picker), message="the picker saw both engines unready")
         body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}
         async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
             answer = await response.json()
