@@ -29,7 +29,7 @@ from pdserve.api.validation import validate
 from pdserve_dev.cluster import tools
 from pdserve_dev.demo import prompt_tokens_by_source
 from pdserve_dev.testing.cluster import ClusterHelper
-from pdserve_dev.testing.envoy import EnvoyProcess, FailureMode, gateway_bootstrap, run_envoy
+from pdserve_dev.testing.envoy import BodyMode, EnvoyProcess, FailureMode, gateway_bootstrap, run_envoy
 from pdserve_dev.testing.examples import POLICY
 from pdserve_dev.testing.metrics import by_label, scrape_sync
 from pdserve_dev.testing.net import free_ports
@@ -111,7 +111,13 @@ def _pool(cluster: ClusterHelper, namespace: str) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def gateway(
-    cluster: ClusterHelper, namespace: str, work: Path, picker: tuple[str, int], label: str
+    cluster: ClusterHelper,
+    namespace: str,
+    work: Path,
+    picker: tuple[str, int],
+    label: str,
+    *,
+    body_mode: BodyMode = "full-duplex",
 ) -> AsyncIterator[EnvoyProcess]:
     """Envoy as a GIE gateway derives itself from the pool: its target pods and port, its picker, its failure mode."""
     pool = _pool(cluster, namespace)["spec"]
@@ -125,6 +131,7 @@ async def gateway(
         picker=picker,
         pool=[(ip, port) for ip in cluster.pod_ips(namespace, selector)],
         failure_mode=mode,
+        body_mode=body_mode,
     )
     async with run_envoy(bootstrap, work / f"envoy-{label}") as envoy:
         yield envoy
@@ -230,14 +237,18 @@ async def test_the_reference_picker_and_pdserves_pick_valid_ready_endpoints_of_t
     cluster: ClusterHelper, namespace: str, deployed: Path, lwepp: tuple[str, int]
 ) -> None:
     """Differential: the same requests through lwepp (v1.6.0) and through pdserve's picker, each behind its own
-    Envoy built from the pool: every request is answered by the sidecar of a ready decode pod of the pool."""
+    Envoy built from the pool: every request is answered by the sidecar of a ready decode pod of the pool.
+
+    Both Envoys buffer the request body before ext_proc (`body_mode="buffered"`): lwepp answers body chunks with an
+    empty "continue", which Envoy 1.40 refuses in FULL_DUPLEX_STREAMED ("Spurious response message"), and answers
+    the headers only at the body's end, which STREAMED mode allows only for a body that arrives in one chunk."""
     ready_ips = set(cluster.pod_ips(namespace, "pdserve.io/role=decode"))
     bodies = [{"model": "tiny-llama", "prompt": f"{i} " + (LONG if i % 2 else "hi"), "max_tokens": 4}
               for i in range(8)]  # fmt: skip
     for label, address in (("lwepp", lwepp), ("pdserve", _picker_address(cluster, namespace))):
         before = _sidecar_requests(cluster, namespace)
         async with (
-            gateway(cluster, namespace, deployed, address, label) as envoy,
+            gateway(cluster, namespace, deployed, address, label, body_mode="buffered") as envoy,
             aiohttp.ClientSession() as session,
         ):
             # lwepp learns the pool's pods from the API server after it starts: wait for its first pick.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,11 @@ from pdserve_dev.testing.wait import wait_for_async
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 FailureMode = Literal["FailOpen", "FailClose"]
+# How the gateway hands bodies to the picker: "full-duplex" (FULL_DUPLEX_STREAMED, what GIE gateways configure) or
+# "buffered" (Envoy's buffer filter before ext_proc, then STREAMED mode with the body sent without waiting for the
+# headers' answer: the mode an endpoint picker that answers bodies with an empty "continue" needs, such as the
+# extension's reference picker lwepp v1.6.0, which Envoy 1.40 refuses in full duplex: "Spurious response message").
+BodyMode = Literal["full-duplex", "buffered"]
 _TYPES = "type.googleapis.com/envoy.extensions"
 
 
@@ -64,26 +70,37 @@ def gateway_bootstrap(
     pool: Sequence[tuple[str, int]],
     failure_mode: FailureMode = "FailClose",
     picker_timeout_seconds: float = 10.0,
+    body_mode: BodyMode = "full-duplex",
 ) -> dict[str, Any]:
     """Envoy's bootstrap for one gateway listener in front of one InferencePool (`pool`: its target endpoints)."""
-    ext_proc = {
+    processing_mode = {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND",
+    }
+    ext_proc: dict[str, Any] = {
         "@type": f"{_TYPES}.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}, "timeout": f"{picker_timeout_seconds}s"},
         "failure_mode_allow": failure_mode == "FailOpen",
         # The protocol's answer when no endpoint can be picked (Envoy's default would be 500).
         "status_on_error": {"code": 503},
         "message_timeout": f"{picker_timeout_seconds}s",
-        "processing_mode": {
-            "request_header_mode": "SEND",
-            "response_header_mode": "SEND",
-            "request_body_mode": "FULL_DUPLEX_STREAMED",
-            "response_body_mode": "FULL_DUPLEX_STREAMED",
-            "request_trailer_mode": "SEND",
-            "response_trailer_mode": "SEND",
-        },
+        "processing_mode": processing_mode,
         "response_attributes": ["upstream.address"],
-        "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb"]}},
+        "metadata_options": {
+            "forwarding_namespaces": {"untyped": ["envoy.lb"]},
+            "receiving_namespaces": {"untyped": ["envoy.lb"]},
+        },
     }
+    filters: list[dict[str, Any]] = []
+    if body_mode == "buffered":
+        processing_mode.update(request_body_mode="STREAMED", response_body_mode="STREAMED")
+        ext_proc["send_body_without_waiting_for_header_response"] = True
+        buffer = {"@type": f"{_TYPES}.filters.http.buffer.v3.Buffer", "max_request_bytes": 10 * 1024 * 1024}
+        filters.append({"name": "envoy.filters.http.buffer", "typed_config": buffer})
     header_match = {"name": DESTINATION_HEADER, "present_match": True}
     routes = [
         {"match": {"prefix": "/", "headers": [header_match]}, "route": {"cluster": "picked", "timeout": "0s"}},
@@ -95,6 +112,7 @@ def gateway_bootstrap(
         "stream_idle_timeout": "0s",
         "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
         "http_filters": [
+            *filters,
             {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
             {"name": "envoy.filters.http.router", "typed_config": {"@type": f"{_TYPES}.filters.http.router.v3.Router"}},
         ],
@@ -180,9 +198,10 @@ async def run_envoy(
     listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
     admin = bootstrap["admin"]["address"]["socket_address"]
     binary = str(envoy_binary())
+    level = os.environ.get("PDSERVE_ENVOY_LOG_LEVEL", "warning")  # debug shows every ext_proc message
     with log_path.open("wb") as log:
         process = await asyncio.create_subprocess_exec(
-            binary, "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", "warning",
+            binary, "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", level,
             stdout=log, stderr=log,
         )  # fmt: skip
     admin_url = f"http://{admin['address']}:{admin['port_value']}"

@@ -184,8 +184,16 @@ class _Stream:
     prefill_lease: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     refused: bool = False
     outcome: str = "cancelled"
+    # How the gateway sends bodies (its first message says; absent: full duplex, what GIE gateways configure).
+    request_duplex: bool = True
+    response_duplex: bool = True
+    request_chunks: int = 0
 
     def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if message.HasField("protocol_config"):
+            config = message.protocol_config
+            self.request_duplex = config.request_body_mode == pb.FULL_DUPLEX_STREAMED
+            self.response_duplex = config.response_body_mode == pb.FULL_DUPLEX_STREAMED
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self.headers = protocol.headers_of(message.request_headers)
@@ -199,6 +207,7 @@ class _Stream:
             if self.refused:
                 return []
             self.body += chunk.body
+            self.request_chunks += 1
             if len(self.body) > self.picker.config.max_request_body_bytes:
                 self.refused = True
                 limit = self.picker.config.max_request_body_bytes
@@ -208,7 +217,10 @@ class _Stream:
             answer = self._decide(bytes(self.body))
             if answer.WhichOneof("response") == "immediate_response":
                 return [answer]
-            return [answer, protocol.request_body_response(bytes(self.body), True)]
+            if self.request_duplex:
+                return [answer, protocol.request_body_response(bytes(self.body), True)]
+            # The gateway kept the body: one "continue" per chunk it sent, after the headers' answer.
+            return [answer, *(protocol.continue_body("request_body") for _ in range(self.request_chunks))]
         if kind == "request_trailers":
             return [protocol.continue_trailers("request_trailers")]
         if kind == "response_headers":
@@ -218,7 +230,9 @@ class _Stream:
             chunk = message.response_body
             if chunk.end_of_stream:
                 self.close()
-            return [protocol.response_body_response(chunk.body, chunk.end_of_stream)]
+            if self.response_duplex:
+                return [protocol.response_body_response(chunk.body, chunk.end_of_stream)]
+            return [protocol.continue_body("response_body")]
         if kind == "response_trailers":
             self.close()
             return [protocol.continue_trailers("response_trailers")]

@@ -8,7 +8,10 @@ What a gateway and its endpoint picker (EPP) say to each other, per the extensio
   value under `envoy.lb` in the dynamic metadata: one `ip:port`, or an ordered fallback list `ip:port,ip:port`
   (the gateway tries them in order when retries are configured). Nothing ready: an immediate 503; shedding: 429.
 - In full-duplex streaming the picker owns the body: every body chunk it is sent must be sent back (as a
-  `streamed_response`), or the upstream (or the client) never gets it.
+  `streamed_response`), or the upstream (or the client) never gets it. In the other body modes (STREAMED,
+  BUFFERED; the gateway says which in the first message's `protocol_config`) the gateway keeps the body and each
+  chunk is answered with an empty "continue"; a gateway that streams chunks must then buffer the body before
+  ext_proc (Envoy's buffer filter), since the pick needs the whole body and the headers are answered first.
 - The gateway may narrow the candidates (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset` in the
   request's metadata) and reports the endpoint that served the request (`envoy.lb` /
   `x-gateway-destination-endpoint-served`); plain Envoy can report it as the `upstream.address` attribute.
@@ -88,6 +91,13 @@ def immediate(status: int, message: str, headers: Iterable[tuple[str, str]] = ()
             status=pb.HttpStatus(code=status), headers=mutation, body=body, details=f"pdserve_picker_{status}"
         )
     )
+
+
+def continue_body(phase: str) -> pb.ProcessingResponse:
+    """A body chunk passed on unchanged, in the modes where the gateway keeps the body (STREAMED, BUFFERED)."""
+    response = pb.ProcessingResponse()
+    getattr(response, phase).response.SetInParent()
+    return response
 
 
 def request_body_response(body: bytes, end_of_stream: bool) -> pb.ProcessingResponse:

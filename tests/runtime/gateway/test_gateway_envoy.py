@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from pdserve.api.router_config import PickerConfig, RouterConfig
-from pdserve_dev.testing.envoy import EnvoyProcess, FailureMode, gateway_bootstrap, run_envoy
+from pdserve_dev.testing.envoy import BodyMode, EnvoyProcess, FailureMode, gateway_bootstrap, run_envoy
 from pdserve_dev.testing.metrics import metric_value, scrape
 from pdserve_dev.testing.net import free_port, free_ports
 from pdserve_dev.testing.sim import SimHandle, requests_seen, set_faults, sim_in_process, sim_server_in_process
@@ -49,7 +49,12 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(
-    tmp_path: Path, *, failure_mode: FailureMode = "FailClose", picker: bool = True, **picker_settings: Any
+    tmp_path: Path,
+    *,
+    failure_mode: FailureMode = "FailClose",
+    picker: bool = True,
+    body_mode: BodyMode = "full-duplex",
+    **picker_settings: Any,
 ) -> AsyncIterator[Gateway]:
     sidecar_port = free_port()
     async with contextlib.AsyncExitStack() as stack:
@@ -88,13 +93,17 @@ async def gateway(
             picker=("127.0.0.1", grpc_port),
             pool=[(h, sidecar_port) for h in DECODE_HOSTS],
             failure_mode=failure_mode,
+            body_mode=body_mode,
         )
         envoy = await stack.enter_async_context(run_envoy(bootstrap, tmp_path / "envoy"))
         yield Gateway(envoy, app_picker, prefill, decodes, sidecars, servers)
 
 
-async def test_long_prompts_take_pd_through_the_sidecar_and_short_ones_go_decode_only(tmp_path: Path) -> None:
-    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as session:
+@pytest.mark.parametrize("body_mode", ["full-duplex", "buffered"])
+async def test_long_prompts_take_pd_through_the_sidecar_and_short_ones_go_decode_only(
+    tmp_path: Path, body_mode: BodyMode
+) -> None:
+    async with gateway(tmp_path, body_mode=body_mode) as gw, aiohttp.ClientSession() as session:
         body = {"model": "sim-model", "prompt": LONG, "max_tokens": 8, "stream": True}
         async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
             text = await response.text()

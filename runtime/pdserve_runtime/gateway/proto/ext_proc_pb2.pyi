@@ -8,6 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class BodySendMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NONE: _ClassVar[BodySendMode]
+    STREAMED: _ClassVar[BodySendMode]
+    BUFFERED: _ClassVar[BodySendMode]
+    BUFFERED_PARTIAL: _ClassVar[BodySendMode]
+    FULL_DUPLEX_STREAMED: _ClassVar[BodySendMode]
+NONE: BodySendMode
+STREAMED: BodySendMode
+BUFFERED: BodySendMode
+BUFFERED_PARTIAL: BodySendMode
+FULL_DUPLEX_STREAMED: BodySendMode
+
 class HeaderValue(_message.Message):
     __slots__ = ("key", "value", "raw_value")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,8 +105,18 @@ class HttpTrailers(_message.Message):
     trailers: HeaderMap
     def __init__(self, trailers: _Optional[_Union[HeaderMap, _Mapping]] = ...) -> None: ...
 
+class ProtocolConfiguration(_message.Message):
+    __slots__ = ("request_body_mode", "response_body_mode", "send_body_without_waiting_for_header_response")
+    REQUEST_BODY_MODE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_BODY_MODE_FIELD_NUMBER: _ClassVar[int]
+    SEND_BODY_WITHOUT_WAITING_FOR_HEADER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    request_body_mode: BodySendMode
+    response_body_mode: BodySendMode
+    send_body_without_waiting_for_header_response: bool
+    def __init__(self, request_body_mode: _Optional[_Union[BodySendMode, str]] = ..., response_body_mode: _Optional[_Union[BodySendMode, str]] = ..., send_body_without_waiting_for_header_response: _Optional[bool] = ...) -> None: ...
+
 class ProcessingRequest(_message.Message):
-    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "metadata_context", "attributes", "observability_mode")
+    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "metadata_context", "attributes", "observability_mode", "protocol_config")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +133,7 @@ class ProcessingRequest(_message.Message):
     METADATA_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     OBSERVABILITY_MODE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_CONFIG_FIELD_NUMBER: _ClassVar[int]
     request_headers: HttpHeaders
     response_headers: HttpHeaders
     request_body: HttpBody
@@ -119,7 +143,8 @@ class ProcessingRequest(_message.Message):
     metadata_context: Metadata
     attributes: _containers.MessageMap[str, _struct_pb2.Struct]
     observability_mode: bool
-    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., metadata_context: _Optional[_Union[Metadata, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ...) -> None: ...
+    protocol_config: ProtocolConfiguration
+    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., metadata_context: _Optional[_Union[Metadata, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ..., protocol_config: _Optional[_Union[ProtocolConfiguration, _Mapping]] = ...) -> None: ...
 
 class HeaderMutation(_message.Message):
     __slots__ = ("set_headers", "remove_headers")
