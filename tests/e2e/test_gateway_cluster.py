@@ -148,9 +148,10 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
 
 
 def _sidecar_requests(cluster: ClusterHelper, namespace: str) -> dict[str, float]:
-    """Requests each decode pod's PD sidecar answered (its router metrics), by pod IP."""
+    """Requests each decode pod's PD sidecar answered (its router metrics), by pod IP, ready or not (a pod whose
+    engine died keeps its sidecar)."""
     totals = {}
-    for ip in cluster.pod_ips(namespace, "pdserve.io/role=decode"):
+    for ip in cluster.pod_ips(namespace, "pdserve.io/role=decode", ready_only=False):
         text = scrape_sync(f"http://{ip}:{SIDECAR_PORT}/metrics")
         totals[ip] = sum(by_label(text, "pdserve_router_requests_total", "outcome").values())
     return totals

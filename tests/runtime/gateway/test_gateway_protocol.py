@@ -92,7 +92,7 @@ def test_subset_and_served_endpoint_are_read_from_metadata_and_attributes() -> N
 def _picker(**settings: object) -> EndpointPicker:
     config = RouterConfig(
         served_model_name="m", discovery="static", static_decode=["http://10.0.0.7:8000"],
-        picker=PickerConfig(target_port=8100, **settings),  # type: ignore[arg-type]
+        picker=PickerConfig(target_port=8100, **settings),
     )  # fmt: skip
     table = EndpointTable()
     table.replace("decode", [Endpoint(url=f"http://10.0.0.{i}:8000", role="decode") for i in (7, 8, 9)])
@@ -126,3 +126,29 @@ def test_shedding_starts_only_when_every_usable_engine_is_at_the_limit() -> None
     states[2].in_flight = 1
     refused = picker.choose(prompt, None)
     assert isinstance(refused, Refusal) and refused.status == 429
+
+
+async def test_the_process_nodes_grpc_probe_follows_the_pickers_readiness() -> None:
+    """The picker's gRPC health as a kubelet's grpc probe reads it (the process node's probe, over a socket)."""
+    import asyncio
+
+    from pdserve_dev.process_node.probes import grpc_health
+    from pdserve_dev.testing.net import free_port
+    from pdserve_runtime.gateway.server import PickerApp
+
+    config = RouterConfig(served_model_name="m", discovery="static", static_decode=["http://127.0.0.1:9"])
+    app = PickerApp(config)
+    port = await app.start("127.0.0.1", free_port(), 0)
+    try:
+        probe = {"port": port, "service": "liveness"}
+        assert await asyncio.to_thread(grpc_health, probe, "127.0.0.1", 5.0) == (True, "")
+        # The one decode engine is not usable (its breaker is open): not ready, still alive.
+        state = app.core.table.states("decode")[0]
+        state.breaker.opened_at = 0.0
+        await app._update_readiness()
+        ready, why = await asyncio.to_thread(grpc_health, {"port": port, "service": "readiness"}, "127.0.0.1", 5.0)
+        assert (ready, why) == (False, "gRPC health status NOT_SERVING")
+        assert (await asyncio.to_thread(grpc_health, probe, "127.0.0.1", 5.0))[0]
+    finally:
+        await app.stop()
+    assert not (await asyncio.to_thread(grpc_health, {"port": port}, "127.0.0.1", 2.0))[0]
