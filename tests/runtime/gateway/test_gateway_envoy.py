@@ -197,9 +197,12 @@ async def _all_busy(states: Any) -> bool:
     return all(state.in_flight == 1 for state in states)
 
 
-async def test_streams_relay_every_chunk_and_the_picker_releases_its_counts(tmp_path: Path) -> None:
+async def test_streams_relay_every_chunk_and_the_picker_counts_them_until_they_end(tmp_path: Path) -> None:
     async with gateway(tmp_path) as gw, aiohttp.ClientSession() as session:
         assert gw.picker is not None
+        table = gw.picker.core.table
+        for decode in gw.decodes:
+            await set_faults(decode.url, latency_s=1.0)  # every stream waits in its engine before its first token
         bodies = [{"model": "sim-model", "prompt": f"{i} {LONG}", "max_tokens": 16, "stream": True} for i in range(6)]
 
         async def one(body: dict[str, Any]) -> str:
@@ -207,14 +210,22 @@ async def test_streams_relay_every_chunk_and_the_picker_releases_its_counts(tmp_
                 assert response.status == 200
                 return await response.text()
 
-        texts = await asyncio.gather(*(one(body) for body in bodies))
+        streams = asyncio.gather(*(one(body) for body in bodies))
+        # Counted while they run (the load the scheduler scores), as the router counts its own.
+        await wait_for_async(
+            lambda: _in_flight(table, 6), message="the picker counted six streams in flight on decode engines"
+        )
+        texts = await streams
         assert all(text.count("data: {") == 16 and text.endswith("data: [DONE]\n\n") for text in texts)
-        table = gw.picker.core.table
         await wait_for_async(
             lambda: _released(table), message="the picker released every engine once the streams ended"
         )
         exposition = await scrape(f"http://127.0.0.1:{gw.picker.http_port}")
         assert metric_value(exposition, "pdserve_picker_picks_total", route="pd") == 6
+
+
+async def _in_flight(table: Any, count: int) -> bool:
+    return sum(state.in_flight for state in table.states("decode")) == count
 
 
 async def _released(table: Any) -> bool:
@@ -238,3 +249,17 @@ async def test_a_killed_decode_engine_is_ejected_and_never_picked_again(tmp_path
         assert not dead.breaker.allows_traffic()
         assert all(status == 200 for status in statuses[failed[-1] + 1 :])
         assert await requests_seen(gw.decodes[1].url) == statuses.count(200)
+
+
+async def test_a_failing_prefill_engine_is_prefilled_locally_and_a_4xx_is_relayed(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as session:
+        body = {"model": "sim-model", "prompt": LONG, "max_tokens": 4}
+        await set_faults(gw.prefill.url, fail_next=1, fail_status=503)
+        async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            assert response.headers["X-Pdserve-Route"] == "fallback"
+        await set_faults(gw.prefill.url, fail_next=1, fail_status=400)
+        async with session.post(gw.envoy.url + "/v1/completions", json={**body, "prompt": "x " + LONG}) as response:
+            assert response.status == 400, await response.text()
+        assert await requests_seen(gw.prefill.url) == 2
+        assert sum([await by_source(d.url, "external_kv_transfer") for d in gw.decodes]) == 0
