@@ -152,6 +152,11 @@ def endpoint_subset(request: pb.ProcessingRequest) -> frozenset[str] | None:
     if SUBSET_KEY not in fields:
         return None
     value = fields[SUBSET_KEY]
-    if value.WhichOneof("kind") != "list_value":
+    # A list of `ip:port` strings, or (as header-to-metadata filters write it) one comma-separated string.
+    if value.WhichOneof("kind") == "string_value":
+        texts = [value.string_value]
+    elif value.WhichOneof("kind") == "list_value":
+        texts = [item.string_value for item in value.list_value.values if item.WhichOneof("kind") == "string_value"]
+    else:
         return frozenset()
-    return frozenset(item.string_value for item in value.list_value.values if item.WhichOneof("kind") == "string_value")
+    return frozenset(part.strip() for text in texts for part in text.split(",") if part.strip())

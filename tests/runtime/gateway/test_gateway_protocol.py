@@ -81,6 +81,8 @@ def test_subset_and_served_endpoint_are_read_from_metadata_and_attributes() -> N
     hint = request.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE]
     hint.fields[protocol.SUBSET_KEY].list_value.values.add().string_value = "10.0.0.7:8100"
     assert protocol.endpoint_subset(request) == frozenset({"10.0.0.7:8100"})
+    hint.fields[protocol.SUBSET_KEY].string_value = "10.0.0.7:8100, 10.0.0.8:8100"
+    assert protocol.endpoint_subset(request) == frozenset({"10.0.0.7:8100", "10.0.0.8:8100"})
     assert protocol.served_endpoint(request) is None
     request.attributes[protocol.ATTRIBUTES_NAMESPACE].fields[protocol.UPSTREAM_ADDRESS].string_value = "10.0.0.8:8100"
     assert protocol.served_endpoint(request) == "10.0.0.8:8100"
