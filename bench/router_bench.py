@@ -569,7 +569,7 @@ def main() -> None:
         "pdserve's picker + the PD sidecar against the router (router_gateway.py, issue 22)",
     )
     parser.add_argument("--gateway-prompt-tokens", type=int, default=4096, help="gateway: unique prompt length")
-    parser.add_argument("--gateway-preset", default="h200-8b", help="gateway: the simulators' timing preset")
+    parser.add_argument("--gateway-itl", type=float, default=0.02, help="gateway: the decode mock's inter-token gap")
     parser.add_argument("--cases", default="100,1k,4k,32k,4k-1,itl0", help="pd-long: which cases, comma-separated")
     parser.add_argument("--accuracy-requests", type=int, default=400, help="prefix-accuracy: requests to send")
     parser.add_argument("--no-big-prompt", dest="big_prompt", action="store_false", help="pd-long: skip the 7 MB one")

@@ -2,10 +2,13 @@
 
 Run: ``.venv/bin/python bench/router_bench.py --scenario gateway --levels 64 [--seconds 8] [--rounds 3]``
 
-Backends: one prefill and one decode ``pdserve sim --preset h200-8b`` (streams paced like an 8B model on an H200),
-on loopback. Load: closed-loop streaming completions with unique prompts of ``--gateway-prompt-tokens`` (4096) tokens,
-``--max-tokens`` (64) each, ``--levels`` streams (64 is the shape the floor is for). Every request takes the PD
-route (threshold 0). In the same run, against the same backends, interleaved round by round (medians reported):
+Backends: the fast mock engines of ``pd_mock.py`` (a prefill mock answering at once with NixlConnector-shaped
+``kv_transfer_params``, a decode mock streaming every ``--gateway-itl`` seconds, 0.02 by default), on loopback: the
+simulator's own prefill queue would make TTFT seconds of engine queueing at this load and hide what a proxy adds,
+and it tokenizes every prompt in Python on the same two cores. Load: closed-loop streaming completions with unique
+prompts of ``--gateway-prompt-tokens`` (4096) tokens, ``--max-tokens`` (64) each, ``--levels`` streams (64 is the
+shape the floor is for). Every request takes the PD route (threshold 0). In the same run, against the same
+backends, interleaved round by round (medians reported):
 
 - ``direct-pd``: the client runs the PD flow itself (prefill, then decode with the KV): the no-router baseline;
 - ``pdserve-pd``: pdserve's router (one process);
@@ -26,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.router_bench import PY, Proc, Target, _median, _run_level, _wait_http
+from bench.router_bench import PY, ROOT, Proc, Target, _descendants, _median, _run_level, _wait_http
 from pdserve_dev.testing.envoy import envoy_binary, gateway_bootstrap
 from pdserve_dev.testing.net import free_port
 
@@ -75,18 +78,32 @@ def _gateway_path(prefill_url: str, decode_url: str, workdir: Path, cpus: set[in
     return f"http://127.0.0.1:{listen}", proc
 
 
+def _cpu_by_process(parent: int) -> dict[str, float]:
+    """User+sys CPU seconds of the gateway path's processes so far, by role (where the path's CPU goes)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    shares: dict[str, float] = {}
+    for pid in _descendants(parent)[1:]:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        words = [word.decode(errors="replace") for word in argv]
+        role = next((w for w in ("picker", "sidecar") if w in words), "envoy" if "envoy" in words[0] else words[0])
+        shares[role] = shares.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return shares
+
+
 def run_gateway(args: argparse.Namespace) -> int:
     levels = [int(level) for level in args.levels.split(",")]
     procs: list[Proc] = []
     try:
         with tempfile.TemporaryDirectory(prefix="pdserve-gw-bench-") as tmp:
-            sim = [PY, "-m", "pdserve_sim", "--preset", args.gateway_preset, "--host", "127.0.0.1", "--log-level",
-                   "warning"]  # fmt: skip
             prefill_port, decode_port = free_port(), free_port()
-            procs.append(Proc([*sim, "--role", "prefill", "--port", str(prefill_port), "--side-channel-port",
-                               str(free_port())], None))  # fmt: skip
-            procs.append(Proc([*sim, "--role", "decode", "--port", str(decode_port), "--side-channel-port",
-                               str(free_port())], None))  # fmt: skip
+            procs.append(Proc([PY, str(ROOT / "bench" / "pd_mock.py"), "--prefill-port", str(prefill_port),
+                               "--decode-port", str(decode_port), "--itl", str(args.gateway_itl)], None))  # fmt: skip
             prefill_url, decode_url = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
             _wait_http(prefill_url, "/health")
             _wait_http(decode_url, "/health")
@@ -112,6 +129,9 @@ def run_gateway(args: argparse.Namespace) -> int:
                         rounds[target.name][level].append(result)
                         print(f"# {target.name} c={level} round={index}: {json.dumps(result)}", flush=True)
             results = {t.name: {lv: _median(rounds[t.name][lv]) for lv in levels} for t in targets}
+            shares = _cpu_by_process(gateway.pid)
+            print("gateway path CPU over the whole run, by process: "
+                  + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in shares.items()), flush=True)  # fmt: skip
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -121,7 +141,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 def _report(results: dict[str, dict[int, dict[str, Any]]], levels: list[int], args: argparse.Namespace) -> int:
     header = (f"{'target':<12}{'c':>5}{'TTFT p50':>10}{'p99':>9}{'+p50':>8}{'+p99':>8}{'req/s':>8}{'CPU ms/req':>12}"
               f"{'err':>5}")  # fmt: skip
-    shape = f"{args.gateway_prompt_tokens}-token unique prompts, {args.max_tokens} tokens, {args.gateway_preset}"
+    shape = f"{args.gateway_prompt_tokens}-token unique prompts, {args.max_tokens} tokens at {args.gateway_itl:g} s ITL"
     print(f"\n## gateway: {shape}")
     print(header)
     print("-" * len(header))

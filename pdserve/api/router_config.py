@@ -152,7 +152,7 @@ class CircuitBreakerConfig(_Model):
 
 
 class PickerConfig(_Model):
-    """The endpoint picker of router mode gateway (`pdserve picker`): Envoy ext_proc over gRPC."""
+    """The endpoint picker's own settings (`pdserve picker` flags; the rest of its configuration is the router's)."""
 
     grpc_port: int = Field(
         default=EffectiveGateway.picker_port, ge=1, le=65535, description="ext_proc and gRPC health port."
@@ -304,9 +304,6 @@ class RouterConfig(_Model):
     )
     circuit_breaker: CircuitBreakerConfig = Field(
         default_factory=CircuitBreakerConfig, description="Ejection of failing engines."
-    )
-    picker: PickerConfig = Field(
-        default_factory=PickerConfig, description="Endpoint picker settings (used by `pdserve picker` only)."
     )
 
     @model_validator(mode="after")

@@ -7,7 +7,8 @@ OpenAI-compatible endpoint, and pdserve supplies what the extension asks of a mo
   of the current kv-compat value, its target port the PD sidecar's, and its `endpointPickerRef` the picker's
   Service on the gRPC port, with the PDService's failure mode;
 - the picker: the router's own objects (ServiceAccount, Role, RoleBinding, ConfigMap, PodDisruptionBudget) with
-  the Deployment running `pdserve picker` instead of `pdserve router`. Its Role is the router's least-privilege
+  the Deployment running `pdserve picker` instead of `pdserve router` (its own settings as flags: the gRPC port and
+  the decode pods' target port). Its Role is the router's least-privilege
   one (list/watch EndpointSlices, the one node topology ConfigMap): the picker discovers engines exactly as the
   router does. Its Service exposes the gRPC port (appProtocol `kubernetes.io/h2c`, which gateways read as
   cleartext HTTP/2) and the HTTP port of `/metrics`;
@@ -22,14 +23,10 @@ objects `render.router` and `render.engine` produce.
 from __future__ import annotations
 
 import copy
-import hashlib
 from typing import Any
-
-import yaml
 
 from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
-from pdserve.api.router_config import PickerConfig
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.render import discovery, router
 from pdserve_operator.render.names import child_name, selector_labels
@@ -76,22 +73,6 @@ def inference_pool(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     }
 
 
-def picker_config_map(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
-    """The router's ConfigMap with the picker's settings: decode pods are reached on the sidecar's port."""
-    config = router.router_config(pds, spec).model_copy(
-        update={
-            "picker": PickerConfig(
-                grpc_port=spec.router.gateway.picker_port, target_port=spec.router.gateway.sidecar_port
-            )
-        }
-    )
-    document = config.model_dump(by_alias=True, mode="json")
-    text = yaml.safe_dump(document, sort_keys=True)
-    obj = router.config_map(pds, spec)
-    obj["data"] = {router.CONFIG_KEY: text}
-    return obj
-
-
 def picker_deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     """The router's Deployment running `pdserve picker`, with the gRPC port and gRPC health probes."""
     obj = copy.deepcopy(router.deployment(pds, spec))
@@ -99,6 +80,16 @@ def picker_deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     container = pod["containers"][0]
     container["name"] = "picker"
     container["command"] = ["pdserve", "picker"]
+    # Its own settings are flags (the ConfigMap is the router's, shared as is): decode pods are reached on the
+    # sidecar's port.
+    gateway = spec.router.gateway
+    container["args"] = [
+        *container["args"],
+        "--grpc-port",
+        str(gateway.picker_port),
+        "--target-port",
+        str(gateway.sidecar_port),
+    ]
     container["ports"].append(
         {"name": GRPC_PORT_NAME, "containerPort": spec.router.gateway.picker_port, "protocol": "TCP"}
     )
@@ -113,11 +104,6 @@ def picker_deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
         "periodSeconds": 10,
         "failureThreshold": 3,
     }
-    # The config hash annotation must follow the picker's config, not the router's.
-    text = picker_config_map(pds, spec)["data"][router.CONFIG_KEY]
-    obj["spec"]["template"]["metadata"]["annotations"][router.CONFIG_HASH_ANNOTATION] = hashlib.sha256(
-        text.encode()
-    ).hexdigest()[:16]
     return obj
 
 
@@ -194,8 +180,6 @@ def objects(pds: PDService, spec: EffectiveSpec, rendered: list[dict[str, Any]])
             replaced = picker_deployment(pds, spec)
         elif name == router_name and kind == "Service":
             replaced = picker_service(pds, spec)
-        elif name == router_name and kind == "ConfigMap":
-            replaced = picker_config_map(pds, spec)
         elif name == decode_name and kind == "StatefulSet":
             replaced = with_sidecar(obj, spec)
         out.append(replaced)

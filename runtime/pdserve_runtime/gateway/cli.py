@@ -17,7 +17,7 @@ import signal
 
 import click
 
-from pdserve.api.router_config import RouterConfig
+from pdserve.api.router_config import PickerConfig, RouterConfig
 from pdserve_runtime.router.cli import load_config
 
 
@@ -32,6 +32,13 @@ def _logging(level: str) -> None:
 @click.option("--grpc-port", type=int, default=None, help="ext_proc and gRPC health port (default 9002).")
 @click.option("--target-port", type=int, default=None, help="Decode pods' sidecar port (default: the engine's).")
 @click.option("--fallback-endpoints", type=int, default=None, help="Further decode endpoints listed after the pick.")
+@click.option(
+    "--max-in-flight-per-decode",
+    "max_in_flight",
+    type=int,
+    default=None,
+    help="Shed (429) when every usable decode engine has this many requests in flight (default 0: never).",
+)
 @click.option("--prefill", multiple=True, help="Prefill engine base URL (static mode, repeatable).")
 @click.option("--decode", multiple=True, help="Decode engine base URL (static mode, repeatable).")
 @click.option("--served-model-name", default=None, help="Model name (default: none).")
@@ -45,6 +52,7 @@ def picker(  # noqa: PLR0917 (click passes every option as an argument)
     grpc_port: int | None,
     target_port: int | None,
     fallback_endpoints: int | None,
+    max_in_flight: int | None,
     prefill: tuple[str, ...],
     decode: tuple[str, ...],
     served_model_name: str | None,
@@ -63,38 +71,37 @@ def picker(  # noqa: PLR0917 (click passes every option as an argument)
         threshold=threshold,
         fallback=fallback,
     )
-    updates = {
+    values = {
         name: value
         for name, value in (
             ("grpc_port", grpc_port),
             ("target_port", target_port),
             ("fallback_endpoints", fallback_endpoints),
+            ("max_in_flight_per_decode", max_in_flight),
         )
         if value is not None
     }
-    if updates:
-        try:
-            settings = type(config.picker).model_validate({**config.picker.model_dump(), **updates})
-        except ValueError as exc:
-            raise click.ClickException(f"invalid picker settings:\n{exc}") from None
-        config = config.model_copy(update={"picker": settings})
+    try:
+        settings = PickerConfig(**values)
+    except ValueError as exc:
+        raise click.ClickException(f"invalid picker settings:\n{exc}") from None
     _logging(log_level)
     import uvloop
 
-    uvloop.run(_serve_picker(config))
+    uvloop.run(_serve_picker(config, settings))
 
 
-async def _serve_picker(config: RouterConfig) -> None:
+async def _serve_picker(config: RouterConfig, settings: PickerConfig) -> None:
     from pdserve_runtime.gateway.server import PickerApp
 
     log = logging.getLogger("pdserve.picker")
-    app = PickerApp(config)
+    app = PickerApp(config, settings)
     stop = _stop_event()
     grpc_port = await app.start()
     gc.collect()
     gc.freeze()
     log.info("Started picker host=%s grpc_port=%d http_port=%d discovery=%s target_port=%s", config.host, grpc_port,
-             app.http_port, config.discovery, config.picker.target_port)  # fmt: skip
+             app.http_port, config.discovery, settings.target_port)  # fmt: skip
     await stop.wait()
     await app.stop(config.shutdown_grace_seconds)
 

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import grpc
 from prometheus_client import Counter
 
-from pdserve.api.router_config import RouterConfig
+from pdserve.api.router_config import PickerConfig, RouterConfig
 from pdserve_runtime.gateway import protocol
 from pdserve_runtime.gateway.proto import ext_proc_pb2 as pb
 from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
@@ -104,11 +104,13 @@ class EndpointPicker:
     def __init__(
         self,
         config: RouterConfig,
+        settings: PickerConfig,
         scheduler: Scheduler,
         tracker: PrefixTracker,
         metrics: RouterMetrics,
     ) -> None:
         self.config = config
+        self.settings = settings
         self.scheduler = scheduler
         self.table: EndpointTable = scheduler.table
         self.tracker = tracker
@@ -120,7 +122,7 @@ class EndpointPicker:
 
     def destination(self, state: EndpointState) -> str:
         """Where the gateway sends a request for this decode engine: its pod's sidecar (or the engine itself)."""
-        return host_port(state.url, self.config.picker.target_port)
+        return host_port(state.url, self.settings.target_port)
 
     def choose(self, prompt: PromptInfo, subset: frozenset[str] | None) -> Pick | Refusal:
         """The scheduler's plan as a gateway pick, or the refusal the protocol asks for."""
@@ -131,7 +133,7 @@ class EndpointPicker:
                   if state.usable]  # fmt: skip
         if not usable:
             return Refusal(503, "no decode engine is available", self._retry_after)
-        cap = self.config.picker.max_in_flight_per_decode
+        cap = self.settings.max_in_flight_per_decode
         if cap and all(state.in_flight >= cap for state in usable):
             return Refusal(429, "every decode engine is at its in-flight limit; retry later", self._retry_after)
         started = perf_counter()
@@ -143,7 +145,7 @@ class EndpointPicker:
             return Refusal(503, "no prefill engine is available", self._retry_after)
         fallbacks: list[EndpointState] = []
         excluded = {decode.url}
-        for _ in range(self.config.picker.fallback_endpoints):
+        for _ in range(self.settings.fallback_endpoints):
             extra = self.scheduler.pick_decode(prompt, plan.held, excluded=excluded, candidates=candidates)
             if extra is None:
                 break

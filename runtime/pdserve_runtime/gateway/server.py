@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from pdserve.api.router_config import RouterConfig
+from pdserve.api.router_config import PickerConfig, RouterConfig
 from pdserve_runtime.gateway.picker import SERVICE_NAME, EndpointPicker
 from pdserve_runtime.gateway.proto import ext_proc_pb2 as pb
 from pdserve_runtime.gateway.sidecar import SidecarProxy, sidecar_config
@@ -37,10 +37,13 @@ _MESSAGE_MARGIN = 64 * 1024
 class PickerApp:
     """One endpoint picker: the router's scheduling core behind ext_proc."""
 
-    def __init__(self, config: RouterConfig, discovery: Discovery | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, settings: PickerConfig | None = None, discovery: Discovery | None = None
+    ) -> None:
         self.config = config
+        self.settings = settings or PickerConfig()
         self.core = RouterApp(config, discovery, serve_generation=False)
-        self.picker = EndpointPicker(config, self.core.scheduler, self.core.tracker, self.core.metrics)
+        self.picker = EndpointPicker(config, self.settings, self.core.scheduler, self.core.tracker, self.core.metrics)
         self.health = health_aio.HealthServicer()
         limit = config.max_request_body_bytes + _MESSAGE_MARGIN
         self.grpc = grpc.aio.server(
@@ -61,7 +64,7 @@ class PickerApp:
         """Discover engines and listen on both ports; returns the gRPC port."""
         self.http_port = await self.core.start(host, http_port)
         bind = host if host is not None else self.config.host
-        port = grpc_port if grpc_port is not None else self.config.picker.grpc_port
+        port = grpc_port if grpc_port is not None else self.settings.grpc_port
         shown = f"[{bind}]" if ":" in bind else bind
         self.grpc_port = self.grpc.add_insecure_port(f"{shown}:{port}")
         await self.grpc.start()

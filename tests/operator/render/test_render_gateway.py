@@ -8,7 +8,6 @@ from typing import Any
 
 import yaml
 
-from pdserve.api.router_config import RouterConfig
 from pdserve.api.validation import validate
 from pdserve.cli.manifests import dump_stream
 from pdserve_dev.testing.examples import POLICY
@@ -67,15 +66,9 @@ def test_the_picker_runs_in_the_routers_deployment_with_the_routers_role() -> No
     assert container["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
     # Least privilege: exactly the router's Role (list/watch EndpointSlices), nothing for the gateway path.
     assert find(gateway, "Role", "llama-router") == find(plain, "Role", "llama-router")
-    config = RouterConfig.model_validate(
-        yaml.safe_load(find(gateway, "ConfigMap", "llama-router")["data"]["router.yaml"])
-    )
-    assert config.picker.target_port == 8100 and config.picker.grpc_port == 9002
-    annotation = "pdserve.io/config-hash"
-    assert (
-        deployment["spec"]["template"]["metadata"]["annotations"][annotation]
-        != find(plain, "Deployment", "llama-router")["spec"]["template"]["metadata"]["annotations"][annotation]
-    )
+    assert container["args"][-4:] == ["--grpc-port", "9002", "--target-port", "8100"]
+    # The config is the router's, unchanged: the picker discovers and scores engines exactly as the router does.
+    assert find(gateway, "ConfigMap", "llama-router") == find(plain, "ConfigMap", "llama-router")
 
 
 def test_decode_pods_get_the_sidecar_and_prefill_pods_do_not() -> None:

@@ -24,6 +24,7 @@ from pdserve_dev.testing.sim import SimHandle, requests_seen, set_faults, sim_in
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_runtime.gateway.server import PickerApp, sidecar_app
 from pdserve_runtime.router.app import RouterApp
+from pdserve_runtime.router.endpoints import EndpointTable
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -82,9 +83,9 @@ async def gateway(
                 static_prefill=[prefill.url],
                 static_decode=[d.url for d in decodes],
                 engine_metrics_interval_seconds=0.0,
-                picker=PickerConfig(grpc_port=grpc_port, target_port=sidecar_port, **picker_settings),
             )
-            app_picker = PickerApp(config)
+            settings = PickerConfig(grpc_port=grpc_port, target_port=sidecar_port, **picker_settings)
+            app_picker = PickerApp(config, settings)
             await app_picker.start("127.0.0.1", grpc_port, http_port)
             stack.push_async_callback(app_picker.stop)
         bootstrap = gateway_bootstrap(
@@ -224,7 +225,7 @@ async def test_streams_relay_every_chunk_and_the_picker_counts_them_until_they_e
         assert metric_value(exposition, "pdserve_picker_picks_total", route="pd") == 6
 
 
-async def _in_flight(table: Any, count: int) -> bool:
+async def _in_flight(table: EndpointTable, count: int) -> bool:
     return sum(state.in_flight for state in table.states("decode")) == count
 
 

@@ -91,17 +91,14 @@ def test_subset_and_served_endpoint_are_read_from_metadata_and_attributes() -> N
     assert protocol.served_endpoint(request) == "10.0.0.7:8100"  # the protocol's own key wins
 
 
-def _picker(**settings: object) -> EndpointPicker:
-    config = RouterConfig(
-        served_model_name="m", discovery="static", static_decode=["http://10.0.0.7:8000"],
-        picker=PickerConfig(target_port=8100, **settings),
-    )  # fmt: skip
+def _picker(**settings: int) -> EndpointPicker:
+    config = RouterConfig(served_model_name="m", discovery="static", static_decode=["http://10.0.0.7:8000"])
     table = EndpointTable()
     table.replace("decode", [Endpoint(url=f"http://10.0.0.{i}:8000", role="decode") for i in (7, 8, 9)])
     table.replace("prefill", [Endpoint(url="http://10.0.0.5:8000", role="prefill")])
     tracker = PrefixTracker(max_blocks=1000, ttl_seconds=60, block_size=16)
     scheduler = Scheduler(table, tracker, config.policy, rng=random.Random(1))
-    return EndpointPicker(config, scheduler, tracker, RouterMetrics(table))
+    return EndpointPicker(config, PickerConfig(target_port=8100, **settings), scheduler, tracker, RouterMetrics(table))
 
 
 def test_the_pick_respects_the_gateways_subset_and_lists_fallbacks_in_order() -> None:
