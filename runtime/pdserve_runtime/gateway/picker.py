@@ -88,11 +88,14 @@ class PickerMetrics:
             "pdserve_picker_picks", "Requests the picker answered, by route or refusal.", ["route"],
             registry=metrics.registry,
         )  # fmt: skip
-        self.served_fallback = Counter(
-            "pdserve_picker_served_fallback",
-            "Requests the gateway served from a fallback endpoint instead of the pick.",
+        self.served = Counter(
+            "pdserve_picker_served",
+            "Responses by the endpoint the gateway reports having served them from: the pick, a fallback endpoint of "
+            "the list, or unreported (a gateway that sends neither the envoy.lb metadata nor upstream.address).",
+            ["endpoint"],
             registry=metrics.registry,
         )
+        self.served_by = {label: self.served.labels(label) for label in ("pick", "fallback", "unreported")}
         self.upstream_errors = Counter(
             "pdserve_picker_upstream_errors", "Responses of 5xx from a picked decode pod.", registry=metrics.registry
         )
@@ -277,14 +280,18 @@ class _Stream:
             return
         picker = self.picker
         served = protocol.served_endpoint(message)
-        if served is not None and served != pick.destinations[0]:
+        if served is None:
+            picker.picker_metrics.served_by["unreported"].inc()
+        elif served == pick.destinations[0]:
+            picker.picker_metrics.served_by["pick"].inc()
+        else:
             for index, state in enumerate(pick.fallbacks, start=1):
                 if served == pick.destinations[index]:
                     # The gateway fell back down the list: count the load where it went.
                     self.leases.close()
                     self.leases.enter_context(state.lease())
                     self.decode = state
-                    picker.picker_metrics.served_fallback.inc()
+                    picker.picker_metrics.served_by["fallback"].inc()
                     break
         status = int(headers.get(":status", "0") or 0)
         now = monotonic()

@@ -223,6 +223,8 @@ async def test_streams_relay_every_chunk_and_the_picker_counts_them_until_they_e
         )
         exposition = await scrape(f"http://127.0.0.1:{gw.picker.http_port}")
         assert metric_value(exposition, "pdserve_picker_picks_total", route="pd") == 6
+        # The served endpoint is read back (Envoy's upstream.address attribute): every stream went to its pick.
+        assert metric_value(exposition, "pdserve_picker_served_total", endpoint="pick") == 6
 
 
 async def _in_flight(table: EndpointTable, count: int) -> bool:
