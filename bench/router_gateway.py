@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,10 @@ FLOOR_MS = 2.0
 # One parent for the gateway path's three processes, so the benchmark samples their CPU together (the parent and
 # its descendants, as for a router) and stops them together (SIGTERM to the parent ends its children).
 _LAUNCHER = """
-import signal, subprocess, sys, json
+import os, signal, subprocess, sys, json
+cpus = json.loads(sys.argv[2])
+if cpus:
+    os.sched_setaffinity(0, cpus)  # before the children start: they inherit it
 children = [subprocess.Popen(argv) for argv in json.loads(sys.argv[1])]
 def stop(*_):
     for child in children:
@@ -71,7 +75,7 @@ def _gateway_path(prefill_url: str, decode_url: str, workdir: Path, cpus: set[in
          "--disaggregation-threshold", "0", "--served-model-name", "sim-model", "--log-level", "warning"],
         [str(envoy_binary()), "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", "error"],
     ]  # fmt: skip
-    proc = Proc([PY, "-c", _LAUNCHER, json.dumps(commands)], cpus)
+    proc = Proc([PY, "-c", _LAUNCHER, json.dumps(commands), json.dumps(sorted(cpus or ()))], None)
     _wait_http(f"http://127.0.0.1:{sidecar}", "/ready")
     _wait_http(f"http://127.0.0.1:{http}", "/ready")
     _wait_http(f"http://127.0.0.1:{admin}", "/ready")
@@ -80,8 +84,6 @@ def _gateway_path(prefill_url: str, decode_url: str, workdir: Path, cpus: set[in
 
 def _cpu_by_process(parent: int) -> dict[str, float]:
     """User+sys CPU seconds of the gateway path's processes so far, by role (where the path's CPU goes)."""
-    import os
-
     tick = os.sysconf("SC_CLK_TCK")
     shares: dict[str, float] = {}
     for pid in _descendants(parent)[1:]:
@@ -98,23 +100,28 @@ def _cpu_by_process(parent: int) -> dict[str, float]:
 
 def run_gateway(args: argparse.Namespace) -> int:
     levels = [int(level) for level in args.levels.split(",")]
+    ncpu = os.cpu_count() or 1
+    # --pin: the path under test (the router, or Envoy + picker + sidecar) on CPU 0, mocks and load elsewhere.
+    path_cpus = {0} if args.pin and ncpu >= 2 else None
+    other_cpus = set(range(1, ncpu)) if args.pin and ncpu >= 2 else None
     procs: list[Proc] = []
     try:
         with tempfile.TemporaryDirectory(prefix="pdserve-gw-bench-") as tmp:
             prefill_port, decode_port = free_port(), free_port()
-            procs.append(Proc([PY, str(ROOT / "bench" / "pd_mock.py"), "--prefill-port", str(prefill_port),
-                               "--decode-port", str(decode_port), "--itl", str(args.gateway_itl)], None))  # fmt: skip
+            mock = [PY, str(ROOT / "bench" / "pd_mock.py"), "--prefill-port", str(prefill_port), "--decode-port",
+                    str(decode_port), "--itl", str(args.gateway_itl)]  # fmt: skip
+            procs.append(Proc(mock, other_cpus))
             prefill_url, decode_url = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
             _wait_http(prefill_url, "/health")
             _wait_http(decode_url, "/health")
             router_port = free_port()
             router = Proc([PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(router_port),
                            "--prefill", prefill_url, "--decode", decode_url, "--disaggregation-threshold", "0",
-                           "--served-model-name", "sim-model", "--log-level", "warning"], None)  # fmt: skip
+                           "--served-model-name", "sim-model", "--log-level", "warning"], path_cpus)  # fmt: skip
             procs.append(router)
             router_url = f"http://127.0.0.1:{router_port}"
             _wait_http(router_url, "/ready")
-            gateway_url, gateway = _gateway_path(prefill_url, decode_url, Path(tmp), None)
+            gateway_url, gateway = _gateway_path(prefill_url, decode_url, Path(tmp), path_cpus)
             procs.append(gateway)
             targets = [
                 Target("direct-pd", decode_url, baseline=None, client_prefill=prefill_url),
@@ -125,7 +132,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             for level in levels:
                 for index in range(args.rounds):
                     for target in targets:
-                        result = _run_level(target, level, args, None, args.gateway_prompt_tokens)
+                        result = _run_level(target, level, args, other_cpus, args.gateway_prompt_tokens)
                         rounds[target.name][level].append(result)
                         print(f"# {target.name} c={level} round={index}: {json.dumps(result)}", flush=True)
             results = {t.name: {lv: _median(rounds[t.name][lv]) for lv in levels} for t in targets}
