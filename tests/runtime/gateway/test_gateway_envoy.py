@@ -240,18 +240,24 @@ async def test_a_killed_decode_engine_is_ejected_and_never_picked_again(tmp_path
         assert gw.picker is not None
         dead = gw.picker.core.table.states("decode")[0]
         await gw.servers[0].stop()  # the engine is gone; its sidecar still answers (it is another process in a pod)
-        body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 2}
-        statuses = []
-        for _ in range(12):
-            async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
-                statuses.append(response.status)
         threshold = gw.picker.config.circuit_breaker.failure_threshold
-        failed = [index for index, status in enumerate(statuses) if status != 200]
-        # Only the failures that feed the breaker reach clients; from the ejection on every request is served.
-        assert len(failed) == threshold, statuses
-        assert not dead.breaker.allows_traffic()
-        assert all(status == 200 for status in statuses[failed[-1] + 1 :])
-        assert await requests_seen(gw.decodes[1].url) == statuses.count(200)
+        failures = 0
+        # Unique prompts, so only load and chance choose between the two engines: send until the picker ejects the
+        # dead one (bounded: each pick has even odds), then it must not be picked again.
+        for index in range(60):
+            if not dead.breaker.allows_traffic():
+                break
+            body = {"model": "sim-model", "prompt": f"{index} {SHORT}", "max_tokens": 2}
+            async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
+                failures += response.status != 200
+        assert not dead.breaker.allows_traffic(), "the dead engine was never ejected"
+        assert failures == threshold  # only the failures that feed the breaker reach clients
+        served_before = await requests_seen(gw.decodes[1].url)
+        for index in range(10):
+            body = {"model": "sim-model", "prompt": f"after {index} {SHORT}", "max_tokens": 2}
+            async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+        assert await requests_seen(gw.decodes[1].url) == served_before + 10
 
 
 async def test_a_failing_prefill_engine_is_prefilled_locally_and_a_4xx_is_relayed(tmp_path: Path) -> None:
