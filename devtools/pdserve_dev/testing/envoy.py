@@ -11,9 +11,10 @@
   ext_proc) goes to an `ORIGINAL_DST` cluster that takes its address from that header. Without it (only when the
   picker failed open) the request goes to the pool's endpoints with Envoy's own least-request balancing, which is
   what FailOpen means: the gateway still serves, without the picker's choice (and so decode-only). Envoy 1.40 can
-  fail open only for a request whose body it has not yet streamed to the picker: a bodiless request (GET) is
-  served, a POST whose body went into the broken full-duplex stream gets `status_on_error` (measured; the body is
-  gone). FailClose answers `status_on_error` (503) to both.
+  fail open only for a request whose body it has not yet streamed to the picker when the failure is known: a
+  bodiless request (GET) is served, a POST whose body already went into the broken full-duplex stream gets
+  `status_on_error` (measured; the body is gone; which one a POST meets is a race). FailClose answers
+  `status_on_error` (503) to both.
 
 `run_envoy` starts the binary on loopback, waits for its admin `/ready`, yields, and stops it by PID.
 """
