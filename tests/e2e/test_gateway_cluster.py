@@ -40,6 +40,7 @@ from pdserve_operator.render import render
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "gw"
 SIDECAR_PORT, PICKER_PORT = 8100, 9002
+METRICS_PORT = 9090  # the router's /metrics port: the picker's and each sidecar's too (their RouterConfig default)
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 LONG = " ".join(f"word{i}" for i in range(400))
 
@@ -152,7 +153,7 @@ def _sidecar_requests(cluster: ClusterHelper, namespace: str) -> dict[str, float
     engine died keeps its sidecar)."""
     totals = {}
     for ip in cluster.pod_ips(namespace, "pdserve.io/role=decode", ready_only=False):
-        text = scrape_sync(f"http://{ip}:{SIDECAR_PORT}/metrics")
+        text = scrape_sync(f"http://{ip}:{METRICS_PORT}/metrics")
         totals[ip] = sum(by_label(text, "pdserve_router_requests_total", "outcome").values())
     return totals
 
@@ -279,7 +280,7 @@ async def test_a_killed_decode_engine_is_never_picked_again(
     picker = _picker_address(cluster, namespace)
     victim = f"{NAME}-decode-0"
     victim_ip = cluster.get_json("pod", victim, "-n", namespace)["status"]["podIP"]
-    metrics = f"http://{picker[0]}:8080/metrics"
+    metrics = f"http://{picker[0]}:{METRICS_PORT}/metrics"
 
     def victim_up() -> float:
         return by_label(scrape_sync(metrics), "pdserve_router_endpoint_up", "endpoint").get(victim, -1.0)

@@ -8,11 +8,14 @@ from typing import Any
 
 import yaml
 
+from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_operator.gateway_status import REFRESH_SECONDS, inference_pool_status
 from pdserve_operator.kinds import INFERENCE_POOL
 from pdserve_operator.reconcile import Outcome, reconcile
 from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gateway" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama"
@@ -49,6 +52,7 @@ def test_each_parent_is_reported_with_the_first_condition_that_is_not_true() -> 
 class World:
     def __init__(self) -> None:
         self.kube, self.store = FakeKube(), Store()
+        self.views = SpecViews(DEFAULT_POLICY)
         self._ticks = itertools.count()
         self.store.put_owner(self.kube.add_owner(yaml.safe_load(EXAMPLE.read_text())))
 
@@ -57,7 +61,15 @@ class World:
         return f"2026-01-01T00:{tick // 60 % 60:02d}:{tick % 60:02d}Z"
 
     def reconcile(self) -> Outcome:
-        return reconcile(NAMESPACE, NAME, self.store, self.kube, self.now)
+        return reconcile(
+            NAMESPACE,
+            NAME,
+            self.store,
+            self.kube,
+            self.now,
+            views=self.views,
+            crash_window=OperatorSettings.crash_recovery_seconds,
+        )
 
     def status(self) -> dict[str, Any]:
         status: dict[str, Any] = self.kube.owner(NAMESPACE, NAME)["status"]

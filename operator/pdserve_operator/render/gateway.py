@@ -28,8 +28,8 @@ from typing import Any
 from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
+from pdserve_operator.names import child_name, selector_labels
 from pdserve_operator.render import discovery, router
-from pdserve_operator.render.names import child_name, selector_labels
 from pdserve_operator.render.objects import metadata
 
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"

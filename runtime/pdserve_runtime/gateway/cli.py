@@ -14,11 +14,14 @@ import asyncio
 import gc
 import logging
 import signal
+from typing import Any
 
 import click
 
+from pdserve.api.optioning import click_options
 from pdserve.api.router_config import PickerConfig, RouterConfig
-from pdserve_runtime.router.cli import load_config
+from pdserve.api.settings import RouterSettings, shown_default
+from pdserve_runtime.router.cli import ROWS, load_config
 
 
 def _logging(level: str) -> None:
@@ -26,9 +29,6 @@ def _logging(level: str) -> None:
 
 
 @click.command("picker")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="RouterConfig YAML (Kubernetes mode).")
-@click.option("--host", default=None, help="Listen address (default 0.0.0.0; PDSERVE_BIND_HOST wins).")
-@click.option("--port", type=int, default=None, help="HTTP port for /health, /ready and /metrics (default 8080).")
 @click.option("--grpc-port", type=int, default=None, help="ext_proc and gRPC health port (default 9002).")
 @click.option("--target-port", type=int, default=None, help="Decode pods' sidecar port (default: the engine's).")
 @click.option("--fallback-endpoints", type=int, default=None, help="Further decode endpoints listed after the pick.")
@@ -39,39 +39,21 @@ def _logging(level: str) -> None:
     default=None,
     help="Shed (429) when every usable decode engine has this many requests in flight (default 0: never).",
 )
-@click.option("--prefill", multiple=True, help="Prefill engine base URL (static mode, repeatable).")
-@click.option("--decode", multiple=True, help="Decode engine base URL (static mode, repeatable).")
-@click.option("--served-model-name", default=None, help="Model name (default: none).")
-@click.option("--disaggregation-threshold", "threshold", type=int, default=None, help="As for `pdserve router`.")
-@click.option("--fallback/--no-fallback", default=None, help="Send to decode when no prefill engine can serve.")
-@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-def picker(  # noqa: PLR0917 (click passes every option as an argument)
-    config_path: str | None,
-    host: str | None,
-    port: int | None,
+@click_options(ROWS, shown=shown_default)
+def picker(
     grpc_port: int | None,
     target_port: int | None,
     fallback_endpoints: int | None,
     max_in_flight: int | None,
-    prefill: tuple[str, ...],
-    decode: tuple[str, ...],
-    served_model_name: str | None,
-    threshold: int | None,
-    fallback: bool | None,
-    log_level: str,
+    **values: Any,
 ) -> None:
-    """Run pdserve's endpoint picker for a Gateway API Inference Extension gateway (Envoy ext_proc)."""
-    config = load_config(
-        config_path,
-        host=host,
-        port=port,
-        prefill=prefill,
-        decode=decode,
-        served_model_name=served_model_name,
-        threshold=threshold,
-        fallback=fallback,
-    )
-    values = {
+    """Run pdserve's endpoint picker for a Gateway API Inference Extension gateway (Envoy ext_proc).
+
+    Every `pdserve router` option applies (the same config file, discovery and routing policy); its port serves
+    /health and /ready, its metrics port /metrics."""
+    router_settings = RouterSettings(**values)
+    config = load_config(router_settings)
+    picks = {
         name: value
         for name, value in (
             ("grpc_port", grpc_port),
@@ -82,10 +64,10 @@ def picker(  # noqa: PLR0917 (click passes every option as an argument)
         if value is not None
     }
     try:
-        settings = PickerConfig(**values)
+        settings = PickerConfig(**picks)
     except ValueError as exc:
         raise click.ClickException(f"invalid picker settings:\n{exc}") from None
-    _logging(log_level)
+    _logging(router_settings.log_level)
     import uvloop
 
     uvloop.run(_serve_picker(config, settings))
@@ -100,8 +82,9 @@ async def _serve_picker(config: RouterConfig, settings: PickerConfig) -> None:
     grpc_port = await app.start()
     gc.collect()
     gc.freeze()
-    log.info("Started picker host=%s grpc_port=%d http_port=%d discovery=%s target_port=%s", config.host, grpc_port,
-             app.http_port, config.discovery, settings.target_port)  # fmt: skip
+    log.info("Started picker host=%s grpc_port=%d http_port=%d metrics_port=%d discovery=%s target_port=%s",
+             config.host, grpc_port, app.http_port, app.core.metrics_port, config.discovery,
+             settings.target_port)  # fmt: skip
     await stop.wait()
     await app.stop(config.shutdown_grace_seconds)
 
@@ -118,12 +101,22 @@ async def _serve_picker(config: RouterConfig, settings: PickerConfig) -> None:
     multiple=True,
     help="Ports a prefill answer may name as remote_port (repeatable; default: any).",
 )
+@click.option("--metrics-port", type=int, default=None, help="Port of GET /metrics (default: the router's, 9090).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def sidecar(  # noqa: PLR0917 (click passes every option as an argument)
-    host: str | None, port: int, decode: str, served_model_name: str, kv_ports: tuple[int, ...], log_level: str
+    host: str | None,
+    port: int,
+    decode: str,
+    served_model_name: str,
+    kv_ports: tuple[int, ...],
+    metrics_port: int | None,
+    log_level: str,
 ) -> None:
     """Run the PD sidecar of a decode pod (router mode gateway)."""
-    config = load_config(None, host=host, port=port, decode=(decode,), served_model_name=served_model_name)
+    settings = RouterSettings(
+        host=host, port=port, decode=(decode,), served_model_name=served_model_name, metrics_port=metrics_port
+    )
+    config = load_config(settings)
     if kv_ports:
         config = config.model_copy(update={"kv_side_channel_ports": list(kv_ports)})
     _logging(log_level)
@@ -136,7 +129,7 @@ async def _serve_sidecar(config: RouterConfig) -> None:
     from pdserve_runtime.gateway.server import sidecar_app
 
     log = logging.getLogger("pdserve.sidecar")
-    app = sidecar_app(config)
+    app = sidecar_app(config, access_log=False)
     stop = _stop_event()
     port = await app.start()
     gc.collect()

@@ -2,19 +2,18 @@
 
 `PickerApp`: the router's core (`RouterApp` without its generation routes: the same endpoint table, discovery,
 prefix tracker, scheduler, prober and metrics) plus a gRPC server with Envoy's ext_proc service and gRPC health.
-Its HTTP port serves `/health`, `/ready` and `/metrics`. Health, as the extension's protocol names the services:
-`liveness` is SERVING while the process runs; `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` are
-SERVING while at least one decode engine is usable (re-read every `_HEALTH_INTERVAL` seconds), so a gateway or a
-kubelet sends requests to a picker only when it can pick.
+Its HTTP port serves `/health` and `/ready`, its metrics port (the router's) `/metrics`. Health, as the extension's
+protocol names the services: `liveness` is SERVING while the process runs; `readiness` and
+`envoy.service.ext_proc.v3.ExternalProcessor` are SERVING while at least one decode engine is usable (re-read every
+`_HEALTH_INTERVAL` seconds), so a gateway or a kubelet sends requests to a picker only when it can pick.
 
-`SidecarApp`: a `RouterApp` whose proxy is `SidecarProxy`, with static discovery of the one local decode engine.
+`sidecar_app`: a `RouterApp` whose proxy is `SidecarProxy`, with static discovery of the one local decode engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,7 +41,7 @@ class PickerApp:
     ) -> None:
         self.config = config
         self.settings = settings or PickerConfig()
-        self.core = RouterApp(config, discovery, serve_generation=False)
+        self.core = RouterApp(config, discovery, access_log=False, serve_generation=False)
         self.picker = EndpointPicker(config, self.settings, self.core.scheduler, self.core.tracker, self.core.metrics)
         self.health = health_aio.HealthServicer()
         limit = config.max_request_body_bytes + _MESSAGE_MARGIN
@@ -60,9 +59,16 @@ class PickerApp:
         self.grpc_port = 0
         self.http_port = 0
 
-    async def start(self, host: str | None = None, grpc_port: int | None = None, http_port: int | None = None) -> int:
-        """Discover engines and listen on both ports; returns the gRPC port."""
-        self.http_port = await self.core.start(host, http_port)
+    async def start(
+        self,
+        host: str | None = None,
+        grpc_port: int | None = None,
+        http_port: int | None = None,
+        *,
+        metrics_port: int | None = None,
+    ) -> int:
+        """Discover engines and listen (gRPC, HTTP health, metrics); returns the gRPC port."""
+        self.http_port = await self.core.start(host, http_port, metrics_port=metrics_port)
         bind = host if host is not None else self.config.host
         port = grpc_port if grpc_port is not None else self.settings.grpc_port
         shown = f"[{bind}]" if ":" in bind else bind
@@ -96,6 +102,6 @@ class PickerApp:
             await self._update_readiness()
 
 
-def sidecar_app(config: RouterConfig, **kwargs: Any) -> RouterApp:
+def sidecar_app(config: RouterConfig, *, access_log: bool) -> RouterApp:
     """The PD sidecar: the router with `SidecarProxy` (the plan comes from the picker's header)."""
-    return RouterApp(sidecar_config(config), proxy_class=SidecarProxy, **kwargs)
+    return RouterApp(sidecar_config(config), proxy_class=SidecarProxy, access_log=access_log)

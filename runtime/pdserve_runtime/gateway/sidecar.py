@@ -29,11 +29,11 @@ from pdserve.api.router_config import RouterConfig
 from pdserve_runtime.gateway.protocol import PREFILLER_HEADER
 from pdserve_runtime.router.breaker import CircuitBreaker
 from pdserve_runtime.router.endpoints import Endpoint, EndpointState
-from pdserve_runtime.router.httpserver import Request
 from pdserve_runtime.router.policy.decision import Route
 from pdserve_runtime.router.policy.scheduler import Plan
 from pdserve_runtime.router.proxy import Proxy, _Flow
 from pdserve_runtime.router.tokens import PromptInfo
+from pdserve_runtime.transport.server import Request
 
 log = logging.getLogger("pdserve.sidecar")
 

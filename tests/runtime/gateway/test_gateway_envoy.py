@@ -70,8 +70,8 @@ async def gateway(
                 served_model_name="sim-model", discovery="static", static_decode=[decode.url],
                 engine_metrics_interval_seconds=0.0,
             )  # fmt: skip
-            app = sidecar_app(config)
-            await app.start(decode.host, sidecar_port)
+            app = sidecar_app(config, access_log=False)
+            await app.start(decode.host, sidecar_port, metrics_port=0)
             stack.push_async_callback(app.stop)
             sidecars.append(app)
         grpc_port, http_port, listen, admin = free_ports(4)
@@ -86,7 +86,7 @@ async def gateway(
             )
             settings = PickerConfig(grpc_port=grpc_port, target_port=sidecar_port, **picker_settings)
             app_picker = PickerApp(config, settings)
-            await app_picker.start("127.0.0.1", grpc_port, http_port)
+            await app_picker.start("127.0.0.1", grpc_port, http_port, metrics_port=0)
             stack.push_async_callback(app_picker.stop)
         bootstrap = gateway_bootstrap(
             listen=("127.0.0.1", listen),
@@ -227,7 +227,7 @@ async def test_streams_relay_every_chunk_and_the_picker_counts_them_until_they_e
         await wait_for_async(
             lambda: _released(table), message="the picker released every engine once the streams ended"
         )
-        exposition = await scrape(f"http://127.0.0.1:{gw.picker.http_port}")
+        exposition = await scrape(f"http://127.0.0.1:{gw.picker.core.metrics_port}")
         assert metric_value(exposition, "pdserve_picker_picks_total", route="pd") == 6
         # The served endpoint is read back (Envoy's upstream.address attribute): every stream went to its pick.
         assert metric_value(exposition, "pdserve_picker_served_total", endpoint="pick") == 6

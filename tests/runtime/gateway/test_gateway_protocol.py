@@ -137,7 +137,7 @@ async def test_the_process_nodes_grpc_probe_follows_the_pickers_readiness() -> N
 
     config = RouterConfig(served_model_name="m", discovery="static", static_decode=["http://127.0.0.1:9"])
     app = PickerApp(config)
-    port = await app.start("127.0.0.1", free_port(), 0)
+    port = await app.start("127.0.0.1", free_port(), 0, metrics_port=0)
     try:
         probe = {"port": port, "service": "liveness"}
         assert await asyncio.to_thread(grpc_health, probe, "127.0.0.1", 5.0) == (True, "")
