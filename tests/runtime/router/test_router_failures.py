@@ -180,14 +180,15 @@ async def test_decode_failing_everywhere_with_the_kv_gets_a_fresh_prefill(
 async def test_kv_that_cannot_be_pulled_is_prefilled_again_elsewhere(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
-    # p1 computes the prefill but its side channel drops every pull: decode answers 500 after its transfer
-    # timeout. The router must re-prefill on the other engine, not on p1 again.
+    # p1 computes the prefill but frees its KV at once (a lease of 0 s ends before any pull can arrive): decode's
+    # pulls are refused as expired, and it answers 500 (a failed KV load). The router must re-prefill on the other
+    # engine, not on p1 again. No deadline takes part: a short KV transfer timeout (a side channel that drops
+    # pulls) would also bite the good pull from p2 on a starved CPU, and the request would fail.
     async with (
-        sim_in_process(role="prefill") as p1,
+        sim_in_process(role="prefill", kv_lease_seconds=0) as p1,
         sim_in_process(role="prefill") as p2,
-        sim_in_process(role="decode", kv_transfer_timeout_s=0.3) as d,
+        sim_in_process(role="decode", kv_transfer_timeout_s=120) as d,
     ):
-        await set_faults(p1.url, drop_side_channel=True)
         async with router_server(make_config([p1.url, p2.url], [d.url])) as (url, router):
             prefer(router, "prefill", p1.url)
             status, headers, body = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
