@@ -331,7 +331,7 @@ class ChaosService:
 
     def router_uses(self, role: str, pod: dict[str, Any]) -> bool:
         """Whether the router takes the engine in `pod` for new requests (ready, not ejected)."""
-        exposition = scrape_sync(f"{self.router}/metrics", timeout=3)
+        exposition = scrape_sync(f"{router_metrics_url(self.router)}/metrics", timeout=3)
         up = metric_value(exposition, "pdserve_router_endpoint_up", role=role, endpoint=pod["metadata"]["name"])
         return up == 1
 
