@@ -19,6 +19,10 @@ space bytes are not tokens. So "Hello, world!" is 4 tokens, "internationalizatio
 For ASCII text this is the same as `\w{1,6}|[^\w\s]` over the characters; against a real BPE tokenizer it is
 within a few tens of percent for English, well inside the slack of a threshold.
 
+Token ids: a token's id is `VOCAB_OFFSET + crc32(token bytes) % VOCAB_SIZE` (`token_ids`): stable across processes
+and machines, so the simulator's prefix cache, the block contents its KV events carry and the router's prefix index
+(`pdserve_runtime.router.kvindex`) agree on every engine and every router replica.
+
 Chat template: each message is a `<|role|>` header line, its content and a newline; the prompt ends with
 `<|assistant|>` and a newline. The system prompt and earlier turns therefore form a shared prefix.
 """
@@ -26,6 +30,7 @@ Chat template: each message is a `<|role|>` header line, its content and a newli
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterable
 
 #: Bytes per token slice of a long run of word bytes.
@@ -53,6 +58,17 @@ def utf8(text: str) -> bytes:
 def text_tokens(text: str) -> list[bytes]:
     """The approximate tokens of `text`, as byte strings (see the module docstring)."""
     return _TOKEN_SLICES.findall(utf8(text))
+
+
+#: Size of the id space of ordinary tokens, and the first such id (ids below it are "special": EOS and friends).
+VOCAB_SIZE = 32000
+VOCAB_OFFSET = 100
+
+
+def token_ids(data: bytes) -> list[int]:
+    """The token ids of `data` (UTF-8) under the model: one C-level regex pass, one crc32 per token."""
+    crc32 = zlib.crc32
+    return [VOCAB_OFFSET + crc32(token) % VOCAB_SIZE for token in _TOKEN_SLICES.findall(data)]
 
 
 def count_tokens(data: bytes) -> int:

@@ -20,9 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.api.router_config import RouterConfig
 from pdserve_runtime.router.discovery import Discovery
 from pdserve_runtime.router.discovery.static import StaticDiscovery
-from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable
+from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable, KvEventSource
 from pdserve_runtime.router.engine_metrics import EngineMetricsScraper
 from pdserve_runtime.router.httpserver import HttpServer, Request, Responder, ServerLimits
+from pdserve_runtime.router.kvhub import KvEventsCollector, KvEventsHub
 from pdserve_runtime.router.metrics import RouterMetrics
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
@@ -51,10 +52,15 @@ def default_discovery(config: RouterConfig, table: EndpointTable, client: Engine
                 return None
             return status
 
+        kv_events = {
+            url: [KvEventSource(source.endpoint, source.replay_endpoint) for source in sources]
+            for url, sources in config.static_kv_events.items()
+        }
         return StaticDiscovery(
             table,
             config.static_prefill,
             config.static_decode,
+            kv_events=kv_events if config.policy.kv_events else None,
             health=health if client is not None and config.static_health_interval_seconds > 0 else None,
             interval=config.static_health_interval_seconds,
         )
@@ -95,8 +101,14 @@ class RouterApp:
             max_ejected_percent=breaker.max_ejected_percent,
             on_removed=self._forget,
         )
-        self.scheduler = Scheduler(self.table, self.tracker, policy, config.topology_labels)
+        # KV events: an index per engine that publishes them, following the table (kvhub).
+        self.kv_events = KvEventsHub(self.table, max_blocks=policy.prefix_tracker_max_blocks * 5)
+        self.table.on_changed = self.kv_events.sync
+        self.scheduler = Scheduler(
+            self.table, self.tracker, policy, config.topology_labels, kv=self.kv_events if policy.kv_events else None
+        )
         self.metrics = RouterMetrics(self.table)
+        KvEventsCollector(self.kv_events).register(self.metrics.registry)
         self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
         self.proxy = Proxy(config, self.scheduler, self.tracker, self.metrics, self.client)
         self.discovery = discovery or default_discovery(config, self.table, self.client)
@@ -120,6 +132,8 @@ class RouterApp:
 
     async def start(self, host: str | None = None, port: int | None = None, *, reuse_port: bool = False) -> int:
         """Discover engines, start the background tasks and listen; returns the bound port."""
+        if self.config.policy.kv_events:
+            self.kv_events.start()
         await self.discovery.start()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="pdserve-router-prober"))
         if self._scraper is not None:
@@ -141,6 +155,7 @@ class RouterApp:
         if self._scraper is not None:
             await self._scraper.stop()
         await self.discovery.stop()
+        await self.kv_events.stop()
         await self.client.close()
 
     # -- small endpoints -------------------------------------------------------------------------------------

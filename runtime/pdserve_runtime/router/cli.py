@@ -35,6 +35,7 @@ def load_config(
     threshold: int | None = None,
     fallback: bool | None = None,
     engine_metrics_interval: float | None = None,
+    kv_events: tuple[str, ...] = (),
 ) -> RouterConfig:
     """The effective configuration: file, then flags, then PDSERVE_BIND_HOST. Raises click errors."""
     data: dict[str, Any] = {}
@@ -67,6 +68,8 @@ def load_config(
     data["policy"] = policy
     if engine_metrics_interval is not None:
         data["engineMetricsIntervalSeconds"] = engine_metrics_interval
+    if kv_events:
+        data["staticKvEvents"] = _kv_event_flags(kv_events)
     bind = os.environ.get("PDSERVE_BIND_HOST")
     if bind:
         data["host"] = bind
@@ -74,6 +77,22 @@ def load_config(
         return RouterConfig.model_validate(data)
     except ValidationError as exc:
         raise click.ClickException(f"invalid router config:\n{exc}") from None
+
+
+def _kv_event_flags(values: tuple[str, ...]) -> dict[str, list[dict[str, str]]]:
+    """`--kv-events URL=PUB[,REPLAY]` flags as staticKvEvents (a URL repeated: one publisher per DP rank)."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for value in values:
+        url, sep, endpoints = value.partition("=")
+        if not sep or not url or not endpoints:
+            raise click.BadParameter(f"{value!r} is not URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]",
+                                     param_hint="--kv-events")  # fmt: skip
+        publisher, _, replay = endpoints.partition(",")
+        entry = {"endpoint": publisher}
+        if replay:
+            entry["replayEndpoint"] = replay
+        out.setdefault(url.rstrip("/"), []).append(entry)
+    return out
 
 
 @click.command("router")
@@ -97,6 +116,13 @@ def load_config(
     default=None,
     help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off) [default: 2].",
 )
+@click.option(
+    "--kv-events",
+    multiple=True,
+    metavar="URL=PUB[,REPLAY]",
+    help="Static mode: an engine's KV event publisher and replay socket (vLLM --kv-events-config), e.g. "
+    "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5657 (repeatable; one per DP rank).",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--access-log/--no-access-log", default=False, help="Log every request line (costs CPU).")
 def router(  # noqa: PLR0917 (click passes every option as an argument)
@@ -109,6 +135,7 @@ def router(  # noqa: PLR0917 (click passes every option as an argument)
     threshold: int | None,
     fallback: bool | None,
     engine_metrics_interval: float | None,
+    kv_events: tuple[str, ...],
     log_level: str,
     access_log: bool,
 ) -> None:
@@ -125,6 +152,7 @@ def router(  # noqa: PLR0917 (click passes every option as an argument)
         threshold=threshold,
         fallback=fallback,
         engine_metrics_interval=engine_metrics_interval,
+        kv_events=kv_events,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     serve(config, access_log=access_log)

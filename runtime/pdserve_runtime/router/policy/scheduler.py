@@ -13,6 +13,9 @@ Default profiles and why:
   Prefill time is dominated by uncached tokens, so the engine holding the prefix usually wins unless it is much
   busier; topology is a tie-breaker-plus (half weight) since a cross-zone transfer costs less than a recompute.
 
+What an engine holds of a prompt comes from its KV events when it publishes them (`kvhub`: the same answer on
+every router replica), else from this router's own record of what it sent where (`prefix.PrefixTracker`).
+
 Planning order: pick decode first (it is the scarce, latency-critical side), decide whether the tokens it would
 have to compute reach the threshold (`tokens.uncached_tokens`: exact under the shared prompt model, at a cost
 bounded by the threshold rather than the prompt's length), then pick a prefill engine that pairs with it. If PD
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 from pdserve.api.router_config import RoutingPolicyConfig
 from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
+from pdserve_runtime.router.kvhub import KvEventsHub
 from pdserve_runtime.router.policy.base import PickContext, Profile, WeightedScorer
 from pdserve_runtime.router.policy.decision import Route
 from pdserve_runtime.router.policy.filter_available import AvailableFilter
@@ -92,9 +96,12 @@ class Scheduler:
         policy: RoutingPolicyConfig,
         topology_labels: Sequence[str] = (),
         rng: random.Random | None = None,
+        *,
+        kv: KvEventsHub | None = None,
     ) -> None:
         self.table = table
         self.tracker = tracker
+        self.kv = kv
         self.policy = policy
         self._decode = decode_profile(policy, rng)
         self._prefill = prefill_profile(policy, topology_labels, rng)
@@ -103,7 +110,11 @@ class Scheduler:
         """What each engine is believed to hold of the prompt (nothing when prefix awareness is off)."""
         if not self.policy.prefix_aware or prompt.size <= 1:
             return {}
-        return self.tracker.match(prompt.key, now)
+        held = self.tracker.match(prompt.key, now)
+        if self.kv is not None:
+            # Engines that publish KV events: what their events say replaces the tracker's guess (kvhub).
+            self.kv.refine(prompt, held)
+        return held
 
     def pick_decode(
         self,
