@@ -34,6 +34,7 @@ from pdserve.api.v1alpha1 import (
     KvBufferDevice,
     KvCacheDtype,
     KvConnector,
+    KvEventsSpec,
     KvLoadFailurePolicy,
     ModelSpec,
     PDServiceSpec,
@@ -108,6 +109,14 @@ class EffectiveUcx:
     net_devices: str | None = default(None, doc="all devices (UCX chooses)")
 
 
+@view(KvEventsSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveKvEvents:
+    enabled: bool = default(True)
+    port: int = default(5557)
+    replay_port: int = default(5657)
+
+
 @view(EngineSpec)
 @dataclass(frozen=True, kw_only=True)
 class EffectiveEngine:
@@ -127,6 +136,7 @@ class EffectiveEngine:
     kv_load_failure_policy: KvLoadFailurePolicy = default("fail")
     drain_seconds: int = default(120)
     ucx: EffectiveUcx
+    kv_events: EffectiveKvEvents
     args: tuple[str, ...]
     env: tuple[EnvVar, ...]
     shm_size: str = default("16Gi")

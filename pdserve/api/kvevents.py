@@ -6,8 +6,9 @@ What vLLM 0.32 sends (`vllm/distributed/kv_events.py`, `ZmqEventPublisher`), and
 - The publisher's PUB socket sends one multipart message per engine step that changed the cache:
   `(topic, sequence, payload)`. `topic` is the configured topic's UTF-8 bytes; `sequence` is an 8-byte big-endian
   unsigned counter starting at 0 for every engine process; `payload` is one msgpack-encoded batch.
-- A batch is a msgpack *array* `[ts, events]` or `[ts, events, data_parallel_rank]` (msgspec `array_like`, with
-  `omit_defaults`: the rank is left out when it is nil). `ts` is the publisher's wall-clock time (float seconds).
+- A batch is a msgpack *array* `[ts, events, data_parallel_rank]` (msgspec `array_like`: every field is written,
+  the rank as nil when unset; the publisher sets its rank, 0 without data parallelism). A two-item array (older
+  releases) is read too. `ts` is the publisher's wall-clock time (float seconds).
 - Each event is a msgpack *map* tagged by its class name under the key `"type"` (msgspec `tag=True`, not
   array-like): `{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | nil, "token_ids": [...],
   "block_size": n, "lora_id": n | nil, "medium": "GPU" | "CPU" | ... | nil, "lora_name": s | nil, ...}`,
@@ -135,9 +136,7 @@ def _event_map(event: Event) -> dict[str, Any]:
 
 def encode_batch(batch: EventBatch) -> bytes:
     """The msgpack payload of a batch, laid out as vLLM's msgspec encoder lays it out."""
-    fields: list[Any] = [batch.ts, [_event_map(event) for event in batch.events]]
-    if batch.data_parallel_rank is not None:
-        fields.append(batch.data_parallel_rank)
+    fields = [batch.ts, [_event_map(event) for event in batch.events], batch.data_parallel_rank]
     return msgpack.packb(fields, use_bin_type=True)
 
 

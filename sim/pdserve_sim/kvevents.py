@@ -168,7 +168,7 @@ class KvEventPublisher:
     def publish(self, events: list[Event]) -> None:
         """Queue one step's events (called on the event loop; never blocks)."""
         if events:
-            self._queue.put(EventBatch(time.time(), tuple(events)))
+            self._queue.put(EventBatch(time.time(), tuple(events), data_parallel_rank=0))
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
