@@ -65,10 +65,24 @@ VOCAB_SIZE = 32000
 VOCAB_OFFSET = 100
 
 
+class _Vocabulary(dict[bytes, int]):
+    """Token bytes -> id, filled on first sight: a dict lookup in C per token instead of a crc32 and a modulo in
+    Python. Bounded: cleared when it reaches `_MAX_VOCABULARY` entries (text keeps reusing a small vocabulary)."""
+
+    def __missing__(self, token: bytes) -> int:
+        if len(self) >= _MAX_VOCABULARY:
+            self.clear()
+        value = self[token] = VOCAB_OFFSET + zlib.crc32(token) % VOCAB_SIZE
+        return value
+
+
+_MAX_VOCABULARY = 1 << 20
+_VOCABULARY = _Vocabulary()
+
+
 def token_ids(data: bytes) -> list[int]:
-    """The token ids of `data` (UTF-8) under the model: one C-level regex pass, one crc32 per token."""
-    crc32 = zlib.crc32
-    return [VOCAB_OFFSET + crc32(token) % VOCAB_SIZE for token in _TOKEN_SLICES.findall(data)]
+    """The token ids of `data` (UTF-8) under the model: one C-level regex pass and one dict lookup per token."""
+    return list(map(_VOCABULARY.__getitem__, _TOKEN_SLICES.findall(data)))
 
 
 def count_tokens(data: bytes) -> int:

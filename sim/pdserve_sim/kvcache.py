@@ -51,6 +51,11 @@ class BlockPool:
         return self.num_blocks - self._fresh + len(self._free)
 
     @property
+    def num_cached(self) -> int:
+        """Blocks holding a registered prefix (referenced or free)."""
+        return len(self._by_hash)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks referenced by some request (vLLM's kv_cache_usage_perc, 1.0 = full)."""
         return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0

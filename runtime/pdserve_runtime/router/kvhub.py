@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 from pdserve_runtime.router.endpoints import ROLES, EndpointTable, KvEventSource
 from pdserve_runtime.router.kvindex import EngineIndex, match_engines
 from pdserve_runtime.router.kvsubscriber import Subscription
-from pdserve_runtime.router.prompt_blocks import PromptBlocks
+from pdserve_runtime.router.prompt_blocks import ChainCache
 from pdserve_runtime.router.tokens import Held, PromptInfo
 
 log = logging.getLogger("pdserve.router.kvevents")
@@ -51,6 +51,7 @@ class KvEventsHub:
         self._subs: dict[str, tuple[tuple[KvEventSource, ...], list[Subscription]]] = {}
         self._indices: dict[str, list[EngineIndex]] = {}
         self._stopping: list[asyncio.Task[None]] = []
+        self._chains = ChainCache()
         self.started = False
 
     # -- following the table ----------------------------------------------------------------------------------
@@ -121,8 +122,9 @@ class KvEventsHub:
         """Replace the tracker's guesses in `held` with what the engines' events say, where they can say it."""
         if not self._indices or prompt.size <= 1:
             return
-        chain = PromptBlocks(prompt.key, prompt.block_size)
+        chain = self._chains.start(prompt.key, prompt.block_size)
         matches = match_engines(self._indices, chain)
+        self._chains.keep(chain)
         for url, indices in self._indices.items():
             match = matches.get(url)
             if match is None:

@@ -203,35 +203,42 @@ def match_engines(engines: Mapping[str, Sequence[EngineIndex]], chain: BlockChai
     prompt nobody holds costs one block's hash. An engine with several publishers (data-parallel ranks) holds a
     block held by any of them: its front end may place the request on any rank.
     """
-    alive = {url: indices for url, indices in engines.items() if indices}
-    found: dict[str, Match] = {}
-    live_mask: dict[str, int] = {}
-    runs: dict[str, dict[str, int]] = {}
-    index = 0
+    # Per engine still matching: the lookups of its publishers' masks, the tiers holding every block so far, and
+    # where each tier's run ended.
+    alive = {url: [index._mask.get for index in indices] for url, indices in engines.items() if indices}
+    live: dict[str, int] = {}
+    ended: dict[str, dict[int, int]] = {}
+    found: dict[str, int] = {}
+    position = 0
     while alive:
-        router_hash = chain.block(index)
+        router_hash = chain.block(position)
         if router_hash is None:
             break
-        for url in list(alive):
+        for url, lookups in list(alive.items()):
             mask = 0
-            for engine in alive[url]:
-                mask |= engine.mask(router_hash)
+            for lookup in lookups:
+                mask |= lookup(router_hash, 0)
             if not mask:
                 del alive[url]
                 continue
-            previous = live_mask.get(url, -1) if index else -1
-            live = previous & mask
-            live_mask[url] = live
-            if live != previous and index:
-                # A tier's run ended at this block: its leading run is `index` blocks.
-                for name in medium_names(previous & ~live):
-                    runs.setdefault(url, {})[name] = index
-            found[url] = Match(index + 1, {})
-        index += 1
+            if position == 0:
+                live[url] = mask
+            else:
+                previous = live[url]
+                if previous & ~mask:
+                    # Some tiers' runs end before this block: their leading run is `position` blocks.
+                    for bit in _bits(previous & ~mask):
+                        ended.setdefault(url, {})[bit] = position
+                    live[url] = previous & mask
+            found[url] = position + 1
+        position += 1
     result: dict[str, Match] = {}
-    for url, match in found.items():
-        tiers = dict(runs.get(url, {}))
-        for name in medium_names(live_mask.get(url, 0)):
-            tiers[name] = match.blocks
-        result[url] = Match(match.blocks, tiers)
+    for url, blocks in found.items():
+        runs = {bit: blocks for bit in _bits(live[url])}
+        runs.update(ended.get(url, {}))
+        result[url] = Match(blocks, {name: runs[bit] for name, bit in _MEDIUM_BITS.items() if bit in runs})
     return result
+
+
+def _bits(mask: int) -> list[int]:
+    return [1 << shift for shift in range(mask.bit_length()) if mask >> shift & 1]
