@@ -126,7 +126,7 @@ def micro() -> list[str]:
     from pdserve_runtime.router.kvindex import EngineIndex
     from pdserve_runtime.router.policy.scheduler import Scheduler
     from pdserve_runtime.router.prefix import PrefixTracker
-    from pdserve_runtime.router.prompt_blocks import ChainCache
+    from pdserve_runtime.router.prompt_blocks import ChainCache, PromptBlocks
     from pdserve_runtime.router.tokens import TEXT_TAG, PromptInfo
     from pdserve_sim.kvcache import block_hashes
     from pdserve_sim.kvevents import KvEventRecorder
