@@ -119,27 +119,37 @@ class KvEventsHub:
         return any(index.confirmed for index in self._indices.get(url, ()))
 
     def refine(self, prompt: PromptInfo, held: dict[str, Held]) -> None:
-        """Replace the tracker's guesses in `held` with what the engines' events say, where they can say it."""
+        """Replace the tracker's guesses in `held` with what the engines' events say, where they can say it.
+
+        Blocks are cut at the block size each engine's events carry (normally the one the router is configured
+        with; an engine started with another one is still matched)."""
         if not self._indices or prompt.size <= 1:
             return
-        chain = self._chains.start(prompt.key, prompt.block_size)
-        matches = match_engines(self._indices, chain)
-        self._chains.keep(chain)
+        by_size: dict[int, dict[str, list[EngineIndex]]] = {}
         for url, indices in self._indices.items():
-            match = matches.get(url)
-            if match is None:
-                if self.confirmed(url):
-                    held.pop(url, None)  # the engine says it holds none of the prompt
-                continue
-            for index in indices:
-                index.confirmed = True
-            held[url] = Held(
-                common=chain.byte_end(match.blocks),
-                stored_next=None,
-                blocks=match.blocks,
-                by_medium=match.by_medium,
-                counted=(chain.tokens_seen, chain.bytes_seen),
-            )
+            size = next((index.block_size for index in indices if index.block_size), None)
+            if size is not None:
+                by_size.setdefault(size, {})[url] = indices
+        for size, engines in by_size.items():
+            chain = self._chains.start(prompt.key, size)
+            matches = match_engines(engines, chain)
+            self._chains.keep(chain)
+            for url, indices in engines.items():
+                match = matches.get(url)
+                if match is None:
+                    if any(index.confirmed for index in indices):
+                        held.pop(url, None)  # the engine says it holds none of the prompt
+                    continue
+                for index in indices:
+                    index.confirmed = True
+                held[url] = Held(
+                    common=chain.byte_end(match.blocks),
+                    stored_next=None,
+                    blocks=match.blocks,
+                    by_medium=match.by_medium,
+                    counted=(chain.tokens_seen, chain.bytes_seen),
+                    block_size=size,
+                )
 
 
 class KvEventsCollector(Collector):

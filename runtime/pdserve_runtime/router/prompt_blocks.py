@@ -165,7 +165,8 @@ class ChainCache:
         return len(self._entries)
 
     def start(self, key: bytes, block_size: int) -> PromptBlocks:
-        """The blocks of `key`, resumed from the cached prompt sharing most of its bytes (if any)."""
+        """The blocks of `key`, resumed from the cached prompt sharing most of its bytes (if it was cut at the same
+        block size)."""
         keys = self._keys
         index = bisect_left(keys, key)
         best, source = 0, None

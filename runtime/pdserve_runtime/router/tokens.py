@@ -79,6 +79,8 @@ class Held:
     """For each tier (`GPU`, `CPU`, ...), the leading blocks of the prompt held in that tier."""
     counted: tuple[int, int] = (0, 0)
     """(tokens, key offset): the prompt's tokens before that offset were counted when `blocks` was found."""
+    block_size: int | None = None
+    """The engine's block size, when its events said it (`blocks` are of this size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +203,7 @@ def uncached_tokens(prompt: PromptInfo, held: Held | None, threshold: int) -> Un
     """Tokens the engine would compute for `prompt` given what it holds; see the module docstring."""
     key, block = prompt.key, prompt.block_size
     if held is not None and held.blocks is not None:
-        return _indexed_uncached(key, block, held.blocks, held.counted, threshold)
+        return _indexed_uncached(key, held.block_size or block, held.blocks, held.counted, threshold)
     common = held.common if held is not None else 0
     if key[:1] == IDS_TAG:
         total = (len(key) - 1) // _ID_BYTES
