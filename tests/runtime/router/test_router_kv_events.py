@@ -133,3 +133,55 @@ async def test_a_restarted_router_learns_the_caches_from_the_replay(make_config:
             turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and a second one"}]
             route, _ = await _chat(session, url, turns)
             assert route == "decode-only"
+
+
+def test_slice_ports_name_each_ranks_publisher() -> None:
+    from pdserve.api.router_config import KvEventsPortNames
+    from pdserve_runtime.router.discovery.kubernetes import endpoints_from_slice
+    from pdserve_runtime.router.endpoints import KvEventSource
+
+    slice_obj = {
+        "addressType": "IPv4",
+        "ports": [
+            {"name": "http", "port": 8000},
+            {"name": "kv-events-0", "port": 5557},
+            {"name": "kv-replay-0", "port": 5657},
+            {"name": "kv-events-1", "port": 5558},
+        ],
+        "endpoints": [{"addresses": ["10.0.0.5"], "conditions": {"ready": True}}],
+    }
+    names = [KvEventsPortNames(events=f"kv-events-{r}", replay=f"kv-replay-{r}") for r in range(3)]
+    [endpoint] = endpoints_from_slice(
+        slice_obj, role="decode", port_name="http", kv_compat_label="x", topology_labels=(), nodes={},
+        kv_events_ports=names,
+    )  # fmt: skip
+    # Rank 1 has no replay port in the slice (followed live only); rank 2 has no publisher port (not followed).
+    assert endpoint.kv_events == (
+        KvEventSource("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5657"),
+        KvEventSource("tcp://10.0.0.5:5558", None),
+    )
+    [without] = endpoints_from_slice(
+        slice_obj, role="decode", port_name="http", kv_compat_label="x", topology_labels=(), nodes={}
+    )
+    assert without.kv_events == ()
+
+
+def test_static_flags() -> None:
+    import click
+    import pytest
+
+    from pdserve_runtime.router.cli import load_config
+
+    config = load_config(
+        None,
+        decode=("http://d:8000",),
+        kv_events=("http://d:8000/=tcp://d:5557,tcp://d:5657", "http://d:8000=tcp://d:5558"),
+    )
+    assert [(s.endpoint, s.replay_endpoint) for s in config.static_kv_events["http://d:8000"]] == [
+        ("tcp://d:5557", "tcp://d:5657"),
+        ("tcp://d:5558", None),
+    ]
+    with pytest.raises(click.BadParameter, match="URL=tcp://HOST:PORT"):
+        load_config(None, decode=("http://d:8000",), kv_events=("tcp://d:5557",))
+    with pytest.raises(click.ClickException, match="invalid router config"):
+        load_config(None, decode=("http://d:8000",), kv_events=("http://d:8000=http://d:5557",))

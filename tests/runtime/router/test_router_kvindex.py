@@ -18,7 +18,27 @@ from pdserve_sim.kvcache import block_hashes
 from pdserve_sim.kvevents import KvEventRecorder
 
 BLOCK = 4
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+]
 
 
 def _text(words: int, seed: int = 0) -> str:

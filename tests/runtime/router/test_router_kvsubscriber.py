@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 import zmq
 import zmq.asyncio
@@ -88,17 +88,17 @@ async def following(
         context.destroy(linger=0)
 
 
-async def until(condition: Callable[[], bool], sub: Subscription, *, publish: Callable[[], object] | None = None) -> None:
+async def until(
+    condition: Callable[[], bool], sub: Subscription, *, publish: Callable[[], object] | None = None
+) -> None:
     """Wait (10 s at most) for `condition`, re-checking after each applied batch or a short poll."""
     async with asyncio.timeout(10):
         while not condition():
             if publish is not None:
                 await publish()  # type: ignore[misc]
             sub.applied.clear()
-            try:
+            with suppress(TimeoutError):
                 await asyncio.wait_for(sub.applied.wait(), 0.2)
-            except TimeoutError:
-                pass
 
 
 async def test_a_late_subscriber_replays_what_it_missed() -> None:
