@@ -34,6 +34,7 @@ MODEL = "tiny-llama"
 ROUTER_PORT = 8080
 THRESHOLD = 256
 ENGINES = "pdserve.io/role in (prefill,decode)"
+ROUTERS = "pdserve.io/role=router"
 
 _WORDS = [
     "the",
@@ -263,18 +264,19 @@ class KvRoutesService:
         self.wait_settled(routers, kv_events)
 
     def router_urls(self) -> list[str]:
-        pods = [pod for pod in self.cluster.pods(self.namespace, "pdserve.io/role=router") if _ready(pod)]
+        pods = [pod for pod in self.cluster.pods(self.namespace, ROUTERS) if _ready(pod)]
         return sorted(f"http://{pod['status']['podIP']}:{ROUTER_PORT}" for pod in pods)
 
     def restart_routers(self, routers: int, kv_events: bool) -> None:
         """Delete every router pod at once (a new router process each, with an empty memory) and wait for the
         replacements to serve."""
-        old = {pod["metadata"]["name"] for pod in self.cluster.pods(self.namespace, "pdserve.io/role=router")}
-        self.cluster.kubectl("delete", "pods", "-n", self.namespace, "-l", "pdserve.io/role=router", "--wait=false")
-        wait_for(
-            lambda: not old & {p["metadata"]["name"] for p in self.cluster.pods(self.namespace, "pdserve.io/role=router")},
-            timeout=120, interval=0.5, message="the old router pods gone",
-        )  # fmt: skip
+        old = {pod["metadata"]["name"] for pod in self.cluster.pods(self.namespace, ROUTERS)}
+        self.cluster.kubectl("delete", "pods", "-n", self.namespace, "-l", ROUTERS, "--wait=false")
+
+        def gone() -> bool:
+            return not old & {pod["metadata"]["name"] for pod in self.cluster.pods(self.namespace, ROUTERS)}
+
+        wait_for(gone, timeout=120, interval=0.5, message="the old router pods gone")
         self.wait_settled(routers, kv_events)
 
     def wait_settled(self, routers: int, kv_events: bool, timeout: float = 300.0) -> list[str]:
@@ -288,7 +290,7 @@ class KvRoutesService:
             flags = [" ".join(pod["spec"]["containers"][0].get("args", [])) for pod in engines]
             if any(("--kv-events-config" in args) != kv_events for args in flags):
                 return None
-            pods = self.cluster.pods(self.namespace, "pdserve.io/role=router")
+            pods = self.cluster.pods(self.namespace, ROUTERS)
             if (
                 len(pods) != routers
                 or not all(map(_ready, pods))
