@@ -206,3 +206,17 @@ def test_uncached_tokens_from_an_indexed_engine() -> None:
     decided = uncached_tokens(prompt, held, threshold=256)
     # The last prompt token is always computed: the engine reuses at most (n - 1) // block blocks.
     assert decided.exact and decided.tokens == total - 16 * whole and not decided.wants_prefill
+
+
+def test_a_prompt_differing_right_at_a_checkpoint_is_not_resumed_past_it() -> None:
+    """The byte before a checkpoint is a space; a prompt that has a word byte there tokenizes differently from that
+    point on, so the checkpoint must not be used (only those ending within the common bytes)."""
+    old = PromptBlocks(TEXT_TAG + utf8(_text(600)), BLOCK)
+    old.block(10**6)
+    end = old._checkpoints[1][0]
+    assert old.key[end - 1 : end] == b" "
+    key = old.key[: end - 1] + b"Z" + old.key[end:]  # two words join into one run of word bytes
+    cache = ChainCache()
+    cache.keep(old)
+    resumed, fresh = cache.start(key, BLOCK), PromptBlocks(key, BLOCK)
+    assert [resumed.block(i) for i in range(200)] == [fresh.block(i) for i in range(200)]

@@ -157,6 +157,26 @@ async def test_a_restarted_engine_clears_the_index() -> None:
         assert sub.index.mask(next(iter(sub.index._mask))) == 1
 
 
+async def test_a_sequence_starting_again_without_a_reconnect_is_a_restart() -> None:
+    """An engine restarted behind the same connection (nothing for the socket monitor to see): its sequence
+    starts again with later timestamps."""
+    async with following() as (publisher, sub, _):
+        seq = 0
+
+        async def next_live() -> None:
+            nonlocal seq
+            await publisher.publish(seq)
+            seq += 1
+
+        await until(lambda: (sub.last_seq or 0) >= 3, sub, publish=next_live)
+        publisher.buffer.clear()
+        await until(
+            lambda: sub.stats.restarts >= 1 and len(sub.index) == 1,
+            sub,
+            publish=lambda: publisher.publish(0, _batch(999)) if not publisher.buffer else asyncio.sleep(0),
+        )
+
+
 async def test_a_new_topic_is_a_new_pod() -> None:
     async with following() as (publisher, sub, _):
         seq = 0
