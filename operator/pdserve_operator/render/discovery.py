@@ -59,7 +59,7 @@ from pdserve.api.router_config import (
     NodeTopology,
 )
 from pdserve.api.v1alpha1 import PDService
-from pdserve_operator.render.names import INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
+from pdserve_operator.names import INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
 from pdserve_operator.render.objects import metadata
 
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})

@@ -170,18 +170,18 @@ def test_static_flags() -> None:
     import click
     import pytest
 
+    from pdserve.api.settings import RouterSettings
     from pdserve_runtime.router.cli import load_config
 
-    config = load_config(
-        None,
-        decode=("http://d:8000",),
-        kv_events=("http://d:8000/=tcp://d:5557,tcp://d:5657", "http://d:8000=tcp://d:5558"),
-    )
+    def flags(*kv_events: str) -> RouterSettings:
+        return RouterSettings(decode=("http://d:8000",), kv_events=kv_events)
+
+    config = load_config(flags("http://d:8000/=tcp://d:5557,tcp://d:5657", "http://d:8000=tcp://d:5558"))
     assert [(s.endpoint, s.replay_endpoint) for s in config.static_kv_events["http://d:8000"]] == [
         ("tcp://d:5557", "tcp://d:5657"),
         ("tcp://d:5558", None),
     ]
     with pytest.raises(click.BadParameter, match="URL=tcp://HOST:PORT"):
-        load_config(None, decode=("http://d:8000",), kv_events=("tcp://d:5557",))
+        load_config(flags("tcp://d:5557"))
     with pytest.raises(click.ClickException, match="invalid router config"):
-        load_config(None, decode=("http://d:8000",), kv_events=("http://d:8000=http://d:5557",))
+        load_config(flags("http://d:8000=http://d:5557"))
