@@ -146,7 +146,8 @@ class RoutingPolicyConfig(_Model):
         default=200_000,
         ge=1,
         description="Bound on the prompt blocks the router remembers, across engines (prompt text counted at 4 "
-        "bytes per token: the default keeps about 12.8 MB of prompts).",
+        "bytes per token: the default keeps about 12.8 MB of prompts); also the bound of each engine's KV-event "
+        "index.",
     )
 
 

@@ -102,7 +102,7 @@ class RouterApp:
             on_removed=self._forget,
         )
         # KV events: an index per engine that publishes them, following the table (kvhub).
-        self.kv_events = KvEventsHub(self.table, max_blocks=policy.prefix_tracker_max_blocks * 5)
+        self.kv_events = KvEventsHub(self.table, max_blocks=policy.prefix_tracker_max_blocks)
         self.table.on_changed = self.kv_events.sync
         self.scheduler = Scheduler(
             self.table, self.tracker, policy, config.topology_labels, kv=self.kv_events if policy.kv_events else None
