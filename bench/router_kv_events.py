@@ -158,6 +158,8 @@ def micro() -> list[str]:
     tracker.record(urls[0], TEXT_TAG + utf8(held_text), 0.0)  # without events the tracker holds it (same work)
     with_events = Scheduler(table, tracker, policy, kv=hub)
     without = Scheduler(table, tracker, policy)
+    # Events on, but no engine publishes (pd-long's mock engines): the hub has no index.
+    silent = Scheduler(table, tracker, policy, kv=KvEventsHub(table))
     held = PromptInfo(TEXT_TAG + utf8(held_text), block)
     other = PromptInfo(TEXT_TAG + utf8(other_text), block)
     assert with_events.held_by(held, 0.0)[urls[0]].blocks == len(hashes)
@@ -168,6 +170,7 @@ def micro() -> list[str]:
         return with_events.held_by(prompt, 0.0)
 
     base_other = _timed(lambda: without.held_by(other, 0.0), repeat)
+    cost_silent = _timed(lambda: silent.held_by(other, 0.0), repeat)
     base_held = _timed(lambda: without.held_by(held, 0.0), repeat)
     cost_other = _timed(lambda: first_sight(other), repeat)
     cost_held = _timed(lambda: first_sight(held), repeat)
@@ -191,6 +194,8 @@ def micro() -> list[str]:
         "",
         f"| hot path, 4k-token prompt ({len(ids)} tokens, 3 engines) | without events | with events | added |",
         "| --- | --- | --- | --- |",
+        f"| no engine publishes events | {base_other:.1f} us | {cost_silent:.1f} us | "
+        f"{cost_silent - base_other:+.1f} us |",
         f"| nobody holds it | {base_other:.1f} us | {cost_other:.1f} us | {cost_other - base_other:+.1f} us |",
         f"| one engine holds all {blocks} blocks, first sight | {base_held:.1f} us | {cost_held:.1f} us | "
         f"{cost_held - base_held:+.1f} us |",
