@@ -34,7 +34,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.router_bench import PY, Proc, PromptMaker, _wait_http
+from bench.router_bench import Proc, PromptMaker, _wait_http, pdserve_router_command
 from pdserve_dev.testing.net import free_port
 
 THRESHOLDS = (256, 1024)
@@ -117,17 +117,15 @@ async def _measure(threshold: int, size: int, seed: int, routers: int = 1, kv_ev
         sim_in_process(role="prefill", kv_events=prefill_events) as prefill,
         sim_in_process(role="decode", prompt_tokens_details=True, kv_events=decode_events) as decode,
     ):
-        flags = []
+        flags = ["--prefill", prefill.url, "--decode", decode.url, "--disaggregation-threshold", str(threshold),
+                 "--served-model-name", "sim-model"]  # fmt: skip
         for engine, events in ((prefill, prefill_events), (decode, decode_events)):
             if events is not None:
                 flags += ["--kv-events", f"{engine.url}={events.endpoint},{events.replay_endpoint}"]
         procs, urls = [], []
         for _ in range(routers):
             port = free_port()
-            procs.append(Proc([PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-                               "--prefill", prefill.url, "--decode", decode.url, "--disaggregation-threshold",
-                               str(threshold), "--served-model-name", "sim-model", "--log-level", "warning",
-                               *flags], None))  # fmt: skip
+            procs.append(Proc([*pdserve_router_command(port, free_port()), *flags], None))
             urls.append(f"http://127.0.0.1:{port}")
         try:
             for url in urls:
