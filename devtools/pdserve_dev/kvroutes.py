@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.api.crdgen import custom_resource_definition
+from pdserve_dev.chaos.service import router_metrics_url
 from pdserve_dev.process_node.node import SELECTOR, TOLERATION
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
@@ -300,7 +301,7 @@ class KvRoutesService:
             urls = self.router_urls()
             for url in urls:
                 try:
-                    text = scrape_sync(f"{url}/metrics", timeout=3)
+                    text = scrape_sync(f"{router_metrics_url(url)}/metrics", timeout=3)
                 except OSError:
                     return None
                 used = metric_value(text, "pdserve_router_endpoint_up", role="prefill") + metric_value(
@@ -318,7 +319,7 @@ class KvRoutesService:
         """(sum, count) of the routing-decision histogram over every router pod now serving."""
         total = count = 0.0
         for url in self.router_urls():
-            text = scrape_sync(f"{url}/metrics", timeout=3)
+            text = scrape_sync(f"{router_metrics_url(url)}/metrics", timeout=3)
             total += metric_value(text, "pdserve_router_routing_decision_seconds_sum")
             count += metric_value(text, "pdserve_router_routing_decision_seconds_count")
         return total, count
