@@ -154,13 +154,18 @@ class Scheduler:
         return self._prefill.pick(ctx, self.table.states("prefill"))
 
     def _holder_instead(
-        self, prompt: PromptInfo, held: Mapping[str, Held], chosen: EndpointState, threshold: int
+        self,
+        prompt: PromptInfo,
+        held: Mapping[str, Held],
+        chosen: EndpointState,
+        threshold: int,
+        candidates: Sequence[EndpointState] | None = None,
     ) -> tuple[EndpointState, Uncached] | None:
         """A decode engine holding enough of the prompt to skip prefill, when the scored pick would need it and the
         holder is not much busier (module docstring, "Keeping a cached prompt where it is")."""
         bound = max(chosen.in_flight * HOLDER_LOAD_FACTOR, chosen.in_flight + HOLDER_LOAD_SLACK)
         best: tuple[EndpointState, Uncached] | None = None
-        for state in self.table.states("decode"):
+        for state in self.table.states("decode") if candidates is None else candidates:
             entry = held.get(state.url)
             if state is chosen or entry is None or not state.usable or state.in_flight > bound:
                 continue
@@ -169,16 +174,20 @@ class Scheduler:
                 best = (state, found)
         return best
 
-    def plan(self, prompt: PromptInfo, now: float) -> Plan:
-        """Choose the decode engine, the route and (for PD) the prefill engine."""
+    def plan(self, prompt: PromptInfo, now: float, decode_candidates: Sequence[EndpointState] | None = None) -> Plan:
+        """Choose the decode engine, the route and (for PD) the prefill engine.
+
+        `decode_candidates`: the decode engines the request may go to (default: the whole pool); a gateway's
+        endpoint subset narrows it (`pdserve_runtime.gateway`).
+        """
         held = self.held_by(prompt, now)
         threshold = self.policy.disaggregation_threshold_tokens
-        decode = self.pick_decode(prompt, held)
+        decode = self.pick_decode(prompt, held, candidates=decode_candidates)
         if decode is None:
             return Plan(Route.DECODE_ONLY, None, None, 0, held)
         uncached = uncached_tokens(prompt, held.get(decode.url), threshold)
         if uncached.wants_prefill and held:
-            holder = self._holder_instead(prompt, held, decode, threshold)
+            holder = self._holder_instead(prompt, held, decode, threshold, decode_candidates)
             if holder is not None:
                 decode, uncached = holder
         if not uncached.wants_prefill:
@@ -187,7 +196,8 @@ class Scheduler:
         if prefill is None:
             # Mid-rollout the chosen decode engine may have no compatible prefill engine while others do.
             compat = {state.endpoint.kv_compat for state in self.table.usable("prefill")}
-            pairable = [state for state in self.table.states("decode") if state.endpoint.kv_compat in compat]
+            pool = self.table.states("decode") if decode_candidates is None else decode_candidates
+            pairable = [state for state in pool if state.endpoint.kv_compat in compat]
             alternative = self.pick_decode(prompt, held, candidates=pairable) if pairable else None
             if alternative is not None:
                 decode = alternative
