@@ -36,6 +36,7 @@ from pdserve.api.v1alpha1 import (
     KvBufferDevice,
     KvCacheDtype,
     KvConnector,
+    KvEventsSpec,
     KvLoadFailurePolicy,
     ModelSpec,
     PDServiceSpec,
@@ -112,6 +113,14 @@ class EffectiveUcx:
     net_devices: str | None = default(None, doc="all devices (UCX chooses)")
 
 
+@view(KvEventsSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveKvEvents:
+    enabled: bool = default(True)
+    port: int = default(5557)
+    replay_port: int = default(5657)
+
+
 @view(EngineSpec)
 @dataclass(frozen=True, kw_only=True)
 class EffectiveEngine:
@@ -131,6 +140,7 @@ class EffectiveEngine:
     kv_load_failure_policy: KvLoadFailurePolicy = default("fail")
     drain_seconds: int = default(120)
     ucx: EffectiveUcx
+    kv_events: EffectiveKvEvents
     args: tuple[str, ...]
     env: tuple[EnvVar, ...]
     shm_size: str = default("16Gi")

@@ -43,6 +43,7 @@ OWNED_FLAGS: Mapping[str, str] = MappingProxyType(
             "it carries the NIXL engine id unique to each pod incarnation; use spec.engine.kvConnector, "
             "kvBufferDevice, kvLeaseSeconds and kvLoadFailurePolicy"
         ),
+        "--kv-events-config": "use spec.engine.kvEvents (the router subscribes to the endpoints pdserve renders)",
         "--kv-cache-dtype": "use spec.engine.kvCacheDtype",
         "--block-size": "use spec.engine.blockSize",
         "--max-model-len": "use spec.engine.maxModelLen",

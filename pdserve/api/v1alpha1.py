@@ -167,6 +167,19 @@ class UcxSpec(ApiModel):
     net_devices: str | None = Field(default=None, description="UCX_NET_DEVICES value, e.g. mlx5_0:1.")
 
 
+class KvEventsSpec(ApiModel):
+    """vLLM's KV cache events (`--kv-events-config`): each engine publishes what its prefix cache holds, so every
+    router replica routes on the same, exact picture."""
+
+    enabled: bool | None = Field(default=None, description="Publish KV cache events for the router's prefix index.")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="ZMQ publisher port (a data-parallel rank r publishes on port + r)."
+    )
+    replay_port: int | None = Field(
+        default=None, ge=1, le=65535, description="ZMQ replay port (a data-parallel rank r answers on replayPort + r)."
+    )
+
+
 class EngineSpec(ApiModel):
     """The inference engine, shared by both pools because P and D must agree on it to exchange KV cache."""
 
@@ -216,6 +229,7 @@ class EngineSpec(ApiModel):
         ),
     )
     ucx: UcxSpec | None = Field(default=None, description="UCX transport overrides.")
+    kv_events: KvEventsSpec | None = Field(default=None, description="KV cache events for the router.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for both pools.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both pools.")
     shm_size: Quantity | None = Field(default=None, description="Size of the /dev/shm emptyDir.")

@@ -36,6 +36,7 @@ import click
 import prometheus_client
 
 from pdserve_sim.config import FailurePolicy, FaultConfig, Role, SimConfig, preset
+from pdserve_sim.kvevents import KvEventsConfig
 
 log = logging.getLogger("pdserve.sim")
 
@@ -152,6 +153,11 @@ class _SimGroup(click.Group):
     help="On SIGTERM, refuse new requests (503) and, for up to this many seconds, finish in-flight ones and serve "
     "pulls of the KV handed out until pulled or expired (0 = abort at once, vLLM's default).",
 )
+@click.option(
+    "--kv-events-config",
+    default=None,
+    help="vLLM's KV events config (JSON: enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic).",
+)
 @click.option("--enable-prompt-tokens-details", is_flag=True, help="Report cached prompt tokens in usage.")
 @click.option("--enable-request-id-headers", is_flag=True, help="Send X-Request-Id response headers.")
 @click.option("--fault-fail-next", type=int, default=0, help="Fail the next N generation requests.")
@@ -191,8 +197,8 @@ def serve(ctx: click.Context, vllm_args: tuple[str, ...]) -> None:
         click.echo(
             "Usage: pdserve sim [NATIVE OPTIONS] serve MODEL [vLLM serve flags]\n\n"
             "Drop-in for `vllm serve`. Modelled flags: --model, --host, --port, --kv-transfer-config,\n"
-            "--tensor-parallel-size/-tp, --max-model-len, --block-size, --served-model-name, --max-num-seqs,\n"
-            "--max-num-batched-tokens, --num-gpu-blocks-override, --enable-prompt-tokens-details,\n"
+            "--kv-events-config, --tensor-parallel-size/-tp, --max-model-len, --block-size, --served-model-name,\n"
+            "--max-num-seqs, --max-num-batched-tokens, --num-gpu-blocks-override, --enable-prompt-tokens-details,\n"
             "--enable-request-id-headers, --shutdown-timeout; other vLLM flags are accepted and ignored.\n"
             "Timing comes from the native options before `serve` or PDSERVE_SIM_PRESET/_FAST/_SPEED.\n"
             "See `pdserve sim --help` for the native options."
@@ -204,6 +210,20 @@ def serve(ctx: click.Context, vllm_args: tuple[str, ...]) -> None:
     run(config, options.get("log_level", "info"), options.get("startup_delay") or 0.0)
 
 
+def _kv_events(text: str) -> KvEventsConfig | None:
+    """vLLM's --kv-events-config JSON as the simulator's config (None: events off)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"--kv-events-config is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise click.BadParameter("--kv-events-config must be a JSON object")
+    try:
+        return KvEventsConfig.from_vllm(raw)
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(f"--kv-events-config: {exc}") from None
+
+
 def parse_vllm_args(args: list[str]) -> dict[str, Any]:
     """The vLLM flags the simulator models; everything else is collected under ``"ignored"``."""
     parser = argparse.ArgumentParser(prog="pdserve sim serve", add_help=False, allow_abbrev=False)
@@ -212,6 +232,7 @@ def parse_vllm_args(args: list[str]) -> dict[str, Any]:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--kv-transfer-config")
+    parser.add_argument("--kv-events-config")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--block-size", type=int)
@@ -234,8 +255,15 @@ def parse_vllm_args(args: list[str]) -> dict[str, Any]:
         if not isinstance(ktc, dict):
             raise click.BadParameter("--kv-transfer-config must be a JSON object")
         out["kv_transfer_config"] = ktc
+    if "kv_events_config" in out:
+        out["kv_events_config"] = _kv_events(out["kv_events_config"])
     out["ignored"] = unknown
     return out
+
+
+def _native_kv_events(options: dict[str, Any]) -> KvEventsConfig | None:
+    text = options.get("kv_events_config")
+    return _kv_events(text) if text else None
 
 
 def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
@@ -334,6 +362,7 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
         ),
         request_id_headers=bool(vllm.get("enable_request_id_headers") or options.get("enable_request_id_headers")),
         shutdown_timeout_s=float(vllm.get("shutdown_timeout", options.get("shutdown_timeout")) or 0.0),
+        kv_events=vllm["kv_events_config"] if "kv_events_config" in vllm else _native_kv_events(options),
         faults=faults,
     )
 

@@ -35,8 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.api.kvevents import Event
 from pdserve_sim.config import SimConfig
 from pdserve_sim.kvcache import BlockPool, block_hashes
+from pdserve_sim.kvevents import KvEventRecorder
 from pdserve_sim.metrics import SimMetrics
 from pdserve_sim.tokenizer import generation_seed
 
@@ -195,6 +197,11 @@ class Engine:
         self.timing = config.timing
         self.metrics = metrics
         self.pool = BlockPool(self.timing.num_kv_blocks, self.timing.block_size)
+        #: The pool's changes since the last step, when KV events are on (`kvevents`); the server sets `publish`.
+        self.kv_events = KvEventRecorder(self.timing.block_size) if config.kv_events is not None else None
+        if self.kv_events is not None:
+            self.pool.on_evict = self.kv_events.removed
+        self.publish_events: Callable[[list[Event]], None] | None = None
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.remote_waiting: dict[str, EngineRequest] = {}
@@ -357,6 +364,25 @@ class Engine:
                 if lag > 0.005:
                     self.metrics.late_steps.inc()
             self._apply(plan)
+            self._flush_events()
+
+    def _register_blocks(self, req: EngineRequest, full: int) -> None:
+        """Enter the request's full prompt blocks up to `full` into the prefix cache (and the KV events)."""
+        hashes = req.hashes
+        assert hashes is not None
+        recorder = self.kv_events
+        bs = self.timing.block_size
+        for j in range(req.registered_blocks, full):
+            if self.pool.register(req.blocks[j], hashes[j]) and recorder is not None:
+                recorder.stored(hashes[j], hashes[j - 1] if j else None, req.prompt_ids[j * bs : (j + 1) * bs])
+        req.registered_blocks = max(req.registered_blocks, full)
+
+    def _flush_events(self) -> None:
+        """Hand this step's KV events to the publisher (one batch per step that changed the cache, as vLLM)."""
+        if self.kv_events is not None and self.publish_events is not None:
+            events = self.kv_events.take()
+            if events:
+                self.publish_events(events)
 
     def _schedule(self) -> _Plan:
         t = self.timing
@@ -489,9 +515,7 @@ class Engine:
                     local_compute += n
                 if req.hashes is not None:
                     full = min(req.num_computed // bs, len(req.hashes))
-                    for j in range(req.registered_blocks, full):
-                        self.pool.register(req.blocks[j], req.hashes[j])
-                    req.registered_blocks = max(req.registered_blocks, full)
+                    self._register_blocks(req, full)
                 if req.num_computed < req.prefill_target:
                     continue
             # This request produces a token at the end of this step.
@@ -627,9 +651,8 @@ class Engine:
             req.num_computed = len(req.prompt_ids) - 1
             req.prefill_target = len(req.prompt_ids)
             if req.hashes is not None:
-                for j in range(req.registered_blocks, len(req.hashes)):
-                    self.pool.register(req.blocks[j], req.hashes[j])
-                req.registered_blocks = len(req.hashes)
+                self._register_blocks(req, len(req.hashes))
+                self._flush_events()
         else:
             m.nixl_failed_transfers.inc()
             if error.reason == "kv_compat_mismatch":

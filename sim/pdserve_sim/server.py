@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve_sim.config import SimConfig
 from pdserve_sim.engine import Engine, EngineRequest
 from pdserve_sim.faults import Faults
+from pdserve_sim.kvevents import KvEventPublisher
 from pdserve_sim.metrics import SimMetrics
 from pdserve_sim.protocol import ApiError, ParsedRequest, decode_json, error_body, parse_request
 from pdserve_sim.sidechannel import ConnectionPool, SideChannelServer, pull_kv
@@ -94,6 +95,7 @@ class SimServer:
         self.kv_connections = ConnectionPool()
         self.engine.pull = lambda req: pull_kv(self.engine, req, self.kv_connections)
         self.runner: web.AppRunner | None = None
+        self.kv_publisher: KvEventPublisher | None = None
         self.http_port = config.port
         self.side_channel_port = config.side_channel_port
         self.created = int(time.time())
@@ -140,6 +142,9 @@ class SimServer:
     async def start(self) -> None:
         """Bind the HTTP server and the side channel, start the engine loop."""
         cfg = self.config
+        if cfg.kv_events is not None:
+            self.kv_publisher = KvEventPublisher(cfg.kv_events, cfg.side_channel_bind_host or cfg.host)
+            self.engine.publish_events = self.kv_publisher.publish
         self.engine.start()
         if cfg.role in ("prefill", "both"):
             bind = cfg.side_channel_bind_host or cfg.host
@@ -194,6 +199,9 @@ class SimServer:
         self.faults.clear()
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.kv_publisher is not None:
+            self.engine.publish_events = None
+            await asyncio.to_thread(self.kv_publisher.close)
 
     # ----------------------------------------------------------------------------------------------------
     # Small endpoints

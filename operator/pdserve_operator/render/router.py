@@ -60,8 +60,16 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
         port=spec.router.port,
         metrics_port=metrics_port(spec),
         discovery="kubernetes",
-        prefill=EndpointSelector(namespace=namespace, label_selector=discovery.slice_selector(pds, "prefill")),
-        decode=EndpointSelector(namespace=namespace, label_selector=discovery.slice_selector(pds, "decode")),
+        prefill=EndpointSelector(
+            namespace=namespace,
+            label_selector=discovery.slice_selector(pds, "prefill"),
+            kv_events_ports=discovery.kv_events_selector_ports(spec, "prefill"),
+        ),
+        decode=EndpointSelector(
+            namespace=namespace,
+            label_selector=discovery.slice_selector(pds, "decode"),
+            kv_events_ports=discovery.kv_events_selector_ports(spec, "decode"),
+        ),
         topology_labels=discovery.topology_labels(spec),
         node_topology=node_topology,
         kv_side_channel_ports=discovery.side_channel_ports(spec),
