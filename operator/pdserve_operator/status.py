@@ -64,6 +64,7 @@ from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
 from pdserve_operator.autoscaler.report import SCALING_CONDITION_TYPES, ScalingReport, status_view
 from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
+from pdserve_operator.kvstore_status import kv_store_status
 from pdserve_operator.render.router import router_endpoint
 
 AVAILABLE = "Available"
@@ -574,9 +575,13 @@ def compute_status(
     if pds is not None and spec is not None and not problems:
         status["routerEndpoint"] = router_endpoint(pds, spec)
         status["kvCompatHash"] = kv_compat_hash(spec)
+        namespace = pds.metadata.namespace
+        store = kv_store_status(pds, spec, snapshot.child("Deployment", namespace, child_name(pds, "kvstore")))
+        if store is not None:
+            status["kvStore"] = store
     else:
         # Children still run the last valid spec: keep reporting what they serve.
-        for key in ("routerEndpoint", "kvCompatHash"):
+        for key in ("routerEndpoint", "kvCompatHash", "kvStore"):
             if old.get(key) is not None:
                 status[key] = old[key]
     return status

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api.validation import InvalidSpecError, Validated
-from pdserve_operator.render import discovery, engine, router
+from pdserve_operator.render import discovery, engine, kvcache, router
 from pdserve_operator.render.discovery import NOTHING_OBSERVED, Observed
 from pdserve_operator.render.names import ENGINE_ROLES
 
@@ -35,6 +35,7 @@ def render(checked: Validated, observed: Observed = NOTHING_OBSERVED) -> list[di
     topology = discovery.topology_config_map(pds, spec, observed)
     if topology is not None:
         objects.append(topology)
+    objects += kvcache.objects(pds, spec)
     for role in ENGINE_ROLES:
         objects += [
             engine.headless_service(pds, spec, role),
