@@ -63,8 +63,8 @@ from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
 from pdserve_operator.autoscaler.report import SCALING_CONDITION_TYPES, ScalingReport, status_view
-from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
 from pdserve_operator.kvstore_status import kv_store_status
+from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
 from pdserve_operator.render.router import router_endpoint
 
 AVAILABLE = "Available"

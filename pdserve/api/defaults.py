@@ -41,9 +41,9 @@ from pdserve.api.v1alpha1 import (
     KvOffloadSpec,
     KvStoreBackend,
     KvStoreSpec,
+    ModelSpec,
     MooncakeProtocol,
     MooncakeSpec,
-    ModelSpec,
     PDServiceSpec,
     Percentile,
     PlacementSpec,
@@ -70,8 +70,8 @@ __all__ = [
     "EffectiveKvCache",
     "EffectiveKvOffload",
     "EffectiveKvStore",
-    "EffectiveMooncake",
     "EffectiveModel",
+    "EffectiveMooncake",
     "EffectivePlacement",
     "EffectivePool",
     "EffectiveRatioBounds",
@@ -152,7 +152,8 @@ class EffectivePoolKvCache:
 class EffectiveMooncake:
     master_address: str | None = default(
         None,
-        doc=f"pdserve deploys a master and a store server, reached at <name>-kvstore.<namespace>.svc:{MOONCAKE_RPC_PORT}",
+        doc="pdserve deploys a master and a store server, reached at "
+        f"<name>-kvstore.<namespace>.svc:{MOONCAKE_RPC_PORT}",
     )
     metadata_server: str | None = default(
         None,

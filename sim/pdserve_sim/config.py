@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve_sim.kvstore import StoreSettings
 from pdserve_sim.presets import FAST, PRESETS, TimingParams
 
 Role = Literal["prefill", "decode", "both"]
@@ -63,6 +64,8 @@ class SimConfig:
     #: Mean natural output length (EOS) of requests without ignore_eos; 0 = the model never emits EOS.
     eos_mean_tokens: float = 0.0
     faults: FaultConfig = field(default_factory=FaultConfig)
+    #: The Mooncake store (vLLM's MooncakeStoreConnector in the kv-transfer-config); None: no store.
+    kv_store: StoreSettings | None = None
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve_sim.config import SimConfig
 from pdserve_sim.engine import Engine, EngineRequest
 from pdserve_sim.faults import Faults
+from pdserve_sim.kvstore import KVStore
 from pdserve_sim.metrics import SimMetrics
 from pdserve_sim.protocol import ApiError, ParsedRequest, decode_json, error_body, parse_request
 from pdserve_sim.sidechannel import ConnectionPool, SideChannelServer, pull_kv
@@ -120,8 +121,15 @@ class SimServer:
         return app
 
     async def start(self) -> None:
-        """Bind the HTTP server and the side channel, start the engine loop."""
+        """Connect to the KV store (if any), bind the HTTP server and the side channel, start the engine loop."""
         cfg = self.config
+        if cfg.kv_store is not None:
+            # vLLM's engine does not come up without its store: neither does the simulator (StoreError).
+            store = KVStore(cfg.kv_store, cfg.timing.kv_payload_bytes_per_token * cfg.timing.block_size)
+            host = cfg.side_channel_host if cfg.side_channel_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+            await store.connect(host)
+            self.engine.store = store
+            log.info("Connected to the KV store master=%s writes=%s", cfg.kv_store.master_address, cfg.kv_store.writes)
         self.engine.start()
         if cfg.role in ("prefill", "both"):
             bind = cfg.side_channel_bind_host or cfg.host
@@ -172,6 +180,8 @@ class SimServer:
         # Finish every request first (streams end with their last event), release stalled streams, then
         # close the HTTP server, so shutdown never waits on an open stream.
         await self.engine.stop()
+        if self.engine.store is not None:
+            await self.engine.store.close()
         self.kv_connections.close()
         self.faults.clear()
         if self.runner is not None:
@@ -327,6 +337,9 @@ class SimServer:
         if cfg.eos_mean_tokens > 0 and not parsed.ignore_eos:
             req.stop_after = natural_length(req.seed, cfg.eos_mean_tokens)
         engine = self.engine
+        if engine.store is not None and parsed.remote_prefill is None:
+            # vLLM's store connector looks the prompt up before the request is scheduled; so does the simulator.
+            await engine.preload(req)
         engine.add(req)
         headers = {"X-Request-Id": base} if cfg.request_id_headers else {}
         self._inflight += 1
@@ -352,6 +365,9 @@ class SimServer:
             await faults.unstalled.wait()
         if req.error is not None:
             return _json_response(error_body(req.error_status, req.error), req.error_status)
+        if req.store_put is not None:
+            # The prompt's blocks are in the store before the answer goes out (kvstore's module docstring).
+            await req.store_put
         text = output_text(req, req.outputs)
         prompt_tokens = len(req.prompt_ids)
         usage = {

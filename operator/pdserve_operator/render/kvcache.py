@@ -232,7 +232,11 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
             "--enable_http_server=true",
             f"--http_port={STORE_HTTP_PORT}",
         ],
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # The transfer engine serves the segment on the pod's address (not the first LAN interface it finds).
+            {"name": "MC_TCP_BIND_ADDRESS", "value": "$(POD_IP)"},
+        ],
         "ports": [
             {"name": "store", "containerPort": MOONCAKE_STORE_PORT, "protocol": "TCP"},
             {"name": "store-http", "containerPort": STORE_HTTP_PORT, "protocol": "TCP"},
