@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from pdserve_dev.testing.metrics import metric_value, scrape
-from pdserve_dev.testing.mooncake import MooncakeStore, master_metric, mooncake_store
+from pdserve_dev.testing.mooncake import MooncakeStore, master_metric, mooncake_store, store_transfer_config
 from pdserve_dev.testing.sim import sim_process
 from pdserve_sim.tokenizer import tokenize
 
@@ -26,27 +26,6 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 PREFIX = "pdserve/test/svc/abc"
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def transfer_config(role: str, engine_id: str) -> str:
-    nixl_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    store_role = "kv_both" if role == "prefill" else "kv_consumer"
-    config: dict[str, Any] = {
-        "kv_connector": "MultiConnector",
-        "kv_role": nixl_role,
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {
-            "connectors": [
-                {"kv_connector": "NixlConnector", "kv_role": nixl_role, "engine_id": engine_id},
-                {
-                    "kv_connector": "MooncakeStoreConnector",
-                    "kv_role": store_role,
-                    "kv_connector_extra_config": {"cache_prefix": PREFIX},
-                },
-            ]
-        },
-    }
-    return json.dumps(config)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +41,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def engine(role: str, config: Path, engine_id: str) -> Any:
+    transfer = store_transfer_config(role, engine_id, PREFIX)
     return sim_process(
-        "serve", "tiny", "--block-size", str(BLOCK), "--kv-transfer-config", transfer_config(role, engine_id),
+        "serve", "tiny", "--block-size", str(BLOCK), "--kv-transfer-config", transfer,
         fast=True, env={"MOONCAKE_CONFIG_PATH": str(config)},
     )  # fmt: skip
 

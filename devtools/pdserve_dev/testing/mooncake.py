@@ -73,6 +73,27 @@ class MooncakeStore:
         return path
 
 
+def store_transfer_config(role: str, engine_id: str, cache_prefix: str = "pdserve/test") -> str:
+    """An engine's --kv-transfer-config with the store, as the renderer writes it (`render.kvcache`)."""
+    nixl_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    config = {
+        "kv_connector": "MultiConnector",
+        "kv_role": nixl_role,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": nixl_role, "engine_id": engine_id},
+                {
+                    "kv_connector": "MooncakeStoreConnector",
+                    "kv_role": "kv_both" if role == "prefill" else "kv_consumer",
+                    "kv_connector_extra_config": {"cache_prefix": cache_prefix},
+                },
+            ]
+        },
+    }
+    return json.dumps(config)
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return
