@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.api.defaults import EffectiveServiceAutoscaling
+from pdserve.api.settings import OperatorSettings
 from pdserve_dev.cluster import netns
 from pdserve_dev.replay.cluster import Outcome, ReplayCluster, ReplayConfig, Scaler
 from pdserve_dev.replay.scalers import (
@@ -75,9 +77,11 @@ CODE_TRACE = "azure-llm-2023-code.csv"
 POLICIES = ("static-peak", "hpa-style", "llm-d-slo", "pdserve")
 #: The SLO of examples/pdservice.yaml: TTFT 800 ms and ITL 40 ms at p90.
 SLO = Slo(ttft_s=0.8, itl_s=0.040, percentile=90)
-INTERVAL_S = 15.0
-WINDOW_S = 15.0
-WARMUP_S = 60.0
+#: The operator's defaults: its tick and query window (`--autoscaler-interval-seconds`, the window defaulting to the
+#: tick) and the spec's warm-up (`spec.autoscaling.warmupSeconds`).
+INTERVAL_S = OperatorSettings.autoscaler_interval_seconds
+WINDOW_S = OperatorSettings.autoscaler_window_seconds or INTERVAL_S
+WARMUP_S = float(EffectiveServiceAutoscaling.warmup_seconds)
 THRESHOLD = 256
 FLOOR_ATTAINMENT = 0.95
 FLOOR_RATIO = 0.75
@@ -219,7 +223,7 @@ def run_scenario(scenario: Scenario, startup_s: float, log: Callable[[str], None
         elif name == "llm-d-slo":
             scaler = LlmdSloScaler(bounds, SLO.ttft_s, SLO.itl_s)
         else:
-            pdserve = PdserveScaler(AutoscalerConfig(model=model, policy=bounds, warmup_s=WARMUP_S))
+            pdserve = PdserveScaler(AutoscalerConfig(model=model, policy=bounds, warmup_s=WARMUP_S, window_s=WINDOW_S))
             scaler = pdserve
         config = ReplayConfig(
             H200_8B,
@@ -385,7 +389,6 @@ def run_closed_loop(log: Callable[[str], None]) -> dict[str, Any]:
                 model=model,
                 policy=bounds,
                 warmup_s=float(LIVE_WARMUP_S),
-                interval_s=LIVE_INTERVAL_S,
                 window_s=LIVE_WINDOW_S,
             )
             scaler = PdserveScaler(config)

@@ -28,7 +28,7 @@ async def router(prefill: str, decode: str) -> AsyncIterator[str]:
         static_decode=[decode],
         engine_metrics_interval_seconds=0.0,
     )
-    app = RouterApp(config)
+    app = RouterApp(config, access_log=False)
     port = await app.start("127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{port}"

@@ -16,10 +16,14 @@ import lupa.lua51
 import pytest
 import yaml
 
+from pdserve.api.defaults import effective
+from pdserve.api.settings import OperatorSettings
 from pdserve.api.v1alpha1 import PDService
-from pdserve.api.validation import Problem
+from pdserve.api.validation import Problem, Validated
 from pdserve_dev.cluster import tools
 from pdserve_operator import status as st
+from pdserve_operator.observed import Snapshot
+from pdserve_operator.reconcile import status_intent
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "gitops" / "argocd" / "pdserve.io" / "PDService"
@@ -82,9 +86,9 @@ def _router(ready: int) -> dict[str, Any]:
     }
 
 
-def _snapshot(*children: dict[str, Any]) -> st.Snapshot:
+def _snapshot(*children: dict[str, Any]) -> Snapshot:
     slices = [{"endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}}]}]
-    return st.Snapshot(
+    return Snapshot(
         children={(c["kind"], "default", c["metadata"]["name"]): c for c in children}, endpoint_slices=slices
     )
 
@@ -98,13 +102,14 @@ def _snapshot(*children: dict[str, Any]) -> st.Snapshot:
         (_snapshot(_sts("prefill", 2, 2), _sts("decode", 4, 4), _router(2)), [Problem("spec.x", "bad")], "Degraded"),
     ],
 )
-def test_argo_agrees_with_the_operator_conditions(
-    snapshot: st.Snapshot, problems: list[Problem], expected: str
-) -> None:
+def test_argo_agrees_with_the_operator_conditions(snapshot: Snapshot, problems: list[Problem], expected: str) -> None:
     """Statuses straight from the operator's status code: Ready -> Healthy, Stalled -> Degraded, Reconciling ->
     Progressing, with the condition's reason and message."""
     body, pds = _pds()
-    status = st.compute_status(body, snapshot, pds=pds, problems=problems, now=T0)
+    checked = Validated(pds, effective(pds.spec), tuple(problems))
+    intent = status_intent(body, checked, snapshot, report=None, configured=False)
+    facts = st.facts_of(body, snapshot, intent, T0, OperatorSettings.crash_recovery_seconds)
+    status = st.compute_status(body, facts, intent, problems=checked.problems, now=T0)
     health = argo_health({**body, "status": status})
     assert health["status"] == expected
     verdict = {"Healthy": "Ready", "Degraded": "Stalled", "Progressing": "Reconciling"}[expected]

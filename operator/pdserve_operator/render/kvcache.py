@@ -31,6 +31,7 @@ layout they cannot use.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pdserve.api.defaults import (
@@ -43,7 +44,7 @@ from pdserve.api.defaults import (
 from pdserve.api.kubeformats import quantity_bytes
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
-from pdserve_operator.render.names import EngineRole, child_name, labels, selector_labels
+from pdserve_operator.names import EngineRole, child_name, labels, selector_labels
 from pdserve_operator.render.objects import metadata
 
 STORE_CONFIG_KEY = "mooncake.json"
@@ -286,3 +287,35 @@ def service(pds: PDService) -> dict[str, Any]:
             ],
         },
     }
+
+
+# ------------------------------------------------------------------------------------------------------ status
+
+
+def kv_store_status(pds: PDService, spec: EffectiveSpec, deployment: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The `kvStore` status field, or None without a store (the reconcile passes it to status as a value).
+
+    A deployed master and store server count as ready when the Deployment has a ready pod, that is when the
+    kubelet's probes of both containers pass. An external master is reported as the engines see it; pdserve does
+    not probe it (the engines, whose start-up fails without a reachable master, are what shows it missing)."""
+    store = spec.engine.kv_cache.store
+    if store.backend is None:
+        return None
+    status: dict[str, Any] = {
+        "backend": store.backend,
+        "masterAddress": master_address(pds, spec),
+        "managed": store.mooncake.managed,
+    }
+    if not store.mooncake.managed:
+        status["message"] = "external master: not probed by pdserve"
+        return status
+    name = child_name(pds, "kvstore")
+    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+    status["ready"] = ready > 0
+    if deployment is None:
+        status["message"] = f"Deployment {name} does not exist yet"
+    elif ready == 0:
+        status["message"] = f"Deployment {name} has no ready pod (master or store server failing its health check)"
+    else:
+        status["message"] = ""
+    return status

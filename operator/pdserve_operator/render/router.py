@@ -20,8 +20,8 @@ import yaml
 from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.router_config import EndpointSelector, NodeTopologySource, RouterConfig, RoutingPolicyConfig
 from pdserve.api.v1alpha1 import PDService
+from pdserve_operator.names import child_name, labels, selector_labels
 from pdserve_operator.render import discovery
-from pdserve_operator.render.names import child_name, labels, selector_labels
 from pdserve_operator.render.objects import metadata
 
 CONFIG_KEY = "router.yaml"

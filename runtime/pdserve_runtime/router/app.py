@@ -79,7 +79,7 @@ def server_limits(config: RouterConfig) -> ServerLimits:
 class RouterApp:
     """One router: its state, its background tasks and its HTTP routes."""
 
-    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool = False) -> None:
+    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool) -> None:
         self.config = config
         policy = config.policy
         self.tracker = PrefixTracker(

@@ -669,7 +669,7 @@ def _parser_reason(exc: Exception) -> str:
 class HttpServer:
     """Listens, routes (method, path) to handlers, and tracks live connections."""
 
-    def __init__(self, limits: ServerLimits, *, access_log: bool = False) -> None:
+    def __init__(self, limits: ServerLimits, *, access_log: bool) -> None:
         self.limits = limits
         self.access_log = access_log
         self.budget = BodyBudget(limits.max_buffered_bytes, limits.max_buffered_bytes_per_client)

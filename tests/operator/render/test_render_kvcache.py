@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import validate
-from pdserve_operator.kvstore_status import kv_store_status
 from pdserve_operator.render import render
+from pdserve_operator.render.kvcache import kv_store_status
 
 GIB = 1 << 30
 
