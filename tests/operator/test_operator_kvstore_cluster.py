@@ -65,7 +65,9 @@ def test_the_deployed_store_is_health_checked_and_reported(
     def ready() -> bool:
         return kv_store(cluster, namespace).get("ready") is True
 
-    wait_for(ready, timeout=180, message=lambda: f"kvStore ready: {kv_store(cluster, namespace)}\n{operator.log_tail()}")
+    wait_for(
+        ready, timeout=180, message=lambda: f"kvStore ready: {kv_store(cluster, namespace)}\n{operator.log_tail()}"
+    )
     status = kv_store(cluster, namespace)
     assert status["managed"] is True and status["masterAddress"] == f"{NAME}-kvstore.{namespace}.svc:50051"
     [pod] = cluster.pods(namespace, "pdserve.io/role=kvstore")
