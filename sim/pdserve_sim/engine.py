@@ -623,12 +623,22 @@ class Engine:
         assert self.store is not None
         try:
             written = await self.store.put_missing(hashes)
+            await self._model_link(written)
         except StoreError as exc:
             self.metrics.store_errors.labels("put").inc()
             log.warning("Failed to put KV blocks into the store blocks=%d: %s", len(hashes), exc)
             return
         if written:
             self.metrics.store_blocks.labels("put").inc(written)
+
+    async def _model_link(self, blocks: int) -> None:
+        """The modelled link time of the real model's KV for `blocks` blocks, on top of the real transfer (as the
+        side channel adds it to a pull: the payload moved is smaller than the model's KV)."""
+        t = self.timing
+        if blocks and t.kv_link_bytes_per_second > 0:
+            await asyncio.sleep(
+                t.kv_model_bytes_per_token * blocks * t.block_size / t.kv_link_bytes_per_second / self.config.speed
+            )
 
     async def preload(self, req: EngineRequest) -> None:
         """Load the blocks of `req`'s prompt the store holds beyond this engine's cache, into the cache.
@@ -654,6 +664,7 @@ class Engine:
             if found == 0:
                 return
             await store.get(wanted[:found])
+            await self._model_link(found)
         except StoreError as exc:
             m.store_errors.labels("get").inc()
             log.warning("Failed to load KV blocks from the store request_id=%s: %s", req.request_id, exc)

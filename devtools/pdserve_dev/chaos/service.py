@@ -205,6 +205,9 @@ class ChaosService:
             return [f"engines not yet Ready with the store: {missing}"] if missing else []
 
         wait_until_none_left(gaps, timeout, 1.0, "every engine restarted with the KV store")
+        # The router's config changed too (its policy knows the store): its pods were replaced; use a new one.
+        replicas = int(self.pds()["spec"].get("router", {}).get("replicas", 1))
+        self.use_router(self.wait_routers(replicas, timeout)[0])
         return store
 
     def router_metric(self, name: str, **labels: str) -> float:
