@@ -8,7 +8,8 @@ payload moved for real is 1 KB per token, the model's 128 KB per token is added 
 pulls and store reads and writes alike). Each request is a unique prompt of ``--tokens`` tokens, one at a time, so
 the figures are the paths' own costs, not queueing. Driven as a PD proxy drives vLLM (KNOWLEDGE.md's three steps):
 
-- ``prefill``: prefill's answer (its compute; with the store also its write of every block before it answers);
+- ``prefill``: prefill's answer (its compute; the store's write goes on behind it, as vLLM queues it: shown too,
+  until the write is done);
 - ``decode, pulled``: decode's first token with prefill's kv_transfer_params (a NIXL pull): PD direct;
 - ``decode, from store``: decode's first token for the plain request, loading the prompt from the store: what the
   router's store retry costs after a decode failure, and what a later turn on another engine costs;
@@ -35,8 +36,10 @@ from typing import Any
 import aiohttp
 
 from pdserve_dev.cluster import netns
+from pdserve_dev.testing.metrics import wait_for_metric
 from pdserve_dev.testing.mooncake import mooncake_store, store_transfer_config
 from pdserve_dev.testing.sim import sim_process
+from pdserve_sim.presets import PRESETS
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -71,9 +74,10 @@ async def _paths(preset: str, tokens: int, requests: int, config: Path) -> dict[
     env = {"MOONCAKE_CONFIG_PATH": str(config)}
     common = {"preset": preset, "log_level": "warning", "max_model_len": tokens + 64, "num_kv_blocks": 200_000}
     timings: dict[str, list[float]] = {
-        name: [] for name in ("prefill", "prefill+store", "pulled", "store", "recomputed")
+        name: [] for name in ("prefill", "prefill+store", "write", "pulled", "store", "recomputed")
     }
     decode_body = {"max_tokens": 2, "stream": True, "ignore_eos": True}
+    blocks = tokens // PRESETS[preset].block_size
     async with (
         sim_process("serve", "m", "--kv-transfer-config", store_transfer_config("prefill", "p"), env=env, **common)
         as prefill_store,
@@ -103,6 +107,17 @@ async def _paths(preset: str, tokens: int, requests: int, config: Path) -> dict[
                 http, prefill_store.url, {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": ask}
             )
             timings["prefill+store"].append(elapsed)
+            # The write goes on behind the answer (vLLM queues it): the read is measured once it is done.
+            started = time.perf_counter()
+            total = (index + 1) * blocks
+            await wait_for_metric(prefill_store.url, "pdserve:sim_kv_store_blocks_total", total, within=60, op="put")
+            timings["write"].append(time.perf_counter() - started + elapsed)
+            # The write goes on behind the answer (vLLM queues it): the read is measured once it is done.
+            started = time.perf_counter()
+            await wait_for_metric(
+                prefill_store.url, "pdserve:sim_kv_store_blocks_total", (index + 1) * blocks, op="put"
+            )
+            timings["write"].append(time.perf_counter() - started + elapsed)
             timings["store"].append((await _post(http, decode_store.url, {**decode_body, "prompt": prompt}))[0])
             # Decode computing a prompt it has nowhere to load from.
             prompt = _prompt(2 * requests + index, tokens)
@@ -148,7 +163,8 @@ def main(argv: list[str]) -> int:
     direct = p50["prefill"] + p50["pulled"]
     rows = [
         ("prefill (PD direct)", p50["prefill"]),
-        ("prefill, writing to the store", p50["prefill+store"]),
+        ("prefill, with the store (its answer)", p50["prefill+store"]),
+        ("prefill, with the store, until its write is done", p50["write"]),
         ("decode first token, pulled from prefill (NIXL)", p50["pulled"]),
         ("decode first token, loaded from the store", p50["store"]),
         ("decode first token, recomputed", p50["recomputed"]),

@@ -22,9 +22,10 @@ Algorithm (one iteration of ``Engine._run``, the shape of vLLM v1's scheduler):
 A prefill-only request (PD prefill, ``do_remote_decode``) keeps its KV blocks after it finishes, for a lease
 of ``kv_lease_seconds``, until a decode engine pulls them (then they are freed) or the lease expires.
 
-With a KV store (``kvstore``): a writer engine puts a finished request's full prompt blocks into the store (the
-answer waits for it: ``EngineRequest.store_put``), and every engine loads the blocks of a new prompt the store
-holds beyond its own cache before the request is queued (``preload``), placing them in its cache as computed.
+With a KV store (``kvstore``): a writer engine puts a finished request's full prompt blocks into the store
+behind the answer (``EngineRequest.store_put``, as vLLM's connector queues the save), and every engine loads the
+blocks of a new prompt the store holds beyond its own cache before the request is queued (``preload``), placing
+them in its cache as computed.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ It stands in for vLLM's MooncakeStoreConnector, against the real thing: Mooncake
 - Values: ``kv_payload_bytes_per_token x block_size`` bytes per block, so a put and a get move real bytes through
   the transfer engine, as the side channel does for NIXL.
 - Writers (vLLM's ``kv_producer`` / ``kv_both``: the prefill pool) put every full block of a prompt they computed
-  and do not yet find in the store, before the request's answer goes out (vLLM saves while the forward pass runs
-  and finishes the request once the save is done), so a prefill engine that dies after answering has already
-  written everything decode needs.
+  and do not yet find in the store, behind the answer: vLLM 0.32's MooncakeStoreConnector queues the save as a job
+  of its worker and finishes the request without waiting for it (``request_finished`` returns False: the job holds
+  its own reference on the blocks). A prefill engine that dies within that write leaves a shorter prefix in the
+  store, which a reader takes and computes the rest of.
 - Readers (every engine with the store) look up the blocks of a prompt beyond what their own cache holds before
   the request is scheduled, get them, and place them in their cache as if computed (``Engine.preload``); the
   tokens count as ``external_kv_transfer``, like vLLM's connector loads.

@@ -365,9 +365,6 @@ class SimServer:
             await faults.unstalled.wait()
         if req.error is not None:
             return _json_response(error_body(req.error_status, req.error), req.error_status)
-        if req.store_put is not None:
-            # The prompt's blocks are in the store before the answer goes out (kvstore's module docstring).
-            await req.store_put
         text = output_text(req, req.outputs)
         prompt_tokens = len(req.prompt_ids)
         usage = {

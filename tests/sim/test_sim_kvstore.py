@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdserve_dev.testing.metrics import metric_value, scrape
+from pdserve_dev.testing.metrics import metric_value, scrape, wait_for_metric
 from pdserve_dev.testing.mooncake import MooncakeStore, master_metric, mooncake_store, store_transfer_config
 from pdserve_dev.testing.sim import sim_process
 from pdserve_sim.tokenizer import tokenize
@@ -66,10 +66,9 @@ async def test_decode_loads_the_prompt_from_the_store_after_prefill_is_gone(
     async with engine("prefill", config, "prefill-0") as prefill:
         answer = await complete(http, prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
         assert answer["kv_transfer_params"]["do_remote_prefill"] is True
-        # The put is done before the answer: every full block is in the store now.
+        # The write goes on behind the answer (as vLLM's store connector queues it): wait for its count.
+        await wait_for_metric(prefill.url, "pdserve:sim_kv_store_blocks_total", full_blocks, op="put")
         assert master_metric(store, "master_key_count") - keys_before == full_blocks
-        puts = metric_value(await scrape(prefill.url), "pdserve:sim_kv_store_blocks_total", op="put")
-        assert puts == full_blocks
     # Prefill is gone (its process stopped): decode gets the prompt as the router's store retry sends it, without
     # kv_transfer_params, and loads every full block but the one holding the last prompt token.
     async with engine("decode", config, "decode-0") as decode:
