@@ -200,7 +200,7 @@ LabelSelectorMap = Annotated[dict[str, LabelValue], keys_in(LABEL_KEY), map_sche
 ResourceMap = Annotated[dict[str, Quantity], keys_in(CONTAINER_RESOURCE), map_schema(CONTAINER_RESOURCE, QUANTITY)]
 
 
-_QUANTITY_SUFFIXES = {
+_QUANTITY_SUFFIXES: dict[str, int | Decimal] = {
     "": 1,
     "n": Decimal("1e-9"),
     "u": Decimal("1e-6"),

@@ -350,7 +350,7 @@ def _connectors(ktc: dict[str, Any]) -> tuple[dict[str, Any], StoreSettings | No
     children = (ktc.get("kv_connector_extra_config") or {}).get("connectors") or []
     if not isinstance(children, list) or not all(isinstance(child, dict) for child in children):
         raise click.BadParameter("--kv-transfer-config: MultiConnector needs a list of connector objects")
-    nixl = next((child for child in children if child.get("kv_connector") == "NixlConnector"), {})
+    nixl: dict[str, Any] = next((child for child in children if child.get("kv_connector") == "NixlConnector"), {})
     merged = {**ktc, **nixl, "engine_id": nixl.get("engine_id") or ktc.get("engine_id")}
     mooncake = next((child for child in children if child.get("kv_connector") == "MooncakeStoreConnector"), None)
     modelled = {"NixlConnector", "MooncakeStoreConnector"}
