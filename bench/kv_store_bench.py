@@ -72,7 +72,12 @@ def _prompt(index: int, tokens: int) -> list[int]:
 
 async def _paths(preset: str, tokens: int, requests: int, config: Path) -> dict[str, list[float]]:
     env = {"MOONCAKE_CONFIG_PATH": str(config)}
-    common: dict[str, Any] = {"preset": preset, "log_level": "warning", "max_model_len": tokens + 64, "num_kv_blocks": 200_000}
+    common: dict[str, Any] = {
+        "preset": preset,
+        "log_level": "warning",
+        "max_model_len": tokens + 64,
+        "num_kv_blocks": 200_000,
+    }
     timings: dict[str, list[float]] = {
         name: [] for name in ("prefill", "prefill+store", "write", "pulled", "store", "recomputed")
     }
