@@ -229,12 +229,16 @@ async def prefill_killed(service: ChaosService, tuning: Tuning) -> Outcome:
         [decode] = await asyncio.to_thread(service.pods, "pdserve.io/role=decode")
         failed_pulls = "vllm:nixl_num_failed_transfers_total"
         before = await asyncio.to_thread(service.engine_metric, decode, failed_pulls)
+        reprefills = await asyncio.to_thread(service.router_metric, RETRIES, stage="reprefill")
         await asyncio.to_thread(service.kill_pod, victim)
         outcome.notes.append(f"killed {victim['metadata']['name']} holding KV of {state.get('held_kv', 0)} requests")
         outcome.require(int(state.get("held_kv", 0)) > 0, "the killed prefill engine held KV waiting to be pulled")
         await asyncio.to_thread(service.wait_pool, "prefill", 2)
         after = await asyncio.to_thread(service.engine_metric, decode, failed_pulls)
-        outcome.notes.append(f"decode's failed KV pulls since the kill: {after - before:.0f}")
+        reprefilled = await asyncio.to_thread(service.router_metric, RETRIES, stage="reprefill") - reprefills
+        outcome.notes.append(
+            f"decode's failed KV pulls since the kill: {after - before:.0f}; prefilled again: {reprefilled:.0f}"
+        )
 
     outcome = await under_load("prefill-killed", service, tuning, strike, clients=20, mix=tuning.long_heavy())
     _killed_floors(outcome, on_pod)
