@@ -220,7 +220,7 @@ class ChaosService:
 
     def router_metric(self, name: str, **labels: str) -> float:
         """One series of the router the load goes through."""
-        return metric_value(scrape_sync(f"{self.router}/metrics", timeout=3), name, **labels)
+        return metric_value(scrape_sync(f"{router_metrics_url(self.router)}/metrics", timeout=3), name, **labels)
 
     # -- the PDService ----------------------------------------------------------------------------------------
 

@@ -62,11 +62,12 @@ async def test_a_failed_pull_is_served_from_the_store_without_a_new_prefill(
         # engine is gone. The prompt's blocks are in the store all the same.
         await set_faults(prefill.url, drop_side_channel=True)
         routed = make_config([prefill.url], [decode.url], kv_store=kv_store, disaggregation_threshold_tokens=64)
-        async with router_server(routed) as (url, _), aiohttp.ClientSession() as http:
+        async with router_server(routed) as (url, router), aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/completions", json=body) as resp:
                 status, text = resp.status, await resp.text()
                 assert resp.headers["X-Pdserve-Route"] == "pd"
-            router_metrics = await scrape(url)
+            # The request is counted once it ended (in `finally`): wait for that count, then read the retries.
+            router_metrics = await wait_for_metric(router.metrics_url, "pdserve_router_requests_total", 1)
         retries = "pdserve_router_retries_total"
         by_source = "vllm:prompt_tokens_by_source_total"
         loaded = metric_value(await scrape(decode.url), by_source, source="external_kv_transfer")
