@@ -139,6 +139,25 @@ class RoutingPolicyConfig(_Model):
         "replica shares through the engines) and route on what they say; engines without events fall back to the "
         "router's own prefix tracking.",
     )
+    kv_store: bool = Field(
+        default=False,
+        description="The engines share a KV store that prefill writes every prompt into (spec.engine.kvCache.store): "
+        "a decode failure after prefill is retried on a decode engine without prefill's kv_transfer_params, which "
+        "loads the prompt from the store, instead of with a new prefill; and a prompt prefilled once counts as held "
+        "by every engine, at storeTierWeight.",
+    )
+    cpu_tier_weight: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="What a prefix in an engine's CPU offload tier is worth relative to one in its GPU cache (1).",
+    )
+    store_tier_weight: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        description="What a prefix in the shared KV store is worth relative to one in an engine's GPU cache (1).",
+    )
     prefix_cache_ttl_seconds: float = Field(
         default=600.0, gt=0, description="How long the router assumes an engine keeps a prompt block cached."
     )

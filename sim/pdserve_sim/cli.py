@@ -37,6 +37,7 @@ import prometheus_client
 
 from pdserve_sim.config import FailurePolicy, FaultConfig, Role, SimConfig, preset
 from pdserve_sim.kvevents import KvEventsConfig
+from pdserve_sim.kvstore import CONFIG_ENV, StoreError, StoreSettings
 
 log = logging.getLogger("pdserve.sim")
 
@@ -298,9 +299,11 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
     kv_compat = options.get("kv_compat_id")
     ktc = vllm.get("kv_transfer_config")
     dropin = bool(vllm)
+    store: StoreSettings | None = None
     if dropin:
         role = "both"
         if ktc:
+            ktc, store = _connectors(ktc)
             role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(str(ktc.get("kv_role")), "both")
             engine_id = ktc.get("engine_id") or engine_id
             extra = ktc.get("kv_connector_extra_config") or {}
@@ -364,7 +367,31 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
         shutdown_timeout_s=float(vllm.get("shutdown_timeout", options.get("shutdown_timeout")) or 0.0),
         kv_events=vllm["kv_events_config"] if "kv_events_config" in vllm else _native_kv_events(options),
         faults=faults,
+        kv_store=store,
     )
+
+
+def _connectors(ktc: dict[str, Any]) -> tuple[dict[str, Any], StoreSettings | None]:
+    """vLLM's MultiConnector config split into its NIXL entry (what the simulator models as its side channel, with
+    the top level's role and engine id) and the Mooncake store's settings; a plain connector config as it is."""
+    if ktc.get("kv_connector") != "MultiConnector":
+        return ktc, None
+    children = (ktc.get("kv_connector_extra_config") or {}).get("connectors") or []
+    if not isinstance(children, list) or not all(isinstance(child, dict) for child in children):
+        raise click.BadParameter("--kv-transfer-config: MultiConnector needs a list of connector objects")
+    nixl: dict[str, Any] = next((child for child in children if child.get("kv_connector") == "NixlConnector"), {})
+    merged = {**ktc, **nixl, "engine_id": nixl.get("engine_id") or ktc.get("engine_id")}
+    mooncake = next((child for child in children if child.get("kv_connector") == "MooncakeStoreConnector"), None)
+    modelled = {"NixlConnector", "MooncakeStoreConnector"}
+    others = sorted({str(child.get("kv_connector")) for child in children} - modelled)
+    if others:
+        log.info("Accepted KV connectors the simulator does not model: %s", ", ".join(others))
+    if mooncake is None:
+        return merged, None
+    try:
+        return merged, StoreSettings.from_vllm(mooncake, os.environ.get(CONFIG_ENV))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _setup_logging(log_level: str) -> None:
@@ -401,6 +428,8 @@ async def _serve(config: SimConfig, startup_delay: float = 0.0) -> None:
         await server.start()
     except OSError as exc:
         raise click.ClickException(f"cannot bind: {exc}") from None
+    except StoreError as exc:
+        raise click.ClickException(f"cannot use the KV store: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve_sim.kvevents import KvEventsConfig
+from pdserve_sim.kvstore import StoreSettings
 from pdserve_sim.presets import FAST, PRESETS, TimingParams
 
 Role = Literal["prefill", "decode", "both"]
@@ -66,6 +67,8 @@ class SimConfig:
     #: vLLM's --kv-events-config: publish the prefix cache's changes over ZMQ (None = off, vLLM's default).
     kv_events: KvEventsConfig | None = None
     faults: FaultConfig = field(default_factory=FaultConfig)
+    #: The Mooncake store (vLLM's MooncakeStoreConnector in the kv-transfer-config); None: no store.
+    kv_store: StoreSettings | None = None
 
     @property
     def model_names(self) -> tuple[str, ...]:

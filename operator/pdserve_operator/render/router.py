@@ -78,6 +78,7 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
             prefix_aware=routing.prefix_aware,
             block_size_tokens=spec.engine.block_size,
             fallback_to_decode=routing.fallback_to_decode,
+            kv_store=spec.engine.kv_cache.store.enabled,
         ),
     )
 

@@ -12,6 +12,7 @@ from pdserve_runtime.router.endpoints import Endpoint, EndpointTable
 from pdserve_runtime.router.policy.decision import Route
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
+from pdserve_runtime.router.tiers import STORE
 from pdserve_runtime.router.tokens import TEXT_TAG, PromptInfo
 
 ZONE = "topology.kubernetes.io/zone"
@@ -65,6 +66,14 @@ def test_a_prompt_cached_on_the_decode_engine_skips_prefill() -> None:
     plan = sched.plan(prompt(40, extra=5), now=1.0)
     assert plan.route is Route.DECODE_ONLY
     assert plan.uncached_tokens == 5
+
+
+@pytest.mark.parametrize(("kv_store", "route"), [(True, Route.DECODE_ONLY), (False, Route.PD)])
+def test_a_prompt_in_the_store_is_loaded_by_decode_instead_of_prefilled(kv_store: bool, route: Route) -> None:
+    sched, _, tracker = scheduler([p("p1")], [d("d1")], kv_store=kv_store)
+    tracker.record(STORE, prompt(40).key, now=0.0)  # what a prefill engine wrote to the store
+    plan = sched.plan(prompt(40, extra=5), now=1.0)
+    assert plan.route is route
 
 
 @pytest.mark.parametrize(

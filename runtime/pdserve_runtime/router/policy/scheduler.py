@@ -51,6 +51,7 @@ from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight
 from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
 from pdserve_runtime.router.policy.scorer_topology import SameTopologyScorer
 from pdserve_runtime.router.prefix import PrefixTracker
+from pdserve_runtime.router.tiers import STORE, TierWeights
 from pdserve_runtime.router.tokens import Held, PromptInfo, Uncached, uncached_tokens
 
 
@@ -74,12 +75,19 @@ HOLDER_LOAD_SLACK = 4
 KV_USAGE_STALE_SECONDS = 10.0
 
 
+def tier_weights(policy: RoutingPolicyConfig) -> TierWeights:
+    """What a prefix is worth per tier: the store only counts when the service has one."""
+    return TierWeights(cpu=policy.cpu_tier_weight, store=policy.store_tier_weight if policy.kv_store else 0.0)
+
+
 def decode_profile(policy: RoutingPolicyConfig, rng: random.Random | None = None) -> Profile:
     return Profile(
         filters=(AvailableFilter(), KvCompatFilter()),
         scorers=(
             WeightedScorer(LeastLoadScorer(in_flight_requests), policy.decode_load_weight),
-            WeightedScorer(PrefixAffinityScorer(), policy.decode_prefix_weight if policy.prefix_aware else 0.0),
+            WeightedScorer(
+                PrefixAffinityScorer(tier_weights(policy)), policy.decode_prefix_weight if policy.prefix_aware else 0.0
+            ),
             WeightedScorer(KvCacheHeadroomScorer(stale_after=KV_USAGE_STALE_SECONDS), policy.kv_headroom_weight),
         ),
         picker=MaxScorePicker(rng),
@@ -92,7 +100,9 @@ def prefill_profile(
     return Profile(
         filters=(AvailableFilter(), KvCompatFilter()),
         scorers=(
-            WeightedScorer(PrefixAffinityScorer(), policy.prefill_prefix_weight if policy.prefix_aware else 0.0),
+            WeightedScorer(
+                PrefixAffinityScorer(tier_weights(policy)), policy.prefill_prefix_weight if policy.prefix_aware else 0.0
+            ),
             WeightedScorer(LeastLoadScorer(in_flight_tokens), policy.prefill_load_weight),
             WeightedScorer(SameTopologyScorer(topology_labels), policy.prefill_topology_weight),
         ),
@@ -174,6 +184,14 @@ class Scheduler:
                 best = (state, found)
         return best
 
+    def _loadable(self, held: Mapping[str, Held], decode: EndpointState) -> Held | None:
+        """What the decode engine would not compute: its own prefix, or the store's when that is longer (it loads
+        it from the store instead of computing it)."""
+        own, stored = held.get(decode.url), held.get(STORE) if self.policy.kv_store else None
+        if stored is None or (own is not None and own.common >= stored.common):
+            return own
+        return stored
+
     def plan(self, prompt: PromptInfo, now: float, decode_candidates: Sequence[EndpointState] | None = None) -> Plan:
         """Choose the decode engine, the route and (for PD) the prefill engine.
 
@@ -185,7 +203,7 @@ class Scheduler:
         decode = self.pick_decode(prompt, held, candidates=decode_candidates)
         if decode is None:
             return Plan(Route.DECODE_ONLY, None, None, 0, held)
-        uncached = uncached_tokens(prompt, held.get(decode.url), threshold)
+        uncached = uncached_tokens(prompt, self._loadable(held, decode), threshold)
         if uncached.wants_prefill and held:
             holder = self._holder_instead(prompt, held, decode, threshold, decode_candidates)
             if holder is not None:
@@ -201,7 +219,7 @@ class Scheduler:
             alternative = self.pick_decode(prompt, held, candidates=pairable) if pairable else None
             if alternative is not None:
                 decode = alternative
-                uncached = uncached_tokens(prompt, held.get(decode.url), threshold)
+                uncached = uncached_tokens(prompt, self._loadable(held, decode), threshold)
                 prefill = self.pick_prefill(prompt, held, decode)
         if prefill is None:
             return Plan(Route.FALLBACK, decode, None, uncached.tokens, held)
