@@ -33,6 +33,8 @@ SLICE_TOPOLOGY_LABELS = (ZONE_LABEL, HOSTNAME_LABEL)
 """Node labels every EndpointSlice endpoint carries already (as `zone` and `nodeName`)."""
 NODE_TOPOLOGY_KEY = "nodes.json"
 """The node topology ConfigMap's one key (its value is a `NodeTopology` as JSON)."""
+ROUTER_CONTROL_KEY = "control.json"
+"""The router control ConfigMap's one key (its value is a `RouterControl` as JSON)."""
 
 
 class _Model(BaseModel):
@@ -65,6 +67,28 @@ class NodeTopology(_Model):
     nodes: dict[str, dict[str, str]] = Field(
         default_factory=dict, description="Node name -> topology label -> value, for the nodes engines run on."
     )
+
+
+class RouterControlSource(_Model):
+    """The ConfigMap the autoscaler publishes the router's controls in (`RouterControl`)."""
+
+    namespace: str = Field(description="Namespace of the ConfigMap.")
+    name: str = Field(min_length=1, description="Name of the ConfigMap (the router may read only this one).")
+
+
+class RouterControl(_Model):
+    """The content of the router control ConfigMap (key `control.json`): decided by the operator's autoscaler
+    (issue 19: the PD threshold is an output), applied by every router replica as soon as it sees it. Absent or
+    malformed: the router uses its configured `policy.disaggregationThresholdTokens`. Unknown members are ignored, so
+    the operator may publish more controls before every router reads them."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+
+    disaggregation_threshold: int = Field(
+        ge=0, description="Uncached prompt tokens at or above which a request goes through prefill."
+    )
+    reason: str = Field(default="", max_length=1024, description="Why the autoscaler chose it (for logs).")
+    decided_at: str = Field(default="", max_length=64, description="When it was decided (RFC 3339).")
 
 
 class RoutingPolicyConfig(_Model):
