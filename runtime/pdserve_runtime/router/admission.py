@@ -217,6 +217,7 @@ class AdmissionQueue(Generic[T]):
         self._clients: dict[str, _Client[T]] = {}
         self._arrivals: deque[Ticket[T]] = deque()  # every queued ticket in arrival order (lazy): expiry
         self._virtual = 0.0
+        self._max_finish = 0.0  # the largest finish tag given: the virtual time once the queue empties
         self._seq = 0
         self._size = 0
         self._until_sweep = 0  # requests leaving before the idle clients may be swept again
@@ -303,6 +304,7 @@ class AdmissionQueue(Generic[T]):
             state = self._clients[client] = _Client()
         ticket.start = max(self._virtual, state.finish)
         state.finish = ticket.start + cost
+        self._max_finish = max(self._max_finish, state.finish)
         state.tickets.append(ticket)
         state.queued += 1
         queue = self._pools[pool]
@@ -324,8 +326,8 @@ class AdmissionQueue(Generic[T]):
     def take(self, ticket: Ticket[T], now: float) -> None:
         """The request got an engine: it leaves the queue and the virtual time moves to its start tag."""
         queue = self._pools[ticket.pool]
-        self._leave(ticket, "taken")
         self._virtual = max(self._virtual, ticket.start)
+        self._leave(ticket, "taken")
         if queue.rate:
             queue.rate *= math.exp(-(now - queue.rate_at) / RATE_WINDOW_S)
         queue.rate += 1.0 / RATE_WINDOW_S
@@ -412,6 +414,10 @@ class AdmissionQueue(Generic[T]):
         queue.requests -= 1
         queue.tokens -= ticket.tokens
         self._size -= 1
+        if not self._size:
+            # The end of a busy period: SFQ's virtual time (the start tag in service) jumps past every tag given,
+            # so a client's history does not outlive the backlog it made.
+            self._virtual = max(self._virtual, self._max_finish)
         client = self._clients[ticket.client]
         client.queued -= 1
         if state != "taken" and client.finish == ticket.start + ticket.cost:
