@@ -293,6 +293,19 @@ class AdmissionQueue(Generic[T]):
         ticket = self._enqueue(item, client, pool, tokens, now)
         return Pushed(ticket, pushed_out=tuple(pushed_out))
 
+    def admitted(self, client: str, tokens: int) -> None:
+        """A request went to an engine without waiting (nothing waited, and an engine had room): it is charged to
+        its client as if it had waited and been taken, so a client that filled the engines before others came does
+        not also go first once a queue forms."""
+        state = self._clients.get(client)
+        if state is None:
+            state = self._clients[client] = _Client()
+        start = max(self._virtual, state.finish)
+        state.finish = start + max(1, tokens)
+        self._max_finish = max(self._max_finish, state.finish)
+        self._virtual = start
+        self._maybe_sweep()
+
     def _enqueue(self, item: T, client: str, pool: Pool, tokens: int, now: float) -> Ticket[T]:
         config = self.config
         self._seq += 1
@@ -371,7 +384,7 @@ class AdmissionQueue(Generic[T]):
                 "shutdown",
                 "the router is shutting down before an engine had room for this request; retry (another router "
                 "replica serves it)",
-                max(1, self.config.retry_after_s),
+                self.config.retry_after_s,
             )
             out.append(ticket)
         self._arrivals.clear()
@@ -424,6 +437,9 @@ class AdmissionQueue(Generic[T]):
             client.finish = ticket.start  # its newest request never ran: the client is not charged for it
         while client.tickets and client.tickets[0].state != "queued":
             client.tickets.popleft()
+        self._maybe_sweep()
+
+    def _maybe_sweep(self) -> None:
         self._until_sweep -= 1
         if self._until_sweep <= 0 and len(self._clients) > 2 * self._size + 64:
             self._forget_idle_clients()

@@ -242,10 +242,11 @@ class Gate:
         prompt_tokens.inc(tokens)
         if self._closed:
             self.shed.labels(pool, "shutdown").inc()
-            return Shed(503, "shutdown", _SHUTDOWN, 1)
+            return Shed(503, "shutdown", _SHUTDOWN, self.queue.config.retry_after_s)
         if not len(self.queue):
             binding = self._bind_planned(plan)
             if binding is not None:
+                self.queue.admitted(client, tokens)
                 self._waits[pool].observe(0.0)
                 return binding
         want = _Want(prompt, plan.route, tokens, asyncio.get_running_loop().create_future())
