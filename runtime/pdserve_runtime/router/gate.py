@@ -97,9 +97,12 @@ class Binding:
         self._held.append((state, tokens))
 
     def started(self, state: EndpointState) -> None:
-        """The request's lease on `state` began: it counts there now, not as a reservation."""
+        """The request's lease on `state` began: it counts there now, not as a reservation. The reservation given
+        back is the one of `state`'s pool, whichever engine it was on: a retry on another engine of the pool ends
+        the need for the first one's room too."""
+        role = state.endpoint.role
         for index, (held, tokens) in enumerate(self._held):
-            if held is state:
+            if held.endpoint.role == role:
                 del self._held[index]
                 held.reserved -= 1
                 held.reserved_tokens -= tokens
