@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from pdserve.api.defaults import EffectiveEngine, EffectiveRouter, EffectiveRouting
+from pdserve.api.defaults import EffectiveEngine, EffectiveGateway, EffectiveRouter, EffectiveRouting
 from pdserve.api.kvcompat import KV_COMPAT_LABEL
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
@@ -243,6 +243,38 @@ class CircuitBreakerConfig(_Model):
         description="Most engines of a pool ejected at once, in percent of the pool (rounded down, but one engine "
         "of a pool of two or more may always be ejected). The last usable engine of a pool is never ejected: "
         "errors alone never leave a pool empty.",
+    )
+
+
+class PickerConfig(_Model):
+    """The endpoint picker's own settings (`pdserve picker` flags; the rest of its configuration is the router's)."""
+
+    grpc_port: int = Field(
+        default=EffectiveGateway.picker_port, ge=1, le=65535, description="ext_proc and gRPC health port."
+    )
+    target_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port the gateway sends a request to on the chosen decode pod (the PD sidecar's); absent: the decode "
+            "engine's own port from discovery (no sidecar, decode-only)."
+        ),
+    )
+    fallback_endpoints: int = Field(
+        default=0,
+        ge=0,
+        le=8,
+        description=(
+            "Further decode endpoints listed after the pick, in the scheduler's order, for gateways that retry "
+            "down the list (Envoy's override_host policy); 0 for gateways whose ORIGINAL_DST cluster takes one "
+            "address from the header."
+        ),
+    )
+    max_in_flight_per_decode: int = Field(
+        default=0,
+        ge=0,
+        description="Shed (429) when every usable decode engine has this many requests in flight; 0 never sheds.",
     )
 
 

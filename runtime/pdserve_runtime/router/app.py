@@ -89,7 +89,18 @@ def server_limits(config: RouterConfig) -> ServerLimits:
 class RouterApp:
     """One router: its state, its background tasks and its HTTP routes."""
 
-    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        discovery: Discovery | None = None,
+        *,
+        access_log: bool,
+        proxy_class: type[Proxy] = Proxy,
+        serve_generation: bool = True,
+    ) -> None:
+        """`proxy_class`: the PD flow (the sidecar's plans from the gateway's header: `gateway.sidecar`);
+        `serve_generation` False for the endpoint picker, whose HTTP port serves only health (and, on the metrics
+        port, metrics)."""
         self.config = config
         policy = config.policy
         self.tracker = PrefixTracker(
@@ -118,14 +129,15 @@ class RouterApp:
         self.threshold = Threshold(self.scheduler)
         self.metrics.registry.register(ThresholdCollector(self.scheduler))
         self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
-        self.proxy = Proxy(config, self.scheduler, self.tracker, self.metrics, self.client, gate=self.gate)
+        self.proxy = proxy_class(config, self.scheduler, self.tracker, self.metrics, self.client, gate=self.gate)
         self.discovery = discovery or default_discovery(config, self.table, self.client)
         self._watches: list[PeerWatch | ControlWatch] = []
         limits = server_limits(config)
         self.server = HttpServer(limits, error_body=error_body, access_log=access_log)
-        self.server.route("POST", "/v1/completions", self.proxy.completions)
-        self.server.route("POST", "/v1/chat/completions", self.proxy.chat_completions)
-        self.server.route("GET", "/v1/models", self.models)
+        if serve_generation:
+            self.server.route("POST", "/v1/completions", self.proxy.completions)
+            self.server.route("POST", "/v1/chat/completions", self.proxy.chat_completions)
+            self.server.route("GET", "/v1/models", self.models)
         self.server.route("GET", "/health", self.health)
         self.server.route("GET", "/ready", self.ready)
         self.metrics_server = HttpServer(limits, error_body=error_body, access_log=False)

@@ -53,7 +53,7 @@ from pdserve_runtime.router.messages import (
 )
 from pdserve_runtime.router.metrics import FastHistogram, RouterMetrics
 from pdserve_runtime.router.policy.decision import Route
-from pdserve_runtime.router.policy.scheduler import Scheduler
+from pdserve_runtime.router.policy.scheduler import Plan, Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
 from pdserve_runtime.router.retry import (
     RetryPolicy,
@@ -280,7 +280,7 @@ class Proxy:
             deciding = perf_counter() - decided
             await asyncio.sleep(0)
             decided = perf_counter() - deciding
-        plan = self.scheduler.plan(prompt, monotonic())
+        plan = self._plan(flow.request, prompt)
         self.metrics.decision.observe(perf_counter() - decided)
         flow.held = dict(plan.held)
         flow.uncached = plan.uncached_tokens
@@ -312,6 +312,10 @@ class Proxy:
             else:
                 kv = outcome
         await self._decode(flow, decode, kv)
+
+    def _plan(self, request: Request, prompt: PromptInfo) -> Plan:
+        """The routing decision (the PD sidecar overrides this: the gateway's picker has made it)."""
+        return self.scheduler.plan(prompt, monotonic())
 
     # -- the context length ---------------------------------------------------------------------------------
 

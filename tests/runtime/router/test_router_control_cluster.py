@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,7 @@ def test_every_router_replica_applies_the_published_threshold_within_a_tick(
         for value in (1024, 0, 64):
             cluster.apply(published(value), namespace=namespace)
             started = time.monotonic()
-            wait_for(lambda v=value: all_show(metrics, name, v), timeout=2 * TICK_SECONDS, message=f"both use {value}")
+            wait_for(partial(all_show, metrics, name, value), timeout=2 * TICK_SECONDS, message=f"both use {value}")
             assert time.monotonic() - started < TICK_SECONDS
         # Malformed: the static threshold, and the router says why.
         cluster.apply(published("many"), namespace=namespace)
