@@ -24,11 +24,12 @@ from pdserve_runtime.router.control import ControlWatch, Threshold, ThresholdCol
 from pdserve_runtime.router.discovery import Discovery
 from pdserve_runtime.router.discovery.peers import PeerWatch
 from pdserve_runtime.router.discovery.static import StaticDiscovery
-from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable
+from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable, KvEventSource
 from pdserve_runtime.router.engine_metrics import EngineMetricsScraper
 from pdserve_runtime.router.engine_models import ContextLengthLearner
 from pdserve_runtime.router.errors import error_body
 from pdserve_runtime.router.gate import Gate
+from pdserve_runtime.router.kvhub import KvEventsCollector, KvEventsHub
 from pdserve_runtime.router.metrics import RouterMetrics
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
@@ -58,10 +59,15 @@ def default_discovery(config: RouterConfig, table: EndpointTable, client: Engine
                 return None
             return status
 
+        kv_events = {
+            url: [KvEventSource(source.endpoint, source.replay_endpoint) for source in sources]
+            for url, sources in config.static_kv_events.items()
+        }
         return StaticDiscovery(
             table,
             config.static_prefill,
             config.static_decode,
+            kv_events=kv_events if config.policy.kv_events else None,
             health=health if client is not None and config.static_health_interval_seconds > 0 else None,
             interval=config.static_health_interval_seconds,
         )
@@ -116,8 +122,14 @@ class RouterApp:
             max_ejected_percent=breaker.max_ejected_percent,
             on_removed=self._forget,
         )
-        self.scheduler = Scheduler(self.table, self.tracker, policy, config.topology_labels)
+        # KV events: an index per engine that publishes them, following the table (kvhub).
+        self.kv_events = KvEventsHub(self.table, max_blocks=policy.prefix_tracker_max_blocks)
+        self.table.on_changed = self.kv_events.sync
+        self.scheduler = Scheduler(
+            self.table, self.tracker, policy, config.topology_labels, kv=self.kv_events if policy.kv_events else None
+        )
         self.metrics = RouterMetrics(self.table)
+        KvEventsCollector(self.kv_events).register(self.metrics.registry)
         self.gate = Gate(
             config.admission,
             self.table,
@@ -178,6 +190,8 @@ class RouterApp:
         """Discover engines, start the background tasks and listen (clients on `port`, Prometheus on
         `metrics_port`; 0: any free port, then `self.port` / `self.metrics_port` say which); returns the client
         port."""
+        if self.config.policy.kv_events:
+            self.kv_events.start()
         await self.discovery.start()
         self._start_watches()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="pdserve-router-prober"))
@@ -232,6 +246,7 @@ class RouterApp:
         await self.discovery.stop()
         for watch in self._watches:
             watch.stop()
+        await self.kv_events.stop()
         await self.client.close()
 
     # -- small endpoints -------------------------------------------------------------------------------------
