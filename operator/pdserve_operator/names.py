@@ -16,7 +16,7 @@ from typing import Literal
 from pdserve.api.kvcompat import KV_COMPAT_LABEL
 from pdserve.api.v1alpha1 import PDService
 
-Role = Literal["prefill", "decode", "router"]
+Role = Literal["prefill", "decode", "router", "kvstore"]
 EngineRole = Literal["prefill", "decode"]
 ENGINE_ROLES: tuple[EngineRole, ...] = ("prefill", "decode")
 ROLE_LABEL = "pdserve.io/role"
@@ -43,6 +43,7 @@ __all__ = [
     "child_name",
     "labels",
     "owner_labels",
+    "router_control_name",
     "selector_labels",
 ]
 
@@ -54,6 +55,12 @@ def child_name(owner: PDService | str, role: Role) -> str:
     PDService whose spec does not parse, so they have no model to pass. This is the one place the rule lives."""
     name = owner if isinstance(owner, str) else owner.metadata.name
     return f"{name}-{role}"
+
+
+def router_control_name(owner: PDService | str) -> str:
+    """`<pdservice>-router-control`: the ConfigMap the autoscaler publishes the router's controls in (its key
+    `pdserve.api.router_config.ROUTER_CONTROL_KEY`) and every router replica watches by this name."""
+    return f"{owner if isinstance(owner, str) else owner.metadata.name}-router-control"
 
 
 def owner_labels(pds: PDService) -> dict[str, str]:

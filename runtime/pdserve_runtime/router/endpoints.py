@@ -24,6 +24,14 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventSource:
+    """Where one engine publisher (an engine, or one data-parallel rank of it) sends and replays its KV events."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """One engine as discovery sees it."""
 
@@ -35,6 +43,8 @@ class Endpoint:
     name: str = ""
     # Addresses the engine may advertise as its KV side-channel host (`remote_host`); the URL's host always is.
     addresses: frozenset[str] = frozenset()
+    # The engine's KV event publishers (one per data-parallel rank); empty when it publishes none.
+    kv_events: tuple[KvEventSource, ...] = ()
 
     @property
     def label(self) -> str:
@@ -62,6 +72,15 @@ class EndpointState:
     kv_cache_usage_at: float = 0.0
     # The engine's context length (its /v1/models `max_model_len`; see engine_models), None until read.
     max_model_len: int | None = None
+    # Requests (and their uncached prompt tokens) the admission gate bound to this engine that have not started
+    # yet (`gate.Binding`): counted against the engine's room like requests in flight.
+    reserved: int = 0
+    reserved_tokens: int = 0
+    # Requests the engine itself reports (running + waiting, from its /metrics; see engine_metrics), when it was
+    # read, and how many of this router's were in flight then: the difference is someone else's load.
+    reported_requests: int | None = None
+    reported_at: float = 0.0
+    own_at_report: int = 0
 
     @property
     def url(self) -> str:
@@ -99,8 +118,10 @@ class EndpointTable:
         success_threshold: int = 1,
         max_ejected_percent: int = 50,
         on_removed: Callable[[str], None] | None = None,
+        on_changed: Callable[[], None] | None = None,
     ) -> None:
         self._on_removed = on_removed
+        self.on_changed = on_changed
         self._max_ejected_percent = max_ejected_percent
         self._failure_threshold = failure_threshold
         self._open_seconds = open_seconds
@@ -109,6 +130,8 @@ class EndpointTable:
         # Snapshots are rebuilt on change so that the per-request path only reads a tuple.
         self._snapshots: dict[Role, tuple[EndpointState, ...]] = {role: () for role in ROLES}
         self.version = 0
+        # Called after every change of a pool (the admission gate: a new engine takes waiting requests at once).
+        self.listeners: list[Callable[[], None]] = []
 
     def replace(self, role: Role, endpoints: Iterable[Endpoint]) -> None:
         """Make `endpoints` the whole `role` pool, keeping the live state of URLs already known."""
@@ -128,6 +151,10 @@ class EndpointTable:
         self._snapshots[role] = tuple(new.values())
         self._keep_budget(role)
         self.version += 1
+        if self.on_changed is not None:
+            self.on_changed()  # the KV-event indexes follow the table first: a dispatch pass may route on them
+        for listener in self.listeners:
+            listener()
 
     def _keep_budget(self, role: Role) -> None:
         """Undo the ejections the pool's new shape no longer allows (see `record_failure` for the budget).

@@ -10,6 +10,10 @@ After a prefill failure (connect error, 5xx, timeout, a bad answer):
 
 After a decode failure before the first byte:
 
+- with a shared KV store (`kvStore`), once: a decode engine (another one if there is one, else the same) gets the
+  request without prefill's `kv_transfer_params` and loads the prompt from the store, where prefill wrote it before
+  answering ("decode-from-store"): no new prefill, whether the failure was the KV pull (prefill gone, lease expired)
+  or the decode engine itself; later failures continue as below;
 - while `maxDecodeAttempts` allows: another decode engine (kv-compatible with the KV holder, so the prefill's KV is
   reused: prefill holds it for its lease); without one, a fresh prefill if the failure may lie in the KV itself
   (it was pulled, and no prefill was redone yet); without that, the same decode engine again (a pool of one
@@ -22,7 +26,8 @@ unreachable connection (the request never arrived) or an engine's own error answ
 first: a failed KV load ends that way, and leaves the KV held), the KV is still there. After a decode engine went
 silent past the first-byte deadline, cut the connection or answered garbage, it may have read the KV before it
 failed: its params could then make the next engine read freed blocks (in vLLM: silently wrong output once they are
-reused). Such KV is in doubt: the only next step is a fresh prefill, else give up.
+reused). Such KV is in doubt: the only next step is a fresh prefill, else give up (the store's one decode attempt
+comes first all the same: it reads the store, never the prefill's KV).
 
 Giving up is 503 with Retry-After when every decode failure was a refused or unreachable connection (the
 engines are down: come back later), 502 otherwise (engines answered, badly).
@@ -39,6 +44,7 @@ class Step(StrEnum):
     FALLBACK = "fallback"
     REFUSE = "refuse"  # 503: nothing can prefill and the configuration forbids decode-only
     DECODE_ELSEWHERE = "decode-elsewhere"
+    DECODE_FROM_STORE = "decode-from-store"
     REPREFILL = "reprefill"
     DECODE_SAME = "decode-same"
     GIVE_UP = "give-up"
@@ -49,6 +55,7 @@ class RetryPolicy:
     max_prefill_attempts: int
     max_decode_attempts: int
     fallback_to_decode: bool
+    kv_store: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,7 @@ class Tries:
     decode: int = 0  # decode attempts made
     have_kv: bool = False  # the decode attempts work from a prefill's KV
     reprefilled: bool = False
+    from_store: bool = False  # a decode attempt already loaded the prompt from the KV store
     only_connect_failures: bool = True  # every decode failure so far was a refused or unreachable connection
     kv_in_doubt: bool = False  # a decode engine that failed may have read (and so freed) the KV
 
@@ -90,6 +98,10 @@ def after_prefill_failure(tries: Tries, policy: RetryPolicy, *, another_prefill:
 def after_decode_failure(tries: Tries, policy: RetryPolicy, *, another_decode: bool, same_usable: bool) -> Step:
     """The next step once a decode attempt failed before its first byte (`tries` already counts it)."""
     may_reprefill = tries.have_kv and not tries.reprefilled
+    if policy.kv_store and tries.have_kv and not tries.from_store:
+        # The store has the prompt: one more decode attempt costs a store read, never a prefill. (It reads the
+        # store, not the prefill's KV, so whether a failed engine read that KV does not matter.)
+        return Step.DECODE_FROM_STORE
     if tries.have_kv and tries.kv_in_doubt:
         return Step.REPREFILL if may_reprefill else Step.GIVE_UP
     if tries.decode < policy.max_decode_attempts:
