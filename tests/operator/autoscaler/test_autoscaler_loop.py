@@ -27,6 +27,7 @@ from pdserve.api.policy import DEFAULT_POLICY
 from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_dev.testing.metrics import samples
+from pdserve_dev.testing.owners import controlled, replica_set_pod
 from pdserve_operator.autoscaler.collector import Target
 from pdserve_operator.autoscaler.core import AutoscalerConfig, config_from_spec
 from pdserve_operator.autoscaler.loop import (
@@ -180,11 +181,12 @@ class World:
         return self.kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-{role}")]
 
     def add_pods(self) -> None:
-        """Ready engine pods for each StatefulSet's replicas and a router pod, as the cache would hold them."""
+        """Ready engine pods for each StatefulSet's replicas and a router pod, as the cache would hold them (their
+        controllers' owner references included)."""
         for role in ("prefill", "decode"):
             for index in range(int(self.sts(role)["spec"]["replicas"])):
-                self.store.put(pod(f"{NAME}-{role}-{index}", role))
-        self.store.put(pod(f"{NAME}-router-abc", "router"))
+                self.store.put(controlled(pod(f"{NAME}-{role}-{index}", role), self.sts(role)))
+        self.store.put(replica_set_pod(pod(f"{NAME}-router-abc", "router"), f"{NAME}-router"))
 
     def loop(self) -> ServiceLoop:
         return ServiceLoop(KEY, self.scalers)
@@ -441,7 +443,7 @@ def configured(world: World) -> AutoscalerConfig:
 
 def test_read_service_reads_the_pools_and_the_live_pods_from_the_cache() -> None:
     world = World()
-    terminating = pod(f"{NAME}-router-old", "router")
+    terminating = replica_set_pod(pod(f"{NAME}-router-old", "router"), f"{NAME}-router")
     terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     world.store.put(terminating)
     view = service_view(world)
@@ -454,6 +456,20 @@ def test_read_service_reads_the_pools_and_the_live_pods_from_the_cache() -> None
         [f"{NAME}-prefill-0", *(f"{NAME}-decode-{i}" for i in range(4))]
     )
     assert view.routers == [f"{NAME}-router-abc"]  # the terminating one serves no new request
+    # Pods that carry a pool's labels but that its StatefulSet does not control (an `edit` user's own pod, labelled
+    # and named like a pool member, or claiming the StatefulSet under a name it never gives its pods) are not
+    # the pool's: not counted, not scraped.
+    labels = {"app.kubernetes.io/managed-by": "pdserve-operator"}
+    forged = pod(f"{NAME}-prefill-1", "prefill")
+    forged["metadata"]["labels"].update(labels)
+    world.store.put(forged)
+    world.store.put(controlled(pod(f"{NAME}-prefill-evil", "prefill"), world.sts("prefill")))
+    world.store.put(pod(f"{NAME}-router-forged", "router"))
+    view = service_view(world)
+    assert sorted(p["metadata"]["name"] for p in view.engine_pods if "prefill" in p["metadata"]["name"]) == [
+        f"{NAME}-prefill-0"
+    ]
+    assert view.routers == [f"{NAME}-router-abc"]
     # A pool without its StatefulSet yet: nothing to read (the reconcile creates it first).
     world.store.delete(world.sts("decode"))
     spec = world.views.checked(world.store.owner(*KEY) or {}).require()[1]
