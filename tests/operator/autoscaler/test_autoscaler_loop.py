@@ -15,6 +15,7 @@ import asyncio
 import copy
 import itertools
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -26,9 +27,10 @@ from prometheus_client import CollectorRegistry
 from pdserve.api.policy import DEFAULT_POLICY
 from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
+from pdserve_dev.testing.fake_prometheus import fake_prometheus
 from pdserve_dev.testing.metrics import samples
 from pdserve_dev.testing.owners import controlled, replica_set_pod
-from pdserve_operator.autoscaler.collector import Target
+from pdserve_operator.autoscaler.collector import ENGINE_QUERIES, ROUTER_QUERIES, Collector, Target, connect
 from pdserve_operator.autoscaler.core import AutoscalerConfig, config_from_spec
 from pdserve_operator.autoscaler.loop import (
     CHECK_S,
@@ -72,8 +74,9 @@ class Scripted:
     broken: bool = False
     crash: bool = False
     seen: list[tuple[Target, list[PodState], list[str]]] = field(default_factory=list)
+    closed: int = 0
 
-    def collect(
+    async def collect(
         self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
     ) -> ServiceSignals:
         self.seen.append((target, list(pods), list(routers)))
@@ -101,6 +104,9 @@ class Scripted:
         decode = PoolSignals("decode", target.desired["decode"], ready=target.desired["decode"])
         router = RouterSignals(ttft_s=self.ttft_s, ttft_pd_s=self.ttft_s, itl_s=0.02, freshness_s=1.0)
         return ServiceSignals(now, target.window_s, target.percentile, prefill, decode, router)
+
+    async def close(self) -> None:
+        self.closed += 1
 
 
 def loop_settings(
@@ -631,6 +637,40 @@ def test_turning_autoscaling_off_removes_its_status_and_conditions() -> None:
     assert "autoscaling" not in world.status()["prefill"]
     types = {c["type"] for c in world.status()["conditions"]}
     assert not types & {"ScalingActive", "AbleToScale", "ScalingLimited"}
+
+
+# ------------------------------------------------------------------------------------------------ isolation
+
+
+@pytest.mark.timeout(120)
+async def test_a_pdservice_whose_prometheus_trickles_delays_no_other_loop() -> None:
+    """Four PDServices' queries hang (their Prometheus trickles its answers: a stand-in on a real socket,
+    `fake_prometheus`, since a real one will not hang on demand) with a deadline far off; a fifth's, to a prompt
+    Prometheus, is answered all the same: the loops share no thread pool and no connection (the operator's
+    autoscaler pool has 4 threads, the runner's AUTOSCALER_THREADS)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        world = World()
+        world.scalers.executor = pool
+        async with fake_prometheus(trickle="body") as slow, fake_prometheus() as prompt:
+            collectors = [Collector(connect(slow.url), deadline_s=600.0) for _ in range(4)]
+            collectors.append(Collector(connect(prompt.url), deadline_s=600.0))
+            made = iter(collectors)
+            world.scalers.sources = lambda: next(made)
+            loops = [world.loop() for _ in collectors]
+            view, config = service_view(world), configured(world)
+            stuck = [asyncio.create_task(loop.collect(view, config, 1_800_000_000.0)) for loop in loops[:4]]
+            try:
+                await wait_until(lambda: len(slow.queries) == 4, within=30)  # all four hang in their first query
+                signals = await asyncio.wait_for(loops[4].collect(view, config, 1_800_000_000.0), 30)
+                assert not any(task.done() for task in stuck)
+            finally:
+                for task in stuck:
+                    task.cancel()
+                await asyncio.gather(*stuck, return_exceptions=True)
+                for collector in collectors:
+                    await collector.close()
+    assert len(prompt.queries) == len(ENGINE_QUERIES) * 2 + len(ROUTER_QUERIES)
+    assert signals.errors == ()
 
 
 # -------------------------------------------------------------------------------------------------- helpers
