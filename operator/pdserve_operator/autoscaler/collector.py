@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdserve_operator.autoscaler.prometheus import PrometheusClient, UnreachableError
+from pdserve_operator.autoscaler.prometheus import PrometheusClient, PrometheusConnectionError
 from pdserve_operator.autoscaler.queries import BY_NAME, Query, Scope, render
 from pdserve_operator.autoscaler.signals import (
     ROLES,
@@ -215,7 +215,7 @@ class Collector:
             except Exception as exc:  # a failing dependency is reported, never raised: the policy holds
                 error = f"{scope} {query.name}: {type(exc).__name__}: {exc}"[:300]
                 tick.errors.append(error)
-                if isinstance(exc, UnreachableError):
+                if isinstance(exc, PrometheusConnectionError):
                     tick.stopped = error
                 continue
             tick.failed.pop()

@@ -10,7 +10,7 @@ each loop awaits its own queries on the event loop, with no shared thread pool t
 
 Queries are POSTed (a pod regex of hundreds of pods outgrows a URL) to `/api/v1/query` with the evaluation time,
 as Prometheus' HTTP API documents. Failures are two kinds, which the collector treats differently:
-`UnreachableError` (no connection, reset, an answer that is not Prometheus') ends the tick's queries at once, a
+`PrometheusConnectionError` (no connection, reset, an answer that is not Prometheus') ends the tick's queries at once, a
 `QueryRefusedError` (Prometheus answered with an error) fails that query alone.
 """
 
@@ -21,13 +21,13 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["PrometheusClient", "QueryRefusedError", "UnreachableError"]
+__all__ = ["PrometheusClient", "PrometheusConnectionError", "QueryRefusedError"]
 
 #: The most of a query's answer read (bytes): a tick's answers are a few series per pod.
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
 
 
-class UnreachableError(Exception):
+class PrometheusConnectionError(ConnectionError):
     """Prometheus could not be reached or did not answer as Prometheus does."""
 
 
@@ -61,13 +61,13 @@ class PrometheusClient:
                     if len(body) > MAX_ANSWER_BYTES:
                         raise QueryRefusedError(f"answer larger than {MAX_ANSWER_BYTES} bytes")
         except aiohttp.ClientError as exc:
-            raise UnreachableError(f"{type(exc).__name__}: {exc}") from exc
+            raise PrometheusConnectionError(f"{type(exc).__name__}: {exc}") from exc
         try:
             answer = json.loads(body)
         except ValueError:
-            raise UnreachableError(f"HTTP {status}: not a Prometheus answer: {body[:120]!r}") from None
+            raise PrometheusConnectionError(f"HTTP {status}: not a Prometheus answer: {body[:120]!r}") from None
         if not isinstance(answer, dict):
-            raise UnreachableError(f"HTTP {status}: not a Prometheus answer")
+            raise PrometheusConnectionError(f"HTTP {status}: not a Prometheus answer")
         if answer.get("status") != "success":
             raise QueryRefusedError(f"HTTP {status} {answer.get('errorType', '')}: {answer.get('error', answer)}")
         data = answer.get("data") or {}
