@@ -42,3 +42,11 @@ class Snapshot:
 
     def child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.children.get((kind, namespace, name))
+
+    def uids(self, kind: str) -> dict[str, str]:
+        """Name -> UID of the children of one kind (what the router is told it may trust: `render.discovery`)."""
+        return {
+            key[2]: str(obj["metadata"]["uid"])
+            for key, obj in self.children.items()
+            if key[0] == kind and (obj.get("metadata") or {}).get("uid")
+        }

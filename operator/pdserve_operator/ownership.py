@@ -16,17 +16,24 @@ role) can write any label. So every layer that acts on what it observed asks thi
   the garbage collector, and one naming the real ReplicaSet is adopted and counted by the ReplicaSet controller
   (which then deletes pods beyond its replicas);
 - a router EndpointSlice is the router Service's when it was made by the EndpointSlice controller for that
-  Service (its controller reference carries the owned Service's UID).
+  Service (its controller reference carries the owned Service's UID). The router applies the same rule to the
+  pools' slices, with the Service UIDs the operator publishes for it (`render.discovery`).
 
 Everything else that carries a PDService's labels is foreign: ignored, and reported (status or an Event).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from pdserve.api.router_config import (
+    ENDPOINT_SLICE_CONTROLLER,
+    MANAGED_BY_SLICE_LABEL,
+    SERVICE_NAME_LABEL,
+    is_member_pod,
+)
 
 __all__ = [
     "ENDPOINT_SLICE_CONTROLLER",
@@ -43,12 +50,7 @@ __all__ = [
     "split_pods",
 ]
 
-#: The labels the EndpointSlice controller sets on every slice it makes (and overwrites if a Service sets them).
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-MANAGED_BY_SLICE_LABEL = "endpointslice.kubernetes.io/managed-by"
-ENDPOINT_SLICE_CONTROLLER = "endpointslice-controller.k8s.io"
 _POD_TEMPLATE_HASH = "pod-template-hash"
-_ORDINAL = re.compile(r"-(0|[1-9][0-9]*)")
 
 
 def controller_of(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -109,8 +111,7 @@ def is_statefulset_pod(pod: Mapping[str, Any], statefulset: Mapping[str, Any]) -
     uid, name = meta.get("uid"), meta.get("name")
     if ref is None or not uid or ref.get("kind") != "StatefulSet" or ref.get("uid") != uid:
         return False
-    pod_name = str((pod.get("metadata") or {}).get("name") or "")
-    return pod_name.startswith(f"{name}") and _ORDINAL.fullmatch(pod_name[len(str(name)) :]) is not None
+    return is_member_pod(str((pod.get("metadata") or {}).get("name") or ""), str(name))
 
 
 def is_replicaset_pod(pod: Mapping[str, Any], deployment_name: str) -> bool:

@@ -134,7 +134,8 @@ def reconcile(
     if checked.ok:
         snapshot = store.snapshot(namespace, name)
         spec = checked.require()[1]
-        desired = desired_children(checked, snapshot, observe(snapshot.pods, spec, nodes))
+        facts = observe(snapshot.pods, spec, nodes, services=snapshot.uids("Service"))
+        desired = desired_children(checked, snapshot, facts)
         found, unreadable = look_up(api, unknown_names(desired, snapshot), applier)
         if unreadable:
             done = Executed(transient=unreadable)  # cannot tell whether a name is free: write nothing, retry
@@ -216,10 +217,16 @@ def report_foreign_pods(
 # ------------------------------------------------------------------------------------------------------ 1. plan
 
 
-def observe(pods: Iterable[dict[str, Any]], spec: EffectiveSpec, nodes: NodeLabels | None) -> Observed:
+def observe(
+    pods: Iterable[dict[str, Any]],
+    spec: EffectiveSpec,
+    nodes: NodeLabels | None,
+    services: Mapping[str, str] | None = None,
+) -> Observed:
     """The cluster facts the render needs: per pool, the kv-compat values its pods carry (every pod the cache holds,
-    terminating ones too: they still serve); and the labels of the nodes they run on, only if the router's topology
-    needs node labels (`nodes` None: none are read, as in tests without nodes)."""
+    terminating ones too: they still serve); the labels of the nodes they run on, only if the router's topology
+    needs node labels (`nodes` None: none are read, as in tests without nodes); and the Services the PDService
+    controls, by UID (`services`: what the router is told it may trust)."""
     values: dict[EngineRole, set[str]] = {role: set() for role in ENGINE_ROLES}
     node_names: set[str] = set()
     for pod in pods:
@@ -232,7 +239,11 @@ def observe(pods: Iterable[dict[str, Any]], spec: EffectiveSpec, nodes: NodeLabe
         if (pod.get("spec") or {}).get("nodeName"):
             node_names.add(pod["spec"]["nodeName"])
     node_labels = nodes.labels(node_names) if nodes is not None and node_topology_labels(spec) else {}
-    return Observed(kv_compat={role: frozenset(found) for role, found in values.items()}, node_labels=node_labels)
+    return Observed(
+        kv_compat={role: frozenset(found) for role, found in values.items()},
+        node_labels=node_labels,
+        services=dict(services or {}),
+    )
 
 
 def plan_writes(

@@ -27,7 +27,7 @@ from pdserve_operator.view import SpecViews
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"  # topologyKey: pdserve.io/rack
 NAMESPACE, NAME = "default", "llama-8b"
 RACK = "pdserve.io/rack"
-TOPOLOGY = f"{NAME}-router-topology"
+TOPOLOGY = f"{NAME}-router-discovery"
 
 
 def document(image: str = "vllm/vllm-openai:v0.32.0") -> dict[str, Any]:
@@ -95,6 +95,16 @@ class World:
 
     def labels(self, key: tuple[str, str, str]) -> dict[str, str]:
         return dict(self.kube.objects[key]["metadata"].get("labels") or {})
+
+    def owned(self) -> dict[str, str]:
+        """The Services the discovery ConfigMap tells the router it may take engines from (name -> UID)."""
+        parsed: dict[str, str] = json.loads(
+            self.kube.objects[("ConfigMap", NAMESPACE, TOPOLOGY)]["data"]["services.json"]
+        )["services"]
+        return parsed
+
+    def uid(self, kind: str, name: str) -> str:
+        return str(self.kube.objects[(kind, NAMESPACE, name)]["metadata"]["uid"])
 
     def topology(self) -> dict[str, Any]:
         parsed: dict[str, Any] = json.loads(self.kube.objects[("ConfigMap", NAMESPACE, TOPOLOGY)]["data"]["nodes.json"])
@@ -208,4 +218,27 @@ def test_without_a_topology_key_no_node_is_read() -> None:
     world.put_pod(engine_pod("decode", 0, value_of(doc), "gpu-a"))
     world.reconcile()
     assert world.kube.node_reads == []
-    assert ("ConfigMap", NAMESPACE, TOPOLOGY) not in world.kube.objects
+    assert world.topology() == {"nodes": {}}
+
+
+def test_the_router_is_told_the_services_the_operator_created_by_uid() -> None:
+    """The first pass creates the per-kv-compat Services; the next lists them with their UIDs (long before a pod
+    of theirs can be ready). Through a rollout the new value's Service is listed from the pass after it is created,
+    and a pruned one is dropped in the pass that prunes it."""
+    world = World()
+    old_doc, new_doc = document(), document("vllm/vllm-openai:v0.32.1")
+    old, new = value_of(old_doc), value_of(new_doc)
+    world.put_spec(old_doc)
+    world.reconcile()
+    assert world.owned() == {}
+    world.reconcile()
+    services = [f"{NAME}-prefill-{old}", f"{NAME}-decode-{old}"]
+    assert world.owned() == {name: world.uid("Service", name) for name in services}
+    world.put_pod(engine_pod("decode", 0, old))
+
+    world.put_spec(new_doc)
+    world.reconcile()
+    world.reconcile()
+    services = [f"{NAME}-{pool}-{value}" for pool in ("prefill", "decode") for value in (old, new)]
+    services.remove(f"{NAME}-prefill-{old}")  # no prefill pod carries the old value: pruned
+    assert world.owned() == {name: world.uid("Service", name) for name in services}

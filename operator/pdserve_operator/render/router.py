@@ -1,13 +1,13 @@
 """The router: Deployment, Service, ConfigMap (its RouterConfig), ServiceAccount, Role and RoleBinding.
 
 The router discovers engines itself and reads nothing but what `render.discovery` publishes for it: EndpointSlices
-(the pools' per-kv-compat Services, whose labels say which kv-compat value their engines carry) and, when topology
-needs node labels, the one node topology ConfigMap. Its Role is exactly that: list and watch EndpointSlices in its
-namespace, and list and watch that ConfigMap by name; no Pods (their env would be readable by an internet-facing
-process), no Nodes, no Secrets. It never gets a single object (every read is a list + watch), so no `get`.
-A hash of the rendered config is a pod annotation: changing routing settings rolls the router pods, which is
-simpler and more predictable than hot reload. The node topology ConfigMap changes as pods move and is watched,
-not mounted, so it never rolls the router.
+(the pools' per-kv-compat Services, whose labels say which kv-compat value their engines carry) and the one
+discovery ConfigMap (the Services the operator owns, the nodes' topology labels). Its Role is exactly that: list
+and watch EndpointSlices in its namespace, and list and watch that ConfigMap by name; no Pods (their env would be
+readable by an internet-facing process), no Services, no Nodes, no Secrets. It never gets a single object (every
+read is a list + watch), so no `get`. A hash of the rendered config is a pod annotation: changing routing settings
+rolls the router pods, which is simpler and more predictable than hot reload. The discovery ConfigMap changes as
+Services and pods come and go and is watched, not mounted, so it never rolls the router.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from pdserve.api.defaults import EffectiveSpec
-from pdserve.api.router_config import EndpointSelector, NodeTopologySource, RouterConfig, RoutingPolicyConfig
+from pdserve.api.router_config import DiscoveryConfigMap, EndpointSelector, RouterConfig, RoutingPolicyConfig
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.names import child_name, labels, selector_labels
 from pdserve_operator.render import discovery
@@ -41,17 +41,22 @@ def router_endpoint(pds: PDService, spec: EffectiveSpec) -> str:
 def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
     routing = spec.router.routing
     namespace = pds.metadata.namespace
-    node_topology = None
-    if discovery.node_topology_labels(spec):
-        node_topology = NodeTopologySource(namespace=namespace, name=discovery.topology_config_map_name(pds))
     return RouterConfig(
         served_model_name=spec.model.name,
         port=spec.router.port,
         discovery="kubernetes",
-        prefill=EndpointSelector(namespace=namespace, label_selector=discovery.slice_selector(pds, "prefill")),
-        decode=EndpointSelector(namespace=namespace, label_selector=discovery.slice_selector(pds, "decode")),
+        prefill=EndpointSelector(
+            namespace=namespace,
+            label_selector=discovery.slice_selector(pds, "prefill"),
+            statefulset=child_name(pds, "prefill"),
+        ),
+        decode=EndpointSelector(
+            namespace=namespace,
+            label_selector=discovery.slice_selector(pds, "decode"),
+            statefulset=child_name(pds, "decode"),
+        ),
         topology_labels=discovery.topology_labels(spec),
-        node_topology=node_topology,
+        discovery_config_map=DiscoveryConfigMap(namespace=namespace, name=discovery.discovery_config_map_name(pds)),
         kv_side_channel_ports=discovery.side_channel_ports(spec),
         policy=RoutingPolicyConfig(
             disaggregation_threshold_tokens=routing.disaggregation_threshold,
@@ -88,11 +93,12 @@ def service_account(pds: PDService) -> dict[str, Any]:
 def role(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     """What the router's discovery reads (list, then watch), and nothing else."""
     watch = ["list", "watch"]
-    rules: list[dict[str, Any]] = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": watch}]
-    if discovery.node_topology_labels(spec):
-        # A list or watch is authorised against resourceNames when it selects metadata.name (the router does).
-        name = discovery.topology_config_map_name(pds)
-        rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": watch})
+    # A list or watch is authorised against resourceNames when it selects metadata.name (the router does).
+    name = discovery.discovery_config_map_name(pds)
+    rules: list[dict[str, Any]] = [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": watch},
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": watch},
+    ]
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
