@@ -250,7 +250,8 @@ class KubeApi:
 
     def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         """One object by name, None when there is none: what a child's name holds before the operator creates it
-        (the informer cache only holds objects with pdserve's labels; `reconcile.look_up`)."""
+        (the informer cache only holds objects with pdserve's labels; `reconcile.look_up`), or an object of a kind
+        the informers do not watch (the InferencePool)."""
         try:
             body = self._request("GET", kind.object_path(namespace, name), kind.kind).body
         except ApiError as exc:

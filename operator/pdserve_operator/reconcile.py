@@ -45,18 +45,21 @@ from typing import Any
 
 from pdserve.api.defaults import EffectiveRouting, EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Validated
+from pdserve_operator import gateway_status
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
 from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard, ScalingReport, kept_view, status_view
 from pdserve_operator.executor import Executed, RetryLaterError, execute, post_event, write_status
-from pdserve_operator.kinds import MANAGED
+from pdserve_operator.kinds import INFERENCE_POOL, MANAGED
 from pdserve_operator.kube import ApiError, KubeIO
 from pdserve_operator.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
 from pdserve_operator.nodes import NodeLabels
 from pdserve_operator.observed import ObjectKey, Snapshot, key_of
 from pdserve_operator.ownership import controlled_by, controller_of
 from pdserve_operator.render import Observed, render
+from pdserve_operator.render import gateway as gateway_render
 from pdserve_operator.render.discovery import node_topology_labels
 from pdserve_operator.render.router import router_endpoint
 from pdserve_operator.store import Store
@@ -125,7 +128,7 @@ def reconcile(
     (`--crash-recovery-seconds`). `applier`: the thread pool a wave's applies share (None: one after the other).
     `scaling`: the autoscaler loops' reports, placed in status as they are (None: an operator without an
     autoscaler, like one started without --prometheus-url). `nodes`: where node labels come from
-    (`nodes.NodeLabelCache`); None reads none (the topology ConfigMap then lists no node). `reported`: the foreign
+    (`nodes.NodeLabelCache`); None reads none (the discovery ConfigMap then lists no node). `reported`: the foreign
     pods already reported (`ForeignPods`: each gets one Warning Event); None reports none."""
     body = store.owner(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -273,8 +276,9 @@ def look_up(
     api: KubeIO, keys: Sequence[ObjectKey], pool: Executor | None
 ) -> tuple[dict[ObjectKey, dict[str, Any] | None], list[str]]:
     """What the API server holds under each name (None: free), read concurrently on `pool`; and the reads that
-    failed (then no name is known to be free, and the pass writes nothing)."""
-    kinds = {kind.kind: kind for kind in MANAGED}
+    failed (then no name is known to be free, and the pass writes nothing). The InferencePool (router mode
+    gateway) is never in the cache (not watched: its CRD is optional), so it is read on every pass."""
+    kinds = {kind.kind: kind for kind in (*MANAGED, INFERENCE_POOL)}
 
     def read(key: ObjectKey) -> tuple[ObjectKey, dict[str, Any] | None, str | None]:
         try:
@@ -421,6 +425,9 @@ def update_status(
             # The object in the way is seldom ours to watch (no pdserve labels): look again soon after its owner
             # may have removed it, rather than only at the next resync.
             outcome.requeue_after = min(outcome.requeue_after or CONFLICT_RECHECK_S, CONFLICT_RECHECK_S)
+        pds, spec = checked.require()
+        if spec.router.mode == "gateway":
+            _report_inference_pool(api, pds, new_status, outcome)
     old_status = body.get("status")
     patch = status_mod.status_patch(old_status, new_status)
     if patch is None or not write_status(body, patch, store, api):
@@ -430,6 +437,20 @@ def update_status(
         outcome.result = "status"
     for type_, reason, message in transition_events(old_status, new_status):
         outcome.events.append(post_event(api, body, type_, reason, message, now=now))
+
+
+def _report_inference_pool(api: KubeIO, pds: PDService, new_status: dict[str, Any], outcome: Outcome) -> None:
+    """status.inferencePool from the pool itself (read: the operator does not watch pools, their CRD is optional),
+    and a pass again within `gateway_status.REFRESH_SECONDS` so that a gateway's verdict shows."""
+    name = gateway_render.inference_pool_name(pds)
+    try:
+        pool = api.read(INFERENCE_POOL, pds.metadata.namespace, name)
+    except ApiError as exc:
+        log.warning("Failed to read InferencePool %s/%s error=%s", pds.metadata.namespace, name, exc)
+        pool = None
+    new_status["inferencePool"] = gateway_status.inference_pool_status(name, pool)
+    refresh = gateway_status.REFRESH_SECONDS
+    outcome.requeue_after = refresh if outcome.requeue_after is None else min(outcome.requeue_after, refresh)
 
 
 def _log_rejected(body: Mapping[str, Any], checked: Validated) -> None:

@@ -31,6 +31,8 @@ from pdserve.api.v1alpha1 import (
     ComputeResources,
     EngineSpec,
     EnvVar,
+    FailureMode,
+    GatewaySpec,
     KvBufferDevice,
     KvCacheDtype,
     KvConnector,
@@ -44,6 +46,7 @@ from pdserve.api.v1alpha1 import (
     RatioBounds,
     RdmaPolicy,
     RdmaSpec,
+    RouterMode,
     RouterSpec,
     RoutingSpec,
     ServiceAutoscalingSpec,
@@ -58,6 +61,7 @@ __all__ = [
     "UCX_TCP_TRANSPORTS",
     "EffectiveAutoscaling",
     "EffectiveEngine",
+    "EffectiveGateway",
     "EffectiveModel",
     "EffectivePlacement",
     "EffectivePool",
@@ -228,9 +232,21 @@ class EffectiveRouting:
     fallback_to_decode: bool = default(True)
 
 
+@view(GatewaySpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveGateway:
+    # FailClose: a gateway that cannot ask the picker must not send long prompts to decode engines unplanned.
+    failure_mode: FailureMode = default("FailClose")
+    sidecar_port: int = default(8100)
+    # The port GIE's reference picker and its gateway examples use for ext_proc.
+    picker_port: int = default(9002)
+
+
 @view(RouterSpec)
 @dataclass(frozen=True, kw_only=True)
 class EffectiveRouter:
+    mode: RouterMode = default("router")
+    gateway: EffectiveGateway
     replicas: int = default(2)
     image: str = default("ghcr.io/pdserve/pdserve:0.1.0")
     port: int = default(8080)

@@ -33,7 +33,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from pdserve.api.defaults import EffectiveEngine, EffectiveRouter, EffectiveRouting
+from pdserve.api.defaults import EffectiveEngine, EffectiveGateway, EffectiveRouter, EffectiveRouting
 from pdserve.api.kvcompat import KV_COMPAT_LABEL
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
@@ -190,12 +190,51 @@ class CircuitBreakerConfig(_Model):
     )
 
 
+class PickerConfig(_Model):
+    """The endpoint picker's own settings (`pdserve picker` flags; the rest of its configuration is the router's)."""
+
+    grpc_port: int = Field(
+        default=EffectiveGateway.picker_port, ge=1, le=65535, description="ext_proc and gRPC health port."
+    )
+    target_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port the gateway sends a request to on the chosen decode pod (the PD sidecar's); absent: the decode "
+            "engine's own port from discovery (no sidecar, decode-only)."
+        ),
+    )
+    fallback_endpoints: int = Field(
+        default=0,
+        ge=0,
+        le=8,
+        description=(
+            "Further decode endpoints listed after the pick, in the scheduler's order, for gateways that retry "
+            "down the list (Envoy's override_host policy); 0 for gateways whose ORIGINAL_DST cluster takes one "
+            "address from the header."
+        ),
+    )
+    max_in_flight_per_decode: int = Field(
+        default=0,
+        ge=0,
+        description="Shed (429) when every usable decode engine has this many requests in flight; 0 never sheds.",
+    )
+
+
 class RouterConfig(_Model):
     """The router's whole configuration."""
 
     served_model_name: str = Field(description="The model name clients send; also what /v1/models lists.")
     host: str = Field(default="0.0.0.0", description="Listen address.")
     port: int = Field(default=EffectiveRouter.port, ge=1, le=65535, description="Listen port.")
+    metrics_port: int = Field(
+        default=9090,
+        ge=0,
+        le=65535,
+        description="Port of the router's Prometheus `/metrics`, apart from the client port: the metrics name every "
+        "engine and its load, which anonymous clients must not read (0: any free port, logged).",
+    )
     discovery: Literal["kubernetes", "static"] = Field(default="kubernetes", description="How engines are found.")
     prefill: EndpointSelector | None = Field(default=None, description="Prefill pool (kubernetes discovery).")
     decode: EndpointSelector | None = Field(default=None, description="Decode pool (kubernetes discovery).")
@@ -282,7 +321,30 @@ class RouterConfig(_Model):
         default=64 * 1024 * 1024,
         ge=1024,
         description="The same bound per client address, so that one client cannot take the whole of "
-        "maxBufferedBodyBytes (slow uploads); a request beyond it gets 429.",
+        "maxBufferedBodyBytes (slow uploads); a request beyond it gets 429. Bodies are charged as their bytes "
+        "arrive (headers announcing a large body cost nothing), and when a bound is reached, bodies still arriving "
+        "that trickle (minBodyBytesPerSecond) or hold more than their fair share give way to new ones. Behind a "
+        "proxy or SNAT every client shares one address: set it to maxBufferedBodyBytes there.",
+    )
+    min_body_bytes_per_second: float = Field(
+        default=64 * 1024,
+        ge=0,
+        description="A request body arriving slower than this (averaged over the last second) while memory is "
+        "short loses its place to others (408): a trickling upload cannot hold its share for the whole "
+        "bodyTimeoutSeconds.",
+    )
+    max_chunk_metadata_bytes: int = Field(
+        default=4096,
+        ge=0,
+        description="Chunk extensions and trailers allowed in one chunked request body (they are read and dropped); "
+        "beyond it the client gets 400.",
+    )
+    client_write_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest time a client may leave an answer unread (its socket and the router's bounded write "
+        "buffer full); then its connection is closed and its engine request aborted. The engine's health is not "
+        "touched: while a client does not read, the engine's silence is not counted against it.",
     )
     max_prefill_answer_bytes: int = Field(
         default=1024 * 1024,
@@ -318,6 +380,8 @@ class RouterConfig(_Model):
     @model_validator(mode="after")
     def _discovery_has_its_inputs(self) -> RouterConfig:
         """Fail at load time, not at the first request, when the chosen discovery mode lacks its inputs."""
+        if self.metrics_port == self.port:
+            raise ValueError(f"metricsPort must differ from port ({self.port}): metrics are not served to clients")
         if self.discovery == "kubernetes" and self.decode is None:
             raise ValueError("discovery=kubernetes needs a decode selector (prefill is optional)")
         if self.discovery == "static":

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 
 from pdserve.api import hostpaths
 from pdserve.api.defaulting import default_of, field_value, resolve
-from pdserve.api.defaults import EffectiveAutoscaling, EffectiveEngine, EffectivePool
+from pdserve.api.defaults import EffectiveAutoscaling, EffectiveEngine, EffectiveGateway, EffectivePool
 from pdserve.api.v1alpha1 import (
     ApiModel,
     AutoscalingSpec,
@@ -80,6 +80,9 @@ def cel_or_default(path: str, value: object) -> str:
 _MIN, _MAX = default_of(EffectiveAutoscaling, "min_replicas"), default_of(EffectiveAutoscaling, "max_replicas")
 _TP = default_of(EffectivePool, "tensor_parallel_size")
 _ATTENTION = default_of(EffectiveEngine, "attention")
+_ENGINE_PORT = default_of(EffectiveEngine, "port")
+_SIDE_CHANNEL_PORT = default_of(EffectiveEngine, "side_channel_port")
+_SIDECAR_PORT = default_of(EffectiveGateway, "sidecar_port")
 
 
 def _bounds_hold(scaling: AutoscalingSpec) -> bool:
@@ -105,6 +108,16 @@ def _tp_pairs(spec: PDServiceSpec) -> bool:
         return True
     prefill, decode = (field_value(EffectivePool, pool, "tensor_parallel_size") for pool in (spec.prefill, spec.decode))
     return bool(prefill <= decode)
+
+
+def _sidecar_port_free(spec: PDServiceSpec) -> bool:
+    gateway = spec.router.gateway if spec.router is not None else None
+    sidecar = field_value(EffectiveGateway, gateway, "sidecar_port")
+    engine_ports = (field_value(EffectiveEngine, spec.engine, name) for name in ("port", "side_channel_port"))
+    return sidecar not in set(engine_ports)
+
+
+_SIDECAR_PORT_CEL = cel_or_default("router.gateway.sidecarPort", _SIDECAR_PORT)
 
 
 RULES: tuple[CrossFieldRule[Any], ...] = (
@@ -221,6 +234,22 @@ RULES: tuple[CrossFieldRule[Any], ...] = (
             "engine.attention to mla for MLA models"
         ),
         field="prefill.tensorParallelSize",
+    ),
+    CrossFieldRule(
+        name="gateway-sidecar-port-free",
+        model=PDServiceSpec,
+        # The PD sidecar shares the decode pod's network namespace with the engine and its NIXL side channel.
+        cel=(
+            f"{_SIDECAR_PORT_CEL} != {cel_or_default('engine.port', _ENGINE_PORT)} && "
+            f"{_SIDECAR_PORT_CEL} != {cel_or_default('engine.sideChannelPort', _SIDE_CHANNEL_PORT)}"
+        ),
+        holds=_sidecar_port_free,
+        message=(
+            "router.gateway.sidecarPort must differ from engine.port and engine.sideChannelPort (the PD sidecar "
+            f"shares the decode pod's network; absent, they are {_SIDECAR_PORT}, {_ENGINE_PORT} and "
+            f"{_SIDE_CHANNEL_PORT}); choose another sidecarPort"
+        ),
+        field="router.gateway.sidecarPort",
     ),
 )
 

@@ -191,6 +191,37 @@ class RouterSettings:
         config="engine_metrics_interval_seconds",
         help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off).",
     )
+    metrics_port: int | None = setting(
+        None,
+        "--metrics-port",
+        minimum=0,
+        config="metrics_port",
+        help="Port of GET /metrics, apart from the client port: the metrics name every engine (0: any free port, "
+        "logged).",
+    )
+    min_body_rate: float | None = setting(
+        None,
+        "--min-body-rate",
+        minimum=0,
+        config="min_body_bytes_per_second",
+        help="Bytes per second under which a request body still arriving gives way to others when body memory is "
+        "short (408).",
+    )
+    max_chunk_metadata_bytes: int | None = setting(
+        None,
+        "--max-chunk-metadata-bytes",
+        minimum=0,
+        config="max_chunk_metadata_bytes",
+        help="Chunk extensions and trailers allowed in one chunked request body; more gets 400.",
+    )
+    client_write_timeout: float | None = setting(
+        None,
+        "--client-write-timeout",
+        minimum=0,
+        config="client_write_timeout_seconds",
+        help="Seconds a client may leave an answer unread before its connection is closed (its engine request "
+        "aborted, the engine not charged).",
+    )
     log_level: LogLevel = setting("info", "--log-level", help="Log level.")
     access_log: bool = setting(False, "--access-log/--no-access-log", help="Log every request line (costs CPU).")
 

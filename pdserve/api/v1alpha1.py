@@ -69,6 +69,8 @@ Colocation = Literal["required", "preferred", "none"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 Percentile = Literal[50, 90, 95, 99]
 AutoscalingMode = Literal["pdserve", "external"]
+RouterMode = Literal["router", "gateway"]
+FailureMode = Literal["FailOpen", "FailClose"]
 
 
 class ApiModel(BaseModel):
@@ -360,9 +362,42 @@ class RoutingSpec(ApiModel):
     )
 
 
+class GatewaySpec(ApiModel):
+    """The Gateway API Inference Extension path (`mode: gateway`): an InferencePool whose endpoint picker is pdserve."""
+
+    failure_mode: FailureMode | None = Field(
+        default=None,
+        description=(
+            "What the gateway does when the endpoint picker does not answer: FailOpen sends the request to an "
+            "endpoint the gateway chooses itself (decode-only, no PD), FailClose answers 503."
+        ),
+    )
+    sidecar_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port of the PD sidecar on each decode pod: the InferencePool's target port, where the gateway sends "
+            "requests (the sidecar runs prefill when the picker asks for it, then decode on the local engine)."
+        ),
+    )
+    picker_port: int | None = Field(
+        default=None, ge=1, le=65535, description="gRPC port of the endpoint picker (Envoy ext_proc and gRPC health)."
+    )
+
+
 class RouterSpec(ApiModel):
     """The PD router: the OpenAI-compatible endpoint in front of the pools."""
 
+    mode: RouterMode | None = Field(
+        default=None,
+        description=(
+            "router: pdserve's router is the OpenAI-compatible endpoint. gateway: a Gateway API Inference "
+            "Extension gateway (Istio, GKE, kgateway, ...) is, through the rendered InferencePool; these router pods "
+            "run pdserve's endpoint picker instead, and each decode pod gets the PD sidecar."
+        ),
+    )
+    gateway: GatewaySpec | None = Field(default=None, description="Settings of mode gateway.")
     replicas: int | None = Field(default=None, ge=0, le=64, description="Router pods.")
     image: ImageRef | None = Field(default=None, description="Router image.")
     port: int | None = Field(default=None, ge=1, le=65535, description="Service and container port.")
@@ -514,6 +549,24 @@ class PoolStatus(ApiModel):
     )
 
 
+class InferencePoolParentStatus(ApiModel):
+    """One gateway's view of the InferencePool (the pool's `status.parents[]`)."""
+
+    parent: str = Field(description="The parent (usually a Gateway) as kind/namespace/name.")
+    accepted: bool = Field(description="The parent's Accepted condition is True.")
+    resolved_refs: bool = Field(description="The parent's ResolvedRefs condition is True (the picker was found).")
+    message: str = Field(default="", description="The reason and message of the first condition that is not True.")
+
+
+class InferencePoolStatus(ApiModel):
+    """The InferencePool pdserve renders in router mode gateway."""
+
+    name: str = Field(description="The InferencePool's name (inference.networking.k8s.io/v1, same namespace).")
+    parents: list[InferencePoolParentStatus] = Field(
+        default_factory=list, description="The gateways that reference the pool, with their conditions."
+    )
+
+
 class PDServiceStatus(ApiModel):
     """Observed state, written by the operator."""
 
@@ -530,6 +583,9 @@ class PDServiceStatus(ApiModel):
     decode: PoolStatus | None = Field(default=None, description="Decode pool.")
     router_endpoint: str | None = Field(default=None, description="In-cluster URL of the router's Service.")
     kv_compat_hash: str | None = Field(default=None, description="Hash of what P and D must agree on.")
+    inference_pool: InferencePoolStatus | None = Field(
+        default=None, description="The InferencePool of router mode gateway, and the gateways that accepted it."
+    )
 
 
 class ObjectMeta(ApiModel):

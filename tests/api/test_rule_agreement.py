@@ -205,6 +205,16 @@ CASES = [
         breaks=(("prefill-tp-le-decode-tp", "spec"),),
     ),
     Case(
+        "sidecar-on-the-engine-port",
+        {"router.gateway": {"sidecarPort": 8000}},
+        breaks=(("gateway-sidecar-port-free", "spec"),),
+    ),
+    Case(
+        "sidecar-on-a-moved-side-channel",
+        {"router.gateway": {"sidecarPort": 8100}, "engine.sideChannelPort": 8100},
+        breaks=(("gateway-sidecar-port-free", "spec"),),
+    ),
+    Case(
         "three-rules-at-once",
         {
             "decode.autoscaling": {"minReplicas": 5, "maxReplicas": 2},

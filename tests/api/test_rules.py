@@ -103,6 +103,12 @@ EXAMPLES: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         "spec",
         doc(prefill__tensorParallelSize=2, engine__attention="mla"),
     ),
+    "gateway-sidecar-port-free": (
+        # Only the table's default engine port (8000) makes this invalid.
+        doc(router={"mode": "gateway", "gateway": {"sidecarPort": 8000}}),
+        "spec",
+        doc(router={"mode": "gateway", "gateway": {"sidecarPort": 8001}}),
+    ),
 }
 
 

@@ -259,6 +259,8 @@ def operator_needs() -> tuple[set[Rule], set[Rule]]:
     need.add((kinds.EVENT.group, kinds.EVENT.plural, "create"))
     # The SLO autoscaler's actuator: KubeApi.scale, a PATCH of the pool StatefulSet's /scale.
     need.add((kinds.STATEFUL_SET.group, f"{kinds.STATEFUL_SET.plural}/scale", "patch"))
+    # Router mode gateway: the InferencePool, applied (create/patch) and read back by name (KubeApi.read).
+    need |= {(kinds.INFERENCE_POOL.group, kinds.INFERENCE_POOL.plural, verb) for verb in ("get", "create", "patch")}
     lease = {(kinds.LEASE.group, kinds.LEASE.plural, verb) for verb in ("get", "create", "update")}
     return need, lease
 
@@ -365,7 +367,7 @@ def test_monitoring_is_off_by_default_and_complete_when_on() -> None:
     pods = one(objects, "PodMonitor")
     assert pods["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pdserve-operator"}
     assert pods["spec"]["namespaceSelector"] == {"any": True}
-    assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    assert [endpoint["port"] for endpoint in pods["spec"]["podMetricsEndpoints"]] == ["http", "metrics"]
     rule = one(objects, "PrometheusRule")
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     assert rules and all(r["expr"] for r in rules)

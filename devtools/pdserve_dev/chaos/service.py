@@ -27,6 +27,7 @@ from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.wait import wait_for, wait_until_none_left
+from pdserve_operator.render.router import METRICS_PORT
 
 NAME = "chaos"
 MODEL = "tiny-llama"
@@ -36,6 +37,7 @@ IMAGES = ("vllm/vllm-openai:v0.32.0", "vllm/vllm-openai:v0.32.1")
 ENGINES = "pdserve.io/role in (prefill,decode)"
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
+ROUTER_METRICS_PORT = METRICS_PORT  # what the renderer gives a router serving on ROUTER_PORT
 #: What the operator may own, by kubectl resource name (checked for duplicates after a restart mid-rollout).
 CHILD_RESOURCES = (
     "statefulsets",
@@ -92,10 +94,16 @@ def scale(cluster: ClusterHelper, namespace: str, name: str, role: str, replicas
     cluster.kubectl("scale", f"statefulset/{name}-{role}", f"--replicas={replicas}", "-n", namespace)
 
 
+def router_metrics_url(router: str) -> str:
+    """The metrics base URL of the router pod whose client base URL is `router` (same address, its metrics port)."""
+    return f"{router.rsplit(':', 1)[0]}:{ROUTER_METRICS_PORT}"
+
+
 def endpoints_up(router: str, role: str) -> int:
     """How many engines of `role` the router at `router` uses now (-1 when it does not answer)."""
     try:
-        return int(metric_value(scrape_sync(f"{router}/metrics", timeout=3), "pdserve_router_endpoint_up", role=role))
+        exposition = scrape_sync(f"{router_metrics_url(router)}/metrics", timeout=3)
+        return int(metric_value(exposition, "pdserve_router_endpoint_up", role=role))
     except OSError:
         return -1
 
@@ -234,6 +242,19 @@ class ChaosService:
         except (OSError, ValueError):
             return {}
 
+    def engine_faults(self, pod: dict[str, Any], faults: dict[str, Any] | None) -> None:
+        """Set faults of the simulator in `pod` (its `/sim/faults`), or clear them all with None."""
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"{self.engine_url(pod)}/sim/faults",
+            data=None if faults is None else json.dumps(faults).encode(),
+            method="DELETE" if faults is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+
     def engine_metric(self, pod: dict[str, Any], name: str) -> float:
         return metric_value(scrape_sync(f"{self.engine_url(pod)}/metrics", timeout=3), name)
 
@@ -283,6 +304,18 @@ class ChaosService:
                 os.killpg(pid, signal.SIGKILL)
         self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--grace-period=0", "--force", "--wait=false")
 
+    def replace_pod(self, pod: dict[str, Any], timeout: float = 180.0) -> None:
+        """Delete a pod the way `kubectl delete pod` does (its grace period: preStop, the engine's drain) and wait
+        until its StatefulSet's new incarnation of the same name is Ready."""
+        name, old_uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+        self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--wait=false")
+
+        def replaced() -> bool:
+            found = [p for p in self.pods(ENGINES) if p["metadata"]["name"] == name]
+            return bool(found) and found[0]["metadata"]["uid"] != old_uid and ready(found[0])
+
+        wait_for(replaced, timeout=timeout, interval=0.5, message=f"{name} replaced by a Ready new incarnation")
+
     def restart_operator(self) -> None:
         """SIGKILL the operator (no lease release, no cleanup) and start a new one with the same identity."""
         self.operator.kill()
@@ -295,6 +328,12 @@ class ChaosService:
         """The router's Ready pods, oldest first."""
         pods = [pod for pod in self.pods("pdserve.io/role=router") if ready(pod) and pod["status"].get("podIP")]
         return sorted(pods, key=lambda pod: pod["metadata"]["creationTimestamp"])
+
+    def router_uses(self, role: str, pod: dict[str, Any]) -> bool:
+        """Whether the router takes the engine in `pod` for new requests (ready, not ejected)."""
+        exposition = scrape_sync(f"{self.router}/metrics", timeout=3)
+        up = metric_value(exposition, "pdserve_router_endpoint_up", role=role, endpoint=pod["metadata"]["name"])
+        return up == 1
 
     def use_router(self, pod: dict[str, Any]) -> None:
         self.router = f"http://{pod['status']['podIP']}:{ROUTER_PORT}"

@@ -266,6 +266,7 @@ class FakeKube:
     # ------------------------------------------------------------------------------------------------- reads
 
     def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """A GET (reads need no leadership); None when the object does not exist."""
         with self._lock:
             self.reads.append(f"{kind.kind} {name}")
             for failure in self.failures:

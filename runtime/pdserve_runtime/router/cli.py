@@ -105,8 +105,8 @@ async def _serve(config: RouterConfig, access_log: bool) -> None:
     # collections on the request path only walk request-scoped objects (shorter GC pauses, lower p99).
     gc.collect()
     gc.freeze()
-    log.info("Started router host=%s port=%d discovery=%s threshold=%d", config.host, port, config.discovery,
-             config.policy.disaggregation_threshold_tokens)  # fmt: skip
+    log.info("Started router host=%s port=%d metrics_port=%d discovery=%s threshold=%d", config.host, port,
+             router.metrics_port, config.discovery, config.policy.disaggregation_threshold_tokens)  # fmt: skip
     await stop.wait()
     log.info("Stopping router grace=%.0fs", config.shutdown_grace_seconds)
     await router.stop(config.shutdown_grace_seconds)

@@ -68,7 +68,8 @@ def _targets(prometheus: PrometheusHelper, namespace: str, targets: dict[str, tu
 
 
 @contextlib.asynccontextmanager
-async def _router(prefill: list[SimHandle], decode: list[SimHandle]) -> AsyncIterator[str]:
+async def _router(prefill: list[SimHandle], decode: list[SimHandle]) -> AsyncIterator[tuple[str, str]]:
+    """(client URL, metrics URL) of a router in front of the engines."""
     from pdserve_runtime.router.app import RouterApp
 
     config = RouterConfig(
@@ -78,9 +79,9 @@ async def _router(prefill: list[SimHandle], decode: list[SimHandle]) -> AsyncIte
         static_decode=[s.url for s in decode],
     )
     app = RouterApp(config, access_log=False)
-    port = await app.start("127.0.0.1", 0)
+    port = await app.start("127.0.0.1", 0, metrics_port=0)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", app.metrics_url
     finally:
         await app.stop()
 
@@ -120,11 +121,11 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: Prom
         }
         ghost = "chat-decode-2"
         roles = {name: ("prefill" if "prefill" in name else "decode") for name in sims}
-        router = await stack.enter_async_context(
+        router, router_metrics = await stack.enter_async_context(
             _router([sims["chat-prefill-0"], sims["chat-prefill-1"]], [sims["chat-decode-0"], sims["chat-decode-1"]])
         )
         targets = {name: (roles[name], sim.url.removeprefix("http://")) for name, sim in sims.items()}
-        targets["chat-router-0"] = ("router", router.removeprefix("http://"))
+        targets["chat-router-0"] = ("router", router_metrics.removeprefix("http://"))
         stack.enter_context(_targets(prometheus, namespace, targets))
         await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', len(targets))
 

@@ -77,6 +77,7 @@ async def test_the_command_serves_on_the_bind_host_and_stops_on_sigterm() -> Non
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
         env = {**os.environ, "PDSERVE_BIND_HOST": host}
         args = ["-m", "pdserve.cli", "router", "--port", str(port), "--prefill", p.url, "--decode", d.url]
+        args += ["--metrics-port", str(free_port(host))]
         args += ["--disaggregation-threshold", "0", "--served-model-name", "sim-model"]
         process = await asyncio.create_subprocess_exec(sys.executable, *args, env=env)
         try:
@@ -114,3 +115,26 @@ def test_the_engine_metrics_interval_comes_from_the_file_unless_the_flag_says(
     assert off.engine_metrics_interval_seconds == 0
     static = off.model_copy(update={"discovery": "static", "static_decode": ["http://d:1"]})
     assert RouterApp(static, access_log=False)._scraper is None
+
+
+def test_the_transport_settings_come_from_the_file_unless_the_flags_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PDSERVE_BIND_HOST", raising=False)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({"servedModelName": "m", "decode": {"namespace": "n", "labelSelector": "pool=d"},
+                                    "metricsPort": 9100, "clientWriteTimeoutSeconds": 5}))  # fmt: skip
+    from_file = load_config(RouterSettings(config_path=str(path)))
+    assert (from_file.metrics_port, from_file.client_write_timeout_seconds) == (9100, 5)
+    assert (from_file.min_body_bytes_per_second, from_file.max_chunk_metadata_bytes) == (65536, 4096)
+    flagged = load_config(
+        RouterSettings(
+            config_path=str(path), metrics_port=9200, min_body_rate=1000, max_chunk_metadata_bytes=64,
+            client_write_timeout=2,
+        )
+    )  # fmt: skip
+    assert (flagged.metrics_port, flagged.min_body_bytes_per_second) == (9200, 1000)
+    assert (flagged.max_chunk_metadata_bytes, flagged.client_write_timeout_seconds) == (64, 2)
+    # Metrics are never served on the client port.
+    with pytest.raises(click.ClickException, match="metricsPort must differ from port"):
+        load_config(RouterSettings(config_path=str(path), port=9100))

@@ -194,7 +194,7 @@ class _Collection:
 
 
 class KubernetesDiscovery:
-    """Keeps the endpoint table in step with the pools' EndpointSlices (and the node topology ConfigMap)."""
+    """Keeps the endpoint table in step with the pools' EndpointSlices (and the operator's discovery ConfigMap)."""
 
     def __init__(
         self,
@@ -316,7 +316,7 @@ class KubernetesDiscovery:
             loop.call_soon_threadsafe(apply)
 
     def _refresh_nodes(self) -> None:
-        """Parse the node topology ConfigMap when it changed; a malformed one keeps the last good labels."""
+        """Parse the discovery ConfigMap when it changed; a malformed document keeps the last good one."""
         if not self._topology.changed:
             return
         self._topology.changed = False

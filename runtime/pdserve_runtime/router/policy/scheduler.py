@@ -128,11 +128,15 @@ class Scheduler:
         ctx = PickContext(prompt=prompt, held=held, peer=decode, excluded=excluded)
         return self._prefill.pick(ctx, self.table.states("prefill"))
 
-    def plan(self, prompt: PromptInfo, now: float) -> Plan:
-        """Choose the decode engine, the route and (for PD) the prefill engine."""
+    def plan(self, prompt: PromptInfo, now: float, decode_candidates: Sequence[EndpointState] | None = None) -> Plan:
+        """Choose the decode engine, the route and (for PD) the prefill engine.
+
+        `decode_candidates`: the decode engines the request may go to (default: the whole pool); a gateway's
+        endpoint subset narrows it (`pdserve_runtime.gateway`).
+        """
         held = self.held_by(prompt, now)
         threshold = self.policy.disaggregation_threshold_tokens
-        decode = self.pick_decode(prompt, held)
+        decode = self.pick_decode(prompt, held, candidates=decode_candidates)
         if decode is None:
             return Plan(Route.DECODE_ONLY, None, None, 0, held)
         uncached = uncached_tokens(prompt, held.get(decode.url), threshold)
@@ -142,7 +146,8 @@ class Scheduler:
         if prefill is None:
             # Mid-rollout the chosen decode engine may have no compatible prefill engine while others do.
             compat = {state.endpoint.kv_compat for state in self.table.usable("prefill")}
-            pairable = [state for state in self.table.states("decode") if state.endpoint.kv_compat in compat]
+            pool = self.table.states("decode") if decode_candidates is None else decode_candidates
+            pairable = [state for state in pool if state.endpoint.kv_compat in compat]
             alternative = self.pick_decode(prompt, held, candidates=pairable) if pairable else None
             if alternative is not None:
                 decode = alternative
