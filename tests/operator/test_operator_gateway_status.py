@@ -82,6 +82,9 @@ def test_reconcile_applies_the_pool_once_and_reports_what_its_gateway_wrote() ->
     assert any(label.startswith("InferencePool llama") for label in first.applied)
     assert world.status()["inferencePool"] == {"name": "llama", "parents": []}
     assert first.requeue_after is not None and first.requeue_after <= REFRESH_SECONDS
+    # The discovery ConfigMap lists the owned Services' UIDs, known once they exist: one more pass publishes them.
+    settle = world.reconcile()
+    assert settle.applied == ["ConfigMap llama-router-discovery (changed)"]
     # A gateway accepts the pool (it writes the pool's status; the operator does not watch pools).
     pool = world.kube.objects[(INFERENCE_POOL.kind, NAMESPACE, NAME)]
     pool["status"] = {"parents": [parent("public", "True", "True")]}

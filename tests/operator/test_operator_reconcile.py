@@ -44,6 +44,9 @@ from pdserve_operator.view import SpecViews, spec_document
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama-8b"
+# The first pass creates the per-kv-compat Services; the next one publishes their UIDs in the router's discovery
+# ConfigMap (`render.discovery.owned_services`: a UID is known only once its Service exists).
+PUBLISH_UIDS = f"apply ConfigMap {NAME}-router-discovery ok"
 REFUSAL = 'StatefulSet.apps "llama-8b-decode" is invalid: spec.template.spec.containers[0].image: Required value'
 
 
@@ -110,8 +113,10 @@ class World:
         return outcome, self.kube.calls_since(mark)
 
     def converge(self) -> None:
-        """Create everything, let the controllers roll it out, record the final status."""
+        """Create everything, publish the Services' UIDs, let the controllers roll it out, record the final
+        status."""
         self.put_spec(document())
+        self.reconcile()
         self.reconcile()
         self.watch(self.kube.finish_rollouts())
         self.reconcile()
@@ -203,6 +208,7 @@ def test_a_refused_apply_is_reported_once(world: World, code: int) -> None:
 
     # The next passes try the refused object again (an event or resync may have fixed its cause) and post nothing
     # more; once the status has settled, that attempt is the only request a pass makes.
+    assert PUBLISH_UIDS in verbs(world.pass_calls()[1])
     events = len(world.kube.events)
     world.reconcile()
     outcome, calls = world.pass_calls()
@@ -397,7 +403,7 @@ def test_a_transient_apply_error_writes_status_then_retries(world: World, code: 
     # The work queue's retry: the missing object is applied and the pass ends normally.
     outcome, calls = world.pass_calls()
     assert "StatefulSet llama-8b-decode (missing)" in outcome.applied
-    assert verbs(calls, lambda call: call.verb == "apply") == ["apply StatefulSet llama-8b-decode ok"]
+    assert verbs(calls, lambda call: call.verb == "apply") == [PUBLISH_UIDS, "apply StatefulSet llama-8b-decode ok"]
 
 
 @pytest.mark.parametrize("code", [0, 500, 409])
@@ -406,9 +412,9 @@ def test_a_transient_status_error_retries(world: World, code: int) -> None:
     world.put_spec(document())
     with pytest.raises(RetryLaterError, match="status"):
         world.reconcile()
-    # Children were applied; the retry only needs to write the status.
+    # Children were applied; the retry only needs to write the status (and the Services' UIDs, now known).
     _, calls = world.pass_calls()
-    assert verbs(calls, lambda call: call.verb != "event") == [f"status PDService {NAME} ok"]
+    assert verbs(calls, lambda call: call.verb != "event") == [PUBLISH_UIDS, f"status PDService {NAME} ok"]
 
 
 def test_a_transient_prune_error_writes_status_then_retries(world: World) -> None:
