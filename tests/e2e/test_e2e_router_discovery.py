@@ -265,7 +265,7 @@ def test_a_tenants_rogue_engine_gets_no_prompt(cluster: ClusterHelper, service: 
         cluster.apply(handmade, namespace=namespace)
 
         def rogue_usable() -> bool:
-            up = series(scrape_sync(f"{service.router}/metrics"), "pdserve_router_endpoint_up", role="decode")
+            up = series(scrape_sync(f"{service.metrics}/metrics"), "pdserve_router_endpoint_up", role="decode")
             return any(labels.get("endpoint") == "rogue" and value == 1 for labels, value in up)
 
         reasons = (
