@@ -3,7 +3,7 @@
 The collector's tests run against the local cluster's real Prometheus; this stand-in exists for the failures a
 real one cannot be made to show on demand: an answer trickled a byte at a time (a hung Prometheus or a slow proxy
 in front of it, the headers or the body), and answers scripted query by query (a metric that is missing while
-its target is up). It speaks HTTP/1.1 over asyncio streams, answers `POST /api/v1/query` (form-encoded `query`
+its target is up), each answer held back (every query slow, none past a per-query timeout). It speaks HTTP/1.1 over asyncio streams, answers `POST /api/v1/query` (form-encoded `query`
 and `time`) with `answer(promql)` as a success vector, and counts what happened in a way tests can wait for:
 requests received, connections the client closed before the answer was complete.
 """
@@ -24,11 +24,13 @@ Trickle = Literal["headers", "body"]
 @dataclass
 class FakePrometheus:
     """One server: `answer(promql)` gives each query's result vector; `trickle` sends the answer one byte every
-    `trickle_s` seconds (the status line and headers, or only the body), never finishing."""
+    `trickle_s` seconds (the status line and headers, or only the body), never finishing; `delay_s` holds each
+    whole answer back that long (a slow Prometheus that does answer)."""
 
     answer: Callable[[str], list[dict[str, Any]]] = lambda promql: []
     trickle: Trickle | None = None
     trickle_s: float = 0.2
+    delay_s: float = 0.0
     queries: list[str] = field(default_factory=list)
     #: Connections the client closed while the server was still sending: set when the first one happens.
     abandoned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -59,6 +61,7 @@ class FakePrometheus:
                     {"status": "success", "data": {"resultType": "vector", "result": self.answer(promql)}}
                 )
                 if self.trickle is None:
+                    await asyncio.sleep(self.delay_s)
                     writer.write(_response(body.encode()))
                     await writer.drain()
                     continue

@@ -61,6 +61,19 @@ async def test_a_trickling_prometheus_costs_a_tick_its_deadline_and_no_more(tric
     assert "deadline" in decision.prefill.message
 
 
+async def test_slow_answers_share_the_ticks_one_deadline() -> None:
+    """Each answer takes 0.3 s, under any per-query timeout: a tick of 37 queries would take 11 s. The tick's one
+    deadline (1 s) stops it after the few queries that fit, and the pools hold."""
+    async with fake_prometheus(delay_s=0.3) as prometheus:
+        collector = Collector(connect(prometheus.url), deadline_s=1.0)
+        signals = await asyncio.wait_for(collector.collect(TARGET, PODS, time.time(), ("chat-router-0",)), 60)
+        await collector.close()
+    every = [q.name for q in ENGINE_QUERIES] * 2 + [q.name for q in ROUTER_QUERIES]
+    assert 1 <= len(prometheus.queries) < len(every) / 2
+    [error] = signals.errors
+    assert error.endswith("the tick's deadline of 1 s for its queries passed")
+
+
 def answers(now: float, missing: str) -> Any:
     """Every query answered as for live, scraped, idle engines (0 for rates and gauges, each pod last scraped a
     second ago), except that metric `missing` has no series at all."""
