@@ -591,6 +591,15 @@ def main() -> None:
     parser.add_argument("--gateway-itl", type=float, default=0.02, help="gateway: the decode mock's inter-token gap")
     parser.add_argument("--cases", default="100,1k,4k,32k,4k-1,itl0", help="pd-long: which cases, comma-separated")
     parser.add_argument("--accuracy-requests", type=int, default=400, help="prefix-accuracy: requests to send")
+    parser.add_argument(
+        "--accuracy-routers",
+        type=int,
+        default=1,
+        help="prefix-accuracy: router replicas (requests spread at random)",
+    )
+    parser.add_argument(
+        "--no-kv-events", dest="kv_events", action="store_false", help="prefix-accuracy: engines publish no KV events"
+    )
     parser.add_argument("--no-big-prompt", dest="big_prompt", action="store_false", help="pd-long: skip the 7 MB one")
     parser.add_argument(
         "--baseline-tree",

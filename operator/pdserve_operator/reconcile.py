@@ -61,6 +61,7 @@ from pdserve_operator.ownership import controlled_by, controller_of
 from pdserve_operator.render import Observed, render
 from pdserve_operator.render import gateway as gateway_render
 from pdserve_operator.render.discovery import node_topology_labels
+from pdserve_operator.render.kvcache import kv_store_status
 from pdserve_operator.render.router import router_endpoint
 from pdserve_operator.store import Store
 from pdserve_operator.view import SpecViews
@@ -348,8 +349,9 @@ def status_intent(
         return status_mod.Intent(desired, fallback, None, None, fields, conditions)
     replicas = {role: _spec_replicas(sts) for role, sts in statefulsets.items()}
     fields, conditions = status_view(spec, replicas, configured=configured, report=report, old_status=old)
+    store = kv_store_status(checked.pds, spec, snapshot.child("Deployment", namespace, child_name(name, "kvstore")))
     return status_mod.Intent(
-        desired, fallback, router_endpoint(checked.pds, spec), kv_compat_hash(spec), fields, conditions
+        desired, fallback, router_endpoint(checked.pds, spec), kv_compat_hash(spec), fields, conditions, store
     )
 
 

@@ -63,6 +63,22 @@ class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
+class KvEventsPortNames(_Model):
+    """The EndpointSlice port names of one engine publisher's KV events (vLLM's --kv-events-config endpoints)."""
+
+    events: str = Field(min_length=1, description="Port name of the ZMQ publisher (`endpoint`).")
+    replay: str | None = Field(default=None, description="Port name of the replay socket (`replay_endpoint`).")
+
+
+class KvEventsEndpoints(_Model):
+    """One engine publisher's KV event endpoints (static discovery), as ZMQ addresses."""
+
+    endpoint: str = Field(pattern=r"^tcp://\S+:\d+$", description="The publisher, e.g. tcp://10.0.0.5:5557.")
+    replay_endpoint: str | None = Field(
+        default=None, pattern=r"^tcp://\S+:\d+$", description="Its replay socket, e.g. tcp://10.0.0.5:5657."
+    )
+
+
 class EndpointSelector(_Model):
     """Which EndpointSlices hold one pool's engines (Kubernetes discovery mode)."""
 
@@ -78,6 +94,11 @@ class EndpointSelector(_Model):
         default=None,
         description="The pool's StatefulSet: only endpoints whose pod is one of its members (`<statefulset>-<n>`) "
         "are taken (unset: any pod of the selected slices).",
+    )
+    kv_events_ports: list[KvEventsPortNames] = Field(
+        default_factory=list,
+        description="The engines' KV event ports by name in the EndpointSlice, one entry per data-parallel rank "
+        "(empty: the engines publish no KV events and the router tracks prefixes itself).",
     )
 
 
@@ -151,6 +172,31 @@ class RoutingPolicyConfig(_Model):
         description="Weight of engine-reported KV-cache headroom (vllm:kv_cache_usage_perc) when choosing a decode "
         "engine; needs engineMetricsIntervalSeconds > 0.",
     )
+    kv_events: bool = Field(
+        default=True,
+        description="Follow the KV events of engines that publish them (an index per engine that every router "
+        "replica shares through the engines) and route on what they say; engines without events fall back to the "
+        "router's own prefix tracking.",
+    )
+    kv_store: bool = Field(
+        default=False,
+        description="The engines share a KV store that prefill writes every prompt into (spec.engine.kvCache.store): "
+        "a decode failure after prefill is retried on a decode engine without prefill's kv_transfer_params, which "
+        "loads the prompt from the store, instead of with a new prefill; and a prompt prefilled once counts as held "
+        "by every engine, at storeTierWeight.",
+    )
+    cpu_tier_weight: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="What a prefix in an engine's CPU offload tier is worth relative to one in its GPU cache (1).",
+    )
+    store_tier_weight: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        description="What a prefix in the shared KV store is worth relative to one in an engine's GPU cache (1).",
+    )
     prefix_cache_ttl_seconds: float = Field(
         default=600.0, gt=0, description="How long the router assumes an engine keeps a prompt block cached."
     )
@@ -158,7 +204,8 @@ class RoutingPolicyConfig(_Model):
         default=200_000,
         ge=1,
         description="Bound on the prompt blocks the router remembers, across engines (prompt text counted at 4 "
-        "bytes per token: the default keeps about 12.8 MB of prompts).",
+        "bytes per token: the default keeps about 12.8 MB of prompts); also the bound of each engine's KV-event "
+        "index.",
     )
 
 
@@ -240,6 +287,10 @@ class RouterConfig(_Model):
     decode: EndpointSelector | None = Field(default=None, description="Decode pool (kubernetes discovery).")
     static_prefill: list[str] = Field(default_factory=list, description="Prefill engine URLs (static discovery).")
     static_decode: list[str] = Field(default_factory=list, description="Decode engine URLs (static discovery).")
+    static_kv_events: dict[str, list[KvEventsEndpoints]] = Field(
+        default_factory=dict,
+        description="Static discovery: each engine URL's KV event publishers (one per data-parallel rank).",
+    )
     static_health_interval_seconds: float = Field(
         default=1.0,
         ge=0,

@@ -28,7 +28,9 @@ from pdserve.api.v1alpha1 import (
     ApiModel,
     AutoscalingSpec,
     EnvVar,
+    KvStoreSpec,
     ModelSpec,
+    MooncakeSpec,
     PDServiceSpec,
     PlacementSpec,
     RatioBounds,
@@ -204,6 +206,38 @@ RULES: tuple[CrossFieldRule[Any], ...] = (
         holds=lambda ratio: ratio.min is None or ratio.max is None or ratio.min <= ratio.max,
         message="min must be <= max; raise max or lower min",
         field="min",
+    ),
+    CrossFieldRule(
+        name="store-settings-need-backend",
+        model=KvStoreSpec,
+        cel="!has(self.mooncake) || has(self.backend)",
+        holds=lambda store: store.mooncake is None or store.backend is not None,
+        message="mooncake settings take effect only with a store backend; set backend: mooncake or remove them",
+        field="backend",
+    ),
+    CrossFieldRule(
+        name="mooncake-metadata-needs-address",
+        model=MooncakeSpec,
+        cel="!has(self.metadataServer) || has(self.masterAddress)",
+        holds=lambda mooncake: mooncake.metadata_server is None or mooncake.master_address is not None,
+        message=(
+            "metadataServer names an existing master's metadata server; set masterAddress too, or remove it (a "
+            "master pdserve deploys serves its own)"
+        ),
+        field="metadataServer",
+    ),
+    CrossFieldRule(
+        name="mooncake-deployed-settings-without-address",
+        model=MooncakeSpec,
+        cel="!has(self.masterAddress) || (!has(self.capacityBytes) && !has(self.image))",
+        holds=lambda mooncake: (
+            mooncake.master_address is None or (mooncake.capacity_bytes is None and mooncake.image is None)
+        ),
+        message=(
+            "capacityBytes and image describe the master and store server pdserve deploys; with masterAddress your "
+            "own store servers hold the memory: remove them, or remove masterAddress to let pdserve deploy one"
+        ),
+        field="masterAddress",
     ),
     CrossFieldRule(
         name="colocation-needs-topology-key",

@@ -69,6 +69,9 @@ Colocation = Literal["required", "preferred", "none"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 Percentile = Literal[50, 90, 95, 99]
 AutoscalingMode = Literal["pdserve", "external"]
+KvEvictionPolicy = Literal["lru", "arc"]
+KvStoreBackend = Literal["mooncake"]
+MooncakeProtocol = Literal["tcp", "rdma"]
 RouterMode = Literal["router", "gateway"]
 FailureMode = Literal["FailOpen", "FailClose"]
 
@@ -167,6 +170,96 @@ class UcxSpec(ApiModel):
     net_devices: str | None = Field(default=None, description="UCX_NET_DEVICES value, e.g. mlx5_0:1.")
 
 
+class KvEventsSpec(ApiModel):
+    """vLLM's KV cache events (`--kv-events-config`): each engine publishes what its prefix cache holds, so every
+    router replica routes on the same, exact picture."""
+
+    enabled: bool | None = Field(default=None, description="Publish KV cache events for the router's prefix index.")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="ZMQ publisher port (a data-parallel rank r publishes on port + r)."
+    )
+    replay_port: int | None = Field(
+        default=None, ge=1, le=65535, description="ZMQ replay port (a data-parallel rank r answers on replayPort + r)."
+    )
+
+
+class KvOffloadSpec(ApiModel):
+    """A CPU tier behind each engine's GPU KV cache: vLLM's OffloadingConnector (composed with NIXL by MultiConnector).
+
+    Blocks evicted from GPU memory are kept in host memory and loaded back on a prefix hit, so a conversation whose
+    turns arrive minutes apart still finds its prefix. Needs GPU engines (vLLM 0.32's offloading calls CUDA)."""
+
+    cpu_bytes: Quantity | None = Field(
+        default=None,
+        description=(
+            "Host memory per engine for offloaded KV blocks (vLLM's cpu_bytes_to_use), e.g. 64Gi; absent or 0: no "
+            "CPU tier. It comes on top of the pod's memory request: size resources.limits.memory for it."
+        ),
+    )
+    eviction_policy: KvEvictionPolicy | None = Field(
+        default=None, description="Which offloaded blocks make room first (vLLM's eviction_policy): lru or arc."
+    )
+
+
+class PoolKvCacheSpec(ApiModel):
+    """One pool's KV tiers, replacing spec.engine.kvCache's for that pool field by field."""
+
+    offload: KvOffloadSpec | None = Field(default=None, description="This pool's CPU tier (cpuBytes 0 turns it off).")
+
+
+class MooncakeSpec(ApiModel):
+    """The Mooncake store: a master (metadata and allocation) and the memory that holds the KV blocks."""
+
+    master_address: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:[0-9]{1,5}$",
+        description=(
+            "host:port of an existing Mooncake master's RPC service; its store servers hold the memory. Absent: "
+            "pdserve deploys a master with a store server of capacityBytes beside it, and health-checks them."
+        ),
+    )
+    metadata_server: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=r"^(https?://\S+|P2PHANDSHAKE)$",
+        description=(
+            "The transfer engines' metadata server (Mooncake's metadata_server), e.g. http://host:8080/metadata. "
+            "Only with masterAddress: a deployed master serves its own."
+        ),
+    )
+    image: ImageRef | None = Field(
+        default=None, description="Image of the deployed master and store server (mooncake_master, mooncake_client)."
+    )
+    capacity_bytes: Quantity | None = Field(
+        default=None,
+        description="Memory of the deployed store server: how much KV the store holds before it evicts.",
+    )
+    local_buffer_bytes: Quantity | None = Field(
+        default=None, description="Each engine's staging buffer for puts and gets (Mooncake's local_buffer_size)."
+    )
+    protocol: MooncakeProtocol | None = Field(default=None, description="Transfer engine protocol: tcp or rdma.")
+    device_names: str | None = Field(
+        default=None, max_length=1024, description="RDMA devices of the transfer engine, e.g. mlx5_0,mlx5_1."
+    )
+
+
+class KvStoreSpec(ApiModel):
+    """A KV store prefill writes every computed prompt into and any engine reads back: vLLM's MooncakeStoreConnector
+    (composed with NIXL by MultiConnector). Decode still pulls over NIXL first; the store is what survives a prefill
+    engine, and what a second decode engine (or a later turn on another engine) loads instead of a new prefill."""
+
+    backend: KvStoreBackend | None = Field(default=None, description="Store backend: mooncake; absent: no store.")
+    mooncake: MooncakeSpec | None = Field(default=None, description="Mooncake settings (backend mooncake).")
+
+
+class KvCacheSpec(ApiModel):
+    """Where KV lives besides each engine's GPU memory: a CPU tier per engine and a store shared by all engines."""
+
+    offload: KvOffloadSpec | None = Field(default=None, description="A CPU tier in every engine of both pools.")
+    store: KvStoreSpec | None = Field(default=None, description="A KV store shared by both pools.")
+
+
 class EngineSpec(ApiModel):
     """The inference engine, shared by both pools because P and D must agree on it to exchange KV cache."""
 
@@ -216,6 +309,14 @@ class EngineSpec(ApiModel):
         ),
     )
     ucx: UcxSpec | None = Field(default=None, description="UCX transport overrides.")
+    kv_events: KvEventsSpec | None = Field(default=None, description="KV cache events for the router.")
+    kv_cache: KvCacheSpec | None = Field(
+        default=None,
+        description=(
+            "KV tiers beyond direct prefill -> decode transfer: a CPU offload tier and a shared KV store "
+            "(rendered as vLLM's MultiConnector around NixlConnector; docs/kv-cache.md says when to choose which)."
+        ),
+    )
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for both pools.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both pools.")
     shm_size: Quantity | None = Field(default=None, description="Size of the /dev/shm emptyDir.")
@@ -289,6 +390,9 @@ class PoolSpec(ApiModel):
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for this pool.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for this pool.")
     autoscaling: AutoscalingSpec | None = Field(default=None, description="SLO-driven autoscaling.")
+    kv_cache: PoolKvCacheSpec | None = Field(
+        default=None, description="This pool's KV tiers, overriding spec.engine.kvCache field by field."
+    )
     max_unavailable: int | None = Field(
         default=None, ge=0, description="PodDisruptionBudget maxUnavailable for the pool."
     )
@@ -538,6 +642,20 @@ class PoolAutoscalingStatus(ApiModel):
     last_scale_time: str | None = Field(default=None, description="When pdserve last changed the replicas (RFC 3339).")
 
 
+class KvStoreStatus(ApiModel):
+    """The KV store the engines use: where its master is and whether it serves."""
+
+    backend: KvStoreBackend = Field(description="Store backend.")
+    master_address: str = Field(description="host:port of the master's RPC service, as the engines are told.")
+    managed: bool = Field(description="True when pdserve deployed the master (and health-checks it).")
+    ready: bool | None = Field(
+        default=None,
+        description="Whether the deployed master and store server pass their health checks; unset for an external "
+        "master, which pdserve does not probe.",
+    )
+    message: str = Field(default="", description="What is missing while not ready.")
+
+
 class PoolStatus(ApiModel):
     """Observed state of one pool."""
 
@@ -583,6 +701,7 @@ class PDServiceStatus(ApiModel):
     decode: PoolStatus | None = Field(default=None, description="Decode pool.")
     router_endpoint: str | None = Field(default=None, description="In-cluster URL of the router's Service.")
     kv_compat_hash: str | None = Field(default=None, description="Hash of what P and D must agree on.")
+    kv_store: KvStoreStatus | None = Field(default=None, description="The KV store, when spec.engine.kvCache has one.")
     inference_pool: InferencePoolStatus | None = Field(
         default=None, description="The InferencePool of router mode gateway, and the gateways that accepted it."
     )

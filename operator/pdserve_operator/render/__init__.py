@@ -11,7 +11,7 @@ from typing import Any
 
 from pdserve.api.validation import InvalidSpecError, Validated
 from pdserve_operator.names import ENGINE_ROLES
-from pdserve_operator.render import discovery, engine, gateway, router
+from pdserve_operator.render import discovery, engine, gateway, kvcache, router
 from pdserve_operator.render.discovery import NOTHING_OBSERVED, Observed
 
 __all__ = ["NOTHING_OBSERVED", "InvalidSpecError", "Observed", "render"]
@@ -33,6 +33,7 @@ def render(checked: Validated, observed: Observed = NOTHING_OBSERVED) -> list[di
         router.config_map(pds, spec),
         discovery.discovery_config_map(pds, spec, observed),
     ]
+    objects += kvcache.objects(pds, spec)
     for role in ENGINE_ROLES:
         objects += [
             engine.headless_service(pds, spec, role),

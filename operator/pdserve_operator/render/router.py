@@ -62,11 +62,13 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
             namespace=namespace,
             label_selector=discovery.slice_selector(pds, "prefill"),
             statefulset=child_name(pds, "prefill"),
+            kv_events_ports=discovery.kv_events_selector_ports(spec, "prefill"),
         ),
         decode=EndpointSelector(
             namespace=namespace,
             label_selector=discovery.slice_selector(pds, "decode"),
             statefulset=child_name(pds, "decode"),
+            kv_events_ports=discovery.kv_events_selector_ports(spec, "decode"),
         ),
         topology_labels=discovery.topology_labels(spec),
         discovery_config_map=DiscoveryConfigMap(namespace=namespace, name=discovery.discovery_config_map_name(pds)),
@@ -76,6 +78,7 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
             prefix_aware=routing.prefix_aware,
             block_size_tokens=spec.engine.block_size,
             fallback_to_decode=routing.fallback_to_decode,
+            kv_store=spec.engine.kv_cache.store.enabled,
         ),
     )
 
