@@ -2,10 +2,11 @@
 
 The collector's tests run against the local cluster's real Prometheus; this stand-in exists for the failures a
 real one cannot be made to show on demand: an answer trickled a byte at a time (a hung Prometheus or a slow proxy
-in front of it, the headers or the body), and answers scripted query by query (a metric that is missing while
-its target is up), each answer held back (every query slow, none past a per-query timeout). It speaks HTTP/1.1 over asyncio streams, answers `POST /api/v1/query` (form-encoded `query`
-and `time`) with `answer(promql)` as a success vector, and counts what happened in a way tests can wait for:
-requests received, connections the client closed before the answer was complete.
+in front of it, the headers or the body), answers scripted query by query (a metric that is missing while its
+target is up), and each answer held back (every query slow, none past a per-query timeout). It speaks HTTP/1.1
+over asyncio streams, answers `POST /api/v1/query` (form-encoded `query` and `time`) with `answer(promql)` as a
+success vector, and counts what happened in a way tests can wait for: requests received, connections the client
+closed before the answer was complete.
 """
 
 from __future__ import annotations
