@@ -10,11 +10,11 @@ role) can write any label. So every layer that acts on what it observed asks thi
 - an engine pod is a pool's only when its controller is the pool's StatefulSet (by that StatefulSet's UID) and
   its name is one the StatefulSet gives its pods (`<statefulset>-<ordinal>`): the StatefulSet controller itself
   releases or deletes a pod claiming it under another name, and a UID cannot be guessed before it exists;
-- a router pod is the router's when its controller is a ReplicaSet of the router Deployment, named
-  `<deployment>-<pod-template-hash>` as the Deployment controller names them. The operator does not watch
-  ReplicaSets, so the ReplicaSet's UID is not checked: a pod naming a ReplicaSet that does not exist is deleted by
-  the garbage collector, and one naming the real ReplicaSet is adopted and counted by the ReplicaSet controller
-  (which then deletes pods beyond its replicas);
+- a router pod (or a KV store pod) is the PDService's when its controller is a ReplicaSet of a Deployment the
+  PDService controls, named `<deployment>-<pod-template-hash>` as the Deployment controller names them. The
+  operator does not watch ReplicaSets, so the ReplicaSet's UID is not checked: a pod naming a ReplicaSet that does
+  not exist is deleted by the garbage collector, and one naming the real ReplicaSet is adopted and counted by the
+  ReplicaSet controller (which then deletes pods beyond its replicas);
 - a router EndpointSlice is the router Service's when it was made by the EndpointSlice controller for that
   Service (its controller reference carries the owned Service's UID). The router applies the same rule to the
   pools' slices, with the Service UIDs the operator publishes for it (`render.discovery`).
@@ -148,15 +148,15 @@ class PodSplit:
 def split_pods(
     pods: Iterable[dict[str, Any]],
     statefulsets: Iterable[Mapping[str, Any]],
-    deployment_name: str | None,
+    deployments: Iterable[str],
 ) -> PodSplit:
-    """Split pods into the members of the (owned) `statefulsets` and of the (owned) router Deployment
-    `deployment_name` (None: it does not exist), and the foreign rest."""
-    owners = list(statefulsets)
+    """Split pods into the members of the (owned) `statefulsets` and of the (owned) Deployments named in
+    `deployments` (the router's, the KV store's), and the foreign rest."""
+    owners, deployment_names = list(statefulsets), list(deployments)
     split = PodSplit()
     for pod in pods:
-        mine = any(is_statefulset_pod(pod, sts) for sts in owners) or (
-            deployment_name is not None and is_replicaset_pod(pod, deployment_name)
+        mine = any(is_statefulset_pod(pod, sts) for sts in owners) or any(
+            is_replicaset_pod(pod, name) for name in deployment_names
         )
         (split.owned if mine else split.foreign).append(pod)
     return split

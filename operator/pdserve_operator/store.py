@@ -155,13 +155,8 @@ class Store:
             if obj["kind"] not in ("Pod", "EndpointSlice"):
                 (children if controlled_by(obj, uid) else foreign)[key_of(obj)] = obj
         statefulsets = [children[key] for key in children if key[0] == "StatefulSet"]
-        deployment = child_name(name, "router")
-        router_deployment = children.get(("Deployment", namespace, deployment))
-        pods = split_pods(
-            (o for o in objects if o["kind"] == "Pod"),
-            statefulsets,
-            deployment if router_deployment is not None else None,
-        )
+        deployments = [key[2] for key in children if key[0] == "Deployment"]  # the router's, the KV store's
+        pods = split_pods((o for o in objects if o["kind"] == "Pod"), statefulsets, deployments)
         router_service = children.get(("Service", namespace, child_name(name, "router")))
         slices = [o for o in objects if o["kind"] == "EndpointSlice" and is_service_slice(o, router_service)]
         return Snapshot(

@@ -48,17 +48,25 @@ def test_snapshot_groups_children_pods_and_router_slices() -> None:
     store.put(child("Deployment", "llama-router", 6))
     store.put(controlled(obj("Pod", "llama-prefill-0", 6), prefill))
     store.put(replica_set_pod(obj("Pod", "llama-router-5d9c7b-x1", 6), "llama-router"))
+    # The KV store's Deployment (engine.kvCache.store) is a child too: its pods are not foreign.
+    store.put(child("Deployment", "llama-kvstore", 6))
+    store.put(replica_set_pod(obj("Pod", "llama-kvstore-7f8e9d-k2", 6), "llama-kvstore", "7f8e9d"))
     router_slice = {"kubernetes.io/service-name": "llama-router", **SLICES}
     store.put(controlled(obj("EndpointSlice", "llama-router-abc", 7, **router_slice), router))
     store.put(obj("EndpointSlice", "llama-prefill-abc", 8, **{"kubernetes.io/service-name": "llama-prefill"}))
     store.put(obj("StatefulSet", "other-prefill", 9, instance="other"))
     snap = store.snapshot("ns", "llama")
     assert sorted(snap.children) == [
+        ("Deployment", "ns", "llama-kvstore"),
         ("Deployment", "ns", "llama-router"),
         ("Service", "ns", "llama-router"),
         ("StatefulSet", "ns", "llama-prefill"),
     ]
-    assert sorted(p["metadata"]["name"] for p in snap.pods) == ["llama-prefill-0", "llama-router-5d9c7b-x1"]
+    assert sorted(p["metadata"]["name"] for p in snap.pods) == [
+        "llama-kvstore-7f8e9d-k2",
+        "llama-prefill-0",
+        "llama-router-5d9c7b-x1",
+    ]
     assert [s["metadata"]["name"] for s in snap.endpoint_slices] == ["llama-router-abc"]
     assert not snap.foreign and not snap.foreign_pods
 
