@@ -116,7 +116,7 @@ def test_node_labels_are_published_only_when_slices_lack_them(topology_key: str 
     one_config_map = {
         "apiGroups": [""],
         "resources": ["configmaps"],
-        "resourceNames": ["svc-router-discovery"],
+        "resourceNames": ["svc-router-discovery", "svc-router-control"],
         "verbs": ["list", "watch"],
     }
     assert role["rules"] == [slices, one_config_map]

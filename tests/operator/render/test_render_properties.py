@@ -113,7 +113,7 @@ def test_render_never_crashes_and_owns_everything(spec: dict[str, Any], name: st
         o["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL] for o in objects if o["kind"] == "StatefulSet"
     }
     assert len(compat) == 1
-    # The router, whatever the spec, reads EndpointSlices and its one discovery ConfigMap, never a Pod.
+    # The router, whatever the spec, reads EndpointSlices, its discovery ConfigMap and its control one, never a Pod.
     [role] = [o for o in objects if o["kind"] == "Role"]
     for rule in role["rules"]:
         assert set(rule["verbs"]) == {"list", "watch"}
@@ -122,4 +122,4 @@ def test_render_never_crashes_and_owns_everything(spec: dict[str, Any], name: st
             ([""], ["configmaps"]),
         )
         if rule["resources"] == ["configmaps"]:
-            assert rule["resourceNames"] == [f"{name}-router-discovery"]
+            assert rule["resourceNames"] == [f"{name}-router-discovery", f"{name}-router-control"]
