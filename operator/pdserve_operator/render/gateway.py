@@ -30,6 +30,7 @@ from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.names import child_name, selector_labels
 from pdserve_operator.render import discovery, router
+from pdserve_operator.render.containers import RESTRICTED_NON_ROOT, http_probes
 from pdserve_operator.render.objects import metadata
 
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
@@ -139,25 +140,8 @@ def sidecar_container(spec: EffectiveSpec) -> dict[str, Any]:
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": gateway.sidecar_port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "readinessProbe": {
-            "httpGet": {"path": "/ready", "port": SIDECAR_PORT_NAME},
-            "periodSeconds": 2,
-            "failureThreshold": 2,
-        },
-        "livenessProbe": {
-            "httpGet": {"path": "/health", "port": SIDECAR_PORT_NAME},
-            "periodSeconds": 10,
-            "failureThreshold": 3,
-        },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-            "runAsGroup": 65532,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        **http_probes(SIDECAR_PORT_NAME),
+        "securityContext": dict(RESTRICTED_NON_ROOT),
     }
 
 

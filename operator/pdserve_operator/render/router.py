@@ -37,6 +37,7 @@ from pdserve.api.router_config import (
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.names import child_name, labels, router_control_name, selector_labels
 from pdserve_operator.render import discovery
+from pdserve_operator.render.containers import RESTRICTED_NON_ROOT, http_probes, router_scheduling
 from pdserve_operator.render.objects import metadata
 
 CONFIG_KEY = "router.yaml"
@@ -170,7 +171,6 @@ def role_binding(pds: PDService) -> dict[str, Any]:
 def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     router = spec.router
     name = child_name(pds, "router")
-    probe_port = "http"
     container: dict[str, Any] = {
         "name": "router",
         "image": router.image,
@@ -182,26 +182,9 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
             {"name": METRICS_PORT_NAME, "containerPort": metrics_port(spec), "protocol": "TCP"},
         ],
         "resources": router.resources.as_dict(),
-        "readinessProbe": {
-            "httpGet": {"path": "/ready", "port": probe_port},
-            "periodSeconds": 2,
-            "failureThreshold": 2,
-        },
-        "livenessProbe": {
-            "httpGet": {"path": "/health", "port": probe_port},
-            "periodSeconds": 10,
-            "failureThreshold": 3,
-        },
+        **http_probes("http"),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-            "runAsGroup": 65532,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": dict(RESTRICTED_NON_ROOT),
     }
     config_hash = hashlib.sha256(config_text(pds, spec).encode()).hexdigest()[:16]
     pod_spec: dict[str, Any] = {
@@ -219,10 +202,7 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
             }
         ],
     }
-    if router.node_selector:
-        pod_spec["nodeSelector"] = dict(router.node_selector)
-    if router.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in router.tolerations]
+    pod_spec.update(router_scheduling(router))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
