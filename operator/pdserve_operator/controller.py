@@ -29,7 +29,7 @@ from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.names import MANAGED_BY, MANAGED_BY_LABEL
 from pdserve_operator.nodes import NodeLabelCache, NodeLabels
 from pdserve_operator.observed import OwnerKey
-from pdserve_operator.reconcile import RetryLaterError, reconcile, utc_now
+from pdserve_operator.reconcile import ForeignPods, RetryLaterError, reconcile, utc_now
 from pdserve_operator.store import Store
 from pdserve_operator.view import SpecViews
 from pdserve_operator.workqueue import WorkQueue
@@ -80,6 +80,8 @@ class Controller:
         self.scaling = scaling
         # Node labels for the router's topology, read through the reconcile's own API client (so counted with it).
         self.nodes = nodes if nodes is not None else NodeLabelCache(api)
+        # Pods carrying a PDService's labels that it does not own, already reported (one Event each).
+        self.reported = ForeignPods()
         # Set once the first list of every watched kind is in the cache (`run`): no pass runs before.
         self.synced = asyncio.Event()
 
@@ -218,6 +220,7 @@ class Controller:
                 applier=self.applier,
                 scaling=self.scaling,
                 nodes=self.nodes,
+                reported=self.reported,
             )
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)

@@ -17,6 +17,7 @@ import yaml
 from pdserve.api.policy import DEFAULT_POLICY
 from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
+from pdserve_dev.testing.owners import controlled
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import OBSERVED
@@ -109,7 +110,10 @@ async def test_a_pass_that_asks_to_run_again_is_run_again_without_an_event() -> 
     ctl, kube = controller(crash_window=1.0, now=lambda: READY_AT)
     ctl.on_owner_event({"type": "ADDED", "object": kube.add_owner(yaml.safe_load(EXAMPLE.read_text()))})
     key = await asyncio.wait_for(ctl.queue.get(), 1)
-    ctl.store.put(pod(NAME, ready_at=READY_AT))
+    await ctl._process(key)  # creates the children
+    # The crashed engine (of the decode StatefulSet) is ready again as of the passes' clock.
+    decode = kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-decode")]
+    ctl.store.put(controlled(pod(NAME, ready_at=READY_AT), decode))
     await ctl._process(key)
     ctl.queue.done(key)
     assert len(ctl.queue) == 0
