@@ -324,6 +324,9 @@ class EffectiveRouting:
     disaggregation_threshold: int = default(256)
     prefix_aware: bool = default(True)
     fallback_to_decode: bool = default(True)
+    # Off until issue 19's benchmark shows late binding beating engine queues at the code trace: on, a request the
+    # engines would still serve late is shed with 503 after the router's queue deadline.
+    late_binding: bool = default(False)
 
 
 @view(GatewaySpec)

@@ -464,6 +464,15 @@ class RoutingSpec(ApiModel):
         default=None,
         description="When no prefill engine can serve, prefill on decode instead of 503.",
     )
+    late_binding: bool | None = Field(
+        default=None,
+        description=(
+            "Requests wait in the router until an engine has room (prefill: one and a half of "
+            "prefill.maxNumBatchedTokens uncached tokens per engine; decode: decode.maxNumSeqs sequences when set), "
+            "in a queue fair across clients, and a request that waited maxQueueSeconds is answered 503 with "
+            "Retry-After. Off: requests queue in the engines, as vLLM's own scheduler orders them."
+        ),
+    )
 
 
 class GatewaySpec(ApiModel):

@@ -69,13 +69,15 @@ def router_endpoint(pds: PDService, spec: EffectiveSpec) -> str:
 
 
 def admission(pds: PDService, spec: EffectiveSpec) -> AdmissionConfig:
-    """Late binding: budgets from the pools' engine limits, deadlines from the SLO, the replicas from the Service."""
+    """Late binding (`routing.lateBinding`): budgets from the pools' engine limits, deadlines from the SLO, the
+    replicas from the Service. Off, both budgets are 0: the gate lets every request through to the engines."""
+    late = spec.router.routing.late_binding
     step = spec.prefill.max_num_batched_tokens or VLLM_MAX_NUM_BATCHED_TOKENS
     ttft = spec.slo.ttft_milliseconds
     return AdmissionConfig(
-        prefill_budget_tokens=step * 3 // 2,
+        prefill_budget_tokens=step * 3 // 2 if late else 0,
         # Only when the spec states it: a guess below the engine's own limit would cap decode throughput.
-        decode_budget_sequences=spec.decode.max_num_seqs or 0,
+        decode_budget_sequences=(spec.decode.max_num_seqs or 0) if late else 0,
         ttft_target_seconds=ttft / 1000 if ttft is not None else None,
         peers=RouterPeers(
             namespace=pds.metadata.namespace, label_selector=f"{SERVICE_NAME_LABEL}={child_name(pds, 'router')}"

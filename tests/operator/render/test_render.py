@@ -244,12 +244,19 @@ def test_router_objects() -> None:
     # Late binding (issue 19): the budgets and the deadline come from the spec, the replicas from the Service.
     assert config.router_control is not None and config.router_control.name == "svc-router-control"
     admission = config.admission
-    assert (admission.prefill_budget_tokens, admission.decode_budget_sequences) == (12288, 0)
+    assert (admission.prefill_budget_tokens, admission.decode_budget_sequences) == (0, 0)  # lateBinding is off
     assert admission.peers is not None
     assert admission.peers.label_selector == "kubernetes.io/service-name=svc-router"
     assert admission.router_replicas == 1  # not the spec's 3: scaling the routers must not roll them
     tuned = render(
-        validate(pds(prefill={"maxNumBatchedTokens": 4096}, decode={"maxNumSeqs": 128}, slo={"ttftMilliseconds": 800}))
+        validate(
+            pds(
+                prefill={"maxNumBatchedTokens": 4096},
+                decode={"maxNumSeqs": 128},
+                slo={"ttftMilliseconds": 800},
+                router={"routing": {"lateBinding": True}},
+            )
+        )
     )
     admission = RouterConfig.model_validate(
         yaml.safe_load(by_kind(tuned, "ConfigMap", "svc-router")["data"]["router.yaml"])
