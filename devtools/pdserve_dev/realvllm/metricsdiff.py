@@ -117,4 +117,4 @@ def diff(real: str, simulated: str, not_simulated: Iterable[str] = NOT_SIMULATED
 
 
 def _bounds(values: set[str]) -> str:
-    return "[" + ", ".join(sorted(values, key=lambda v: float(v))) + "]"
+    return "[" + ", ".join(sorted(values, key=float)) + "]"

