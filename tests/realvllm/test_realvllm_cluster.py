@@ -57,6 +57,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.realvllm, pytest.mark.slow, pytes
 AUTOSCALER_FLAGS = ["--autoscaler-interval-seconds=2", "--autoscaler-window-seconds=10"]
 #: Every request of the tier's loads asks for exactly max_tokens tokens (a random model may emit EOS early).
 EXACT = {"ignore_eos": True}
+RUN_AS_USER = 2000
 LONG_PROMPT = " ".join(f"the prefill engine computes token {i} of the prompt." for i in range(80))
 
 
@@ -97,6 +98,9 @@ class Deployment:
             return
         for path in (logs / "logs").glob(f"{self.namespace}_*.log"):
             (folder / path.name).write_bytes(path.read_bytes())
+        events = self.cluster.kubectl("get", "events", f"--namespace={self.namespace}", "-o", "wide", check=False)
+        (folder / "events.txt").write_text(events.stdout + events.stderr)
+        (folder / "pdservice.json").write_text(json.dumps(self.pds(), indent=1))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +126,9 @@ def deployment(
     helm(*args, kubeconfig=cluster.kubeconfig, timeout=240)
     started = time.monotonic()
     try:
-        manifest = service.manifest(NAME, namespace)
+        # Non-root engines (issue 18 item 13): the tier runs vLLM as UID 2000, so every run proves a non-root engine
+        # serves PD with NIXL under the process node's enforcement.
+        manifest = service.manifest(NAME, namespace, run_as_user=RUN_AS_USER)
         # The prefill pool is the autoscaler's from the start (a target no idle engine breaches), so its queries
         # run against the real engines all along.
         manifest["spec"]["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 2}
@@ -195,7 +201,7 @@ def test_streams_chat_and_short_prompts_through_the_router(deployment: Deploymen
     [decode] = deployment.ips("decode")
     before = service.tokens_by_source([decode])
     # A long prompt, streamed: PD; every token arrives, [DONE] ends it.
-    prompt = LONG_PROMPT + " streamed."
+    prompt = f"Streamed {uuid.uuid4().hex}. {LONG_PROMPT}"  # a new head: nothing of it is cached anywhere
     headers, events = service.post_stream(
         f"{deployment.router}/v1/completions",
         {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 10, "stream_options": {"include_usage": True}, **EXACT},
@@ -206,7 +212,7 @@ def test_streams_chat_and_short_prompts_through_the_router(deployment: Deploymen
     after = service.tokens_by_source([decode])
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == usage["prompt_tokens"]
     # Chat with a long conversation: PD as well (the chat template applied by both engines).
-    messages = [{"role": "user", "content": LONG_PROMPT}]
+    messages = [{"role": "user", "content": f"Chat {uuid.uuid4().hex}. {LONG_PROMPT}"}]
     headers, chat = service.post(
         f"{deployment.router}/v1/chat/completions",
         {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, **EXACT},
@@ -360,7 +366,8 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     prefill 1 -> 2, and the demand it states is what the prefill engine's own counters say it computed."""
     [prefill] = deployment.ips("prefill")
     url = f"http://{prefill}:{service.ENGINE_PORT}/metrics"
-    deployment.patch({"spec": {"slo": {"ttftMilliseconds": 150}}})
+    # Decode gets its second engine meanwhile (the scale-down test needs two of each; one start-up phase for both).
+    deployment.patch({"spec": {"slo": {"ttftMilliseconds": 150}, "decode": {"replicas": 2}}})
     counter = "vllm:prompt_tokens_by_source_total"
     before, started = metric_value(scrape_sync(url), counter, source="local_compute"), time.monotonic()
     events = asyncio.run(_breach(deployment))
@@ -377,6 +384,7 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     # Back to a target no idle engine breaches; the scale-down window (600 s) holds prefill at 2 meanwhile.
     deployment.patch({"spec": {"slo": {"ttftMilliseconds": 30000}}})
     deployment.wait_pool("prefill", 2)
+    deployment.wait_pool("decode", 2)
 
 
 async def _breach(deployment: Deployment, within: float = 240.0) -> list[str]:
