@@ -240,10 +240,19 @@ def _proc_status(pid: int) -> dict[str, str]:
 
 
 def _descendants(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    found = [int(c) for c in children]
-    for child in list(found):
-        found += _descendants(child)
+    """Every process below `pid` (by parent pid: vLLM starts its engine core from a thread other than main)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(_proc_status(int(entry.name))["PPid"])
+            except (OSError, KeyError, ValueError):
+                continue  # exited meanwhile
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
     return found
 
 

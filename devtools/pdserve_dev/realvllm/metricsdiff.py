@@ -34,6 +34,9 @@ NOT_SIMULATED: dict[str, str] = {
     "vllm:estimated_write_bytes_per_gpu": "hardware counters of a GPU the simulator does not have",
     "vllm:mm_cache_hits": "no multi-modal inputs",
     "vllm:mm_cache_queries": "no multi-modal inputs",
+    "vllm:num_requests_kv_fetch_by_stage": "the stages of decode's asynchronous KV load (waiting_to_start, "
+    "in_progress, completed_waiting); the simulator counts the same requests in "
+    'num_requests_waiting_by_reason{reason="deferred"}, which is what pdserve reads',
     "vllm:nixl_num_notifications_after_expiry": "late NIXL notifications after a lease expired are not modelled",
     "vllm:prompt_tokens_cached_by_source": "the cached share is exported by source in prompt_tokens_by_source",
     "vllm:request_max_num_generation_tokens": "per-request parameters beyond max_tokens are not modelled",
