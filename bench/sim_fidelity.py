@@ -13,7 +13,7 @@ added latency. The simulator's own ``pdserve:sim_late_steps_total`` is shown too
 ``--real``: the ``cpu-tiny`` preset against the engine it imitates. Real vLLM (the CPU build ``scripts/install.sh``
 installs, serving the real-engine tier's tiny Llama with its flags, pinned to one core) and a ``cpu-tiny``
 simulator, pinned to the same core in turn, get the same load: TTFT of one prompt at a time against prompt length
-(64 .. 2048 tokens) and ITL against batch size (1, 4, 16 concurrent streams). Each row prints the real engine's
+(64 .. 1536 tokens) and ITL against batch size (1, 4, 16 concurrent streams). Each row prints the real engine's
 number, the simulator's, and the ratio simulator / real (the floor: within x1.25 either way; exit status 1 names
 the rows outside it), then the cost-model parameters a least-squares fit of the real numbers gives, beside the
 preset's (``sim/pdserve_sim/presets.py``), so a new CPU class is fitted by copying them.
@@ -85,7 +85,7 @@ async def _scenarios(preset: str, timing: TimingParams, concurrency: int) -> lis
     return rows
 
 
-PROMPT_LENGTHS = (64, 256, 512, 1024, 2048)
+PROMPT_LENGTHS = (64, 256, 512, 1024, 1536)  # cpu-tiny's max_model_len is 2048
 BATCHES = (1, 4, 16)
 REAL_TOLERANCE = 1.25
 MODEL = "tiny-llama"

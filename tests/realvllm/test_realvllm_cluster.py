@@ -415,7 +415,7 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     deployment.patch({"spec": {"slo": BREACH_SLO, "decode": {"replicas": 2}}})
     events, sent, after = asyncio.run(_breach(deployment, url))
     seconds = time.monotonic() - started
-    assert events and events[0].startswith("Scaled prefill 1 -> 2: TTFT p90"), events
+    assert events and events[0].startswith("Scaled prefill 1 -> 2: "), events
     status = deployment.pds()["status"]["prefill"]["autoscaling"]
     # The Event's numbers against the prefill engine's own /metrics, read the moment the Event appeared: its TTFT
     # p90 (vLLM's histogram; the autoscaler's 10 s window against the whole burst: the same quantity within x2) ...
@@ -453,7 +453,7 @@ async def _breach(deployment: Deployment, url: str, within: float = 240.0) -> tu
     from pdserve_dev.testing.load import Load
 
     async with Load(deployment.router, MODEL_NAME, seed=20) as load:
-        load.arrivals(8.0, 300, 2, stream=False)
+        load.arrivals(8.0, 300, 2)
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             events = await asyncio.to_thread(_events, deployment, "Scaled")
