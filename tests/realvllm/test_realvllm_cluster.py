@@ -90,7 +90,7 @@ class Deployment:
             f"--patch={json.dumps(patch)}",
         )  # fmt: skip
 
-    def wait_pool(self, role: str, replicas: int, timeout: float = 400.0) -> None:
+    def wait_pool(self, role: str, replicas: int, timeout: float = 600.0) -> None:
         wait_pool(self.cluster, self.namespace, role, replicas, router=self.router, timeout=timeout)
 
     def describe(self) -> str:
