@@ -251,12 +251,14 @@ class Target:
         baseline: str | None,
         router: Proc | None = None,
         client_prefill: str | None = None,
+        metrics_url: str | None = None,
     ) -> None:
         self.name = name
         self.url = url
         self.baseline = baseline
         self.router = router
         self.client_prefill = client_prefill
+        self.metrics_url = metrics_url  # where the router serves /metrics (pdserve routers only)
 
 
 class Proc:
@@ -323,6 +325,21 @@ def _histogram_quantile(before: dict[float, float], after: dict[float, float], q
     return lower
 
 
+def pdserve_router_command(port: int, metrics_port: int | None) -> list[str]:
+    """`pdserve router` on loopback, quiet, serving clients on `port` and /metrics on `metrics_port` (None: a
+    router from a tree that still serves /metrics on its client port, see `--baseline-tree`)."""
+    cmd = [PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    return cmd if metrics_port is None else [*cmd, "--metrics-port", str(metrics_port)]
+
+
+def tree_environment(tree: str) -> dict[str, str]:
+    """The environment that makes `python -m pdserve.cli` run the code of another checkout (`--baseline-tree`):
+    its import roots first on the path (they win over this checkout's editable install)."""
+    root = Path(tree).resolve()
+    roots = [root, root / "operator", root / "runtime", root / "sim"]
+    return {"PYTHONPATH": os.pathsep.join(str(path) for path in roots)}
+
+
 def vllm_router_binary() -> str | None:
     """The `vllm-router` executable beside this Python, or on PATH (None when not installed)."""
     return shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
@@ -345,14 +362,14 @@ def _run_level(
     # Sample the router while the measured window runs (after the warm-up).
     time.sleep(args.warmup)
     own = "pdserve_router_added_latency_seconds"
-    own_before = _histogram(target.url, own) if target.name.startswith("pdserve") else {}
+    own_before = _histogram(target.metrics_url, own) if target.metrics_url else {}
     cpu_window_start = _cpu_seconds(router.pid) if router else 0.0
     window_start = time.monotonic()
     time.sleep(args.seconds)
     cpu_window = (_cpu_seconds(router.pid) - cpu_window_start) if router else 0.0
     window = time.monotonic() - window_start
     rss = _rss_mb(router.pid) if router else 0.0
-    own_after = _histogram(target.url, own) if target.name.startswith("pdserve") else {}
+    own_after = _histogram(target.metrics_url, own) if target.metrics_url else {}
     out, _ = loadgen.communicate(timeout=args.seconds + 180)
     del cpu_before, started
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
@@ -404,14 +421,16 @@ def run_preset(args: argparse.Namespace, preset: str, levels: list[int]) -> dict
         _wait_http(prefill_url, "/health")
         _wait_http(decode_url, "/health")
 
+        metrics: dict[str, str] = {}
+
         def pdserve(threshold: int) -> tuple[str, Proc]:
-            port = free_port()
-            cmd = [PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--prefill",
-                   prefill_url, "--decode", decode_url, "--disaggregation-threshold", str(threshold),
-                   "--served-model-name", "sim-model", "--log-level", "warning"]  # fmt: skip
+            port, metrics_port = free_port(), free_port()
+            cmd = [*pdserve_router_command(port, metrics_port), "--prefill", prefill_url, "--decode", decode_url,
+                   "--disaggregation-threshold", str(threshold), "--served-model-name", "sim-model"]  # fmt: skip
             proc = Proc(cmd, router_cpus)
             url = f"http://127.0.0.1:{port}"
             _wait_http(url, "/ready")
+            metrics[url] = f"http://127.0.0.1:{metrics_port}"
             return url, proc
 
         def vllm_router() -> tuple[str, Proc]:
@@ -445,7 +464,7 @@ def run_preset(args: argparse.Namespace, preset: str, levels: list[int]) -> dict
                 print(f"# {name}: skipped ({exc})", flush=True)
                 continue
             procs.append(router)
-            targets.append(Target(name, url, baseline=baseline, router=router))
+            targets.append(Target(name, url, baseline=baseline, router=router, metrics_url=metrics.get(url)))
 
         # Interleave: every target runs once per round at a level before any runs again, so slow drifts of a
         # shared machine hit all targets alike; each figure is the median over rounds.
@@ -568,6 +587,11 @@ def main() -> None:
     parser.add_argument("--cases", default="100,1k,4k,32k,4k-1,itl0", help="pd-long: which cases, comma-separated")
     parser.add_argument("--accuracy-requests", type=int, default=400, help="prefix-accuracy: requests to send")
     parser.add_argument("--no-big-prompt", dest="big_prompt", action="store_false", help="pd-long: skip the 7 MB one")
+    parser.add_argument(
+        "--baseline-tree",
+        help="pd-long: also run the router of this checkout (e.g. a worktree of main) as `pdserve-base`, on the "
+        "same mocks in the same rounds, and report this router's added TTFT against it",
+    )
     args = parser.parse_args()
     if args.command == "loadgen":
         run_loadgen(args)

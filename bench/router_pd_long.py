@@ -10,7 +10,9 @@ same mocks serve, interleaved round by round:
   no-router baseline;
 - ``pdserve-pd``: the pdserve router with threshold 0 (every request through prefill; prompt analysis, prefix
   tracking and scheduling all run as usual);
-- ``vllm-router-pd``: vLLM's Rust router 0.1.17 in PD mode, round robin.
+- ``vllm-router-pd``: vLLM's Rust router 0.1.17 in PD mode, round robin;
+- ``pdserve-base`` (with ``--baseline-tree PATH``): the pdserve router of another checkout, e.g. a worktree of
+  main, so that a change is measured against the code before it in the same run.
 
 Cases (``--cases``): 64 streams with prompts of 100 / 1k / 4k / 32k tokens, 1 stream with 4k tokens, and 64
 unpaced streams (mocks at ITL 0) with 1k tokens, where relayed events per second against direct PD show whether
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -43,6 +46,8 @@ from bench.router_bench import (
     _percentile,
     _run_level,
     _wait_http,
+    pdserve_router_command,
+    tree_environment,
     vllm_router_binary,
 )
 from pdserve_dev.testing.net import free_port
@@ -77,7 +82,9 @@ class Placement:
     other: set[int] | None
 
 
-def _start_backend(name: str, itl: float, placement: Placement, procs: list[Proc], with_vllm: bool) -> Backend:
+def _start_backend(  # noqa: PLR0917 (one call site per backend, every argument differs)
+    name: str, itl: float, placement: Placement, procs: list[Proc], with_vllm: bool, baseline_tree: str | None
+) -> Backend:
     prefill_port, decode_port = free_port(), free_port()
     mock = Proc([PY, str(ROOT / "bench" / "pd_mock.py"), "--prefill-port", str(prefill_port), "--decode-port",
                  str(decode_port), "--itl", str(itl)], placement.other)  # fmt: skip
@@ -87,14 +94,23 @@ def _start_backend(name: str, itl: float, placement: Placement, procs: list[Proc
     _wait_http(decode, "/health")
     targets = [Target("direct-pd", decode, baseline=None, client_prefill=prefill)]
 
-    port = free_port()
-    router = Proc([PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--prefill",
-                   prefill, "--decode", decode, "--disaggregation-threshold", "0", "--served-model-name", "m",
-                   "--log-level", "warning", "--engine-metrics-interval", "0"], placement.router)  # fmt: skip
+    pd_flags = ["--prefill", prefill, "--decode", decode, "--disaggregation-threshold", "0", "--served-model-name", "m",
+                "--engine-metrics-interval", "0"]  # fmt: skip
+    port, metrics_port = free_port(), free_port()
+    router = Proc([*pdserve_router_command(port, metrics_port), *pd_flags], placement.router)
     procs.append(router)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url, "/ready")
-    targets.append(Target("pdserve-pd", url, baseline="direct-pd", router=router))
+    targets.append(Target("pdserve-pd", url, baseline="direct-pd", router=router,
+                          metrics_url=f"http://127.0.0.1:{metrics_port}"))  # fmt: skip
+    if baseline_tree:
+        port = free_port()
+        base = Proc([*pdserve_router_command(port, None), *pd_flags], placement.router, tree_environment(baseline_tree))
+        procs.append(base)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url, "/ready")
+        # A checkout from before the metrics port serves /metrics on its client port.
+        targets.append(Target("pdserve-base", url, baseline="direct-pd", router=base, metrics_url=url))
     binary = vllm_router_binary()
     if with_vllm and binary:
         port = free_port()
@@ -111,7 +127,8 @@ def _start_backend(name: str, itl: float, placement: Placement, procs: list[Proc
 
 
 def _median(values: list[float]) -> float:
-    ordered = sorted(values)
+    """The median of the rounds that measured something (a round whose window saw no first token is NaN)."""
+    ordered = sorted(value for value in values if not math.isnan(value))
     if not ordered:
         return float("nan")
     mid = len(ordered) // 2
@@ -129,6 +146,7 @@ def _row(result: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
         "relay": result["tokens_per_s"] / max(1e-9, base["tokens_per_s"]),
         "events_per_s": result["tokens_per_s"],
         "cpu_ms": result["cpu_ms_per_request"],
+        "own_p50": result["own_p50_ms"],
         "cpu_pct": result["router_cpu_pct"],
         "pd_share": routes.get("pd", 0) / max(1, sum(routes.values())) if routes else float("nan"),
         "errors": result["errors"],
@@ -167,9 +185,9 @@ def run_pd_long(args: argparse.Namespace) -> int:
         backends: dict[str, Backend] = {}
         with_vllm = not args.no_vllm_router
         if any(CASES[case][2] == "paced" for case in cases) or args.big_prompt:
-            backends["paced"] = _start_backend("paced", 0.01, placement, procs, with_vllm)
+            backends["paced"] = _start_backend("paced", 0.01, placement, procs, with_vllm, args.baseline_tree)
         if any(CASES[case][2] == "unpaced" for case in cases):
-            backends["unpaced"] = _start_backend("unpaced", 0.0, placement, procs, with_vllm)
+            backends["unpaced"] = _start_backend("unpaced", 0.0, placement, procs, with_vllm, args.baseline_tree)
         if placement.other:
             os.sched_setaffinity(0, placement.other)
         table = {case: _run_case(case, backends[CASES[case][2]], args, placement.other) for case in cases}
@@ -221,7 +239,28 @@ def _report(table: dict[str, dict[str, dict[str, float]]]) -> bool:
                        f"{', '.join(f'{v:+.2f}' for v in spread)} ms (all <= 1)", max(spread) <= 1.0))  # fmt: skip
     for text, held in checks:
         print(f"floor: {text}: {'met' if held else 'MISSED'}")
+    _report_against_baseline(table)
     return all(held for _, held in checks)
+
+
+def _report_against_baseline(table: dict[str, dict[str, dict[str, float]]]) -> None:
+    """With --baseline-tree: this router's added TTFT and CPU against the other checkout's, case by case."""
+    if not any("pdserve-base" in rows for rows in table.values()):
+        return
+    print()
+    print("| prompt | streams | added TTFT p50 this / baseline tree | p99 this / baseline | difference p50 | "
+          "router's own share of TTFT p50 this / baseline | CPU per request this / baseline |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for case, rows in table.items():
+        tokens, streams, kind = CASES[case]
+        ours, base = rows.get("pdserve-pd"), rows.get("pdserve-base")
+        if ours is None or base is None:
+            continue
+        print(f"| {tokens} tokens{', ITL 0' if kind == 'unpaced' else ''} | {streams} | "
+              f"{ours['added_p50']:+.2f} / {base['added_p50']:+.2f} ms | {ours['added_p99']:+.2f} / "
+              f"{base['added_p99']:+.2f} ms | {ours['added_p50'] - base['added_p50']:+.2f} ms | "
+              f"{ours['own_p50']:.3f} / {base['own_p50']:.3f} ms | "
+              f"{ours['cpu_ms']:.2f} / {base['cpu_ms']:.2f} ms |")  # fmt: skip
 
 
 def _big_prompt(backend: Backend, args: argparse.Namespace, other: set[int] | None) -> bool:

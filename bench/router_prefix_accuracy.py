@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.router_bench import PY, Proc, PromptMaker, _wait_http
+from bench.router_bench import Proc, PromptMaker, _wait_http, pdserve_router_command
 from pdserve_dev.testing.net import free_port
 
 THRESHOLDS = (256, 1024)
@@ -104,9 +104,9 @@ async def _measure(threshold: int, size: int, seed: int) -> Tally:
         sim_in_process(role="decode", prompt_tokens_details=True) as decode,
     ):
         port = free_port()
-        router = Proc([PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--prefill",
-                       prefill.url, "--decode", decode.url, "--disaggregation-threshold", str(threshold),
-                       "--served-model-name", "sim-model", "--log-level", "warning"], None)  # fmt: skip
+        flags = ["--prefill", prefill.url, "--decode", decode.url, "--disaggregation-threshold", str(threshold),
+                 "--served-model-name", "sim-model"]  # fmt: skip
+        router = Proc([*pdserve_router_command(port, free_port()), *flags], None)
         url = f"http://127.0.0.1:{port}"
         try:
             await asyncio.to_thread(_wait_http, url, "/ready")

@@ -13,7 +13,10 @@ and prints the autoscaler's `Scaled` Event and `kubectl get pds -o wide`. Everyt
 `--keep` is given.
 
 The cluster's pod addresses (198.18.0.0/15, see pod_network) must stay on this machine: when it can (root), the
-demo first moves itself into a private network namespace that holds only a loopback interface.
+demo runs in a private network namespace of its own that holds only a loopback interface. With `--keep`, the
+`pdserve dev demo` process the user started then publishes the router, Prometheus and the API server on its own
+namespace's 127.0.0.1 and prints those addresses and a kubeconfig for them (`demo_access`, `publish`), so curl,
+kubectl and OpenAI clients work from the user's shell; Ctrl-C stops the demo and its relays.
 """
 
 from __future__ import annotations
@@ -36,6 +39,18 @@ import yaml
 
 from pdserve_dev.cluster import netns
 from pdserve_dev.cluster.cluster import SYSTEM_NAMESPACE, LocalCluster
+from pdserve_dev.demo_access import (
+    Kept,
+    address_of,
+    banner,
+    control_fd,
+    kubectl_path,
+    publish_inside,
+    run_isolated,
+    stop_on_signals,
+    write_access,
+)
+from pdserve_dev.publish import Target
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import by_label, scrape_sync
 from pdserve_dev.testing.wait import wait_for
@@ -157,15 +172,15 @@ def show_autoscaling(helper: ClusterHelper, name: str, base: str, model: str, ec
     return True
 
 
-def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
-    """Run the demo; returns a process exit code."""
+def run_demo(manifest: str, keep: bool, echo: Callable[[str], None], control: int | None = None) -> int:
+    """Run the demo; returns a process exit code. `control`: the pipe to the process outside (`demo_access`)."""
     doc = yaml.safe_load(manifest)
     doc.setdefault("metadata", {})["namespace"] = DEMO_NAMESPACE
     name = doc["metadata"]["name"]
     model = doc["spec"]["model"]["name"]
     chart = chart_path()
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-demo-"))
-    cluster = LocalCluster(workdir / "cluster", topology="minimal", process_node=True, log=echo)
+    cluster = LocalCluster(workdir / "cluster", topology="minimal", process_node=True, log=_cluster_log(echo, control))
     try:
         cluster.start()
         helper = ClusterHelper.from_cluster(cluster)
@@ -182,7 +197,8 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
         echo(f"PDService Available after {time.monotonic() - started:.1f}s")
         echo(helper.kubectl("get", "pds,statefulsets,deployments,pods", "-n", DEMO_NAMESPACE, "-o", "wide").stdout)
         router_ip = wait_for(lambda: helper.pod_ips(DEMO_NAMESPACE, "pdserve.io/role=router"), timeout=60)[0]
-        base = f"http://{router_ip}:8080"
+        port = router_port(helper, name)
+        base = f"http://{router_ip}:{port}"
         before = prompt_tokens_by_source(helper, DEMO_NAMESPACE)
         long_prompt = " ".join(f"token{i}" for i in range(600))
         headers, body, seconds = _post(
@@ -209,13 +225,25 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
         )
         scaled = show_autoscaling(helper, name, base, model, echo)
         if keep:
-            echo(
-                f"Kept running. KUBECONFIG={cluster.kubeconfig}; router at {base}; Prometheus at {prometheus}; the "
-                f"operator's log: {cluster.process_node_workdir / 'logs'}/{SYSTEM_NAMESPACE}_*_operator.log. Ctrl-C "
-                "stops everything."
+            kept = Kept(
+                workdir=str(workdir),
+                kubeconfig=str(cluster.kubeconfig),
+                sockets={},
+                namespace=DEMO_NAMESPACE,
+                name=name,
+                model=model,
+                operator_logs=f"{cluster.process_node_workdir / 'logs'}/{SYSTEM_NAMESPACE}_*_operator.log",
             )
-            while True:
-                time.sleep(3600)
+            keep_running(
+                kept,
+                cluster=cluster,
+                helper=helper,
+                router=(router_ip, port),
+                prometheus=prometheus,
+                control=control,
+                echo=echo,
+            )
+            return 130  # stopped by a signal
         return 0 if moved > 0 and scaled else 1
     except KeyboardInterrupt:
         return 130
@@ -225,16 +253,66 @@ def run_demo(manifest: str, keep: bool, echo: Callable[[str], None]) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _cluster_log(echo: Callable[[str], None], control: int | None) -> Callable[[str], None]:
+    """The cluster's progress lines; in a namespace of its own, an address they name is said to be there (the user
+    gets the published ones at the end)."""
+    if control is None:
+        return echo
+    return lambda line: echo(f"{line} (inside the demo's network namespace)" if "://" in line else line)
+
+
+def router_port(helper: ClusterHelper, name: str) -> int:
+    """The router's port, from the PDService's `status.routerEndpoint` (http://<service>.<namespace>.svc:<port>)."""
+    endpoint = helper.get_json("pds", name, f"--namespace={DEMO_NAMESPACE}")["status"]["routerEndpoint"]
+    return address_of(endpoint)[1]
+
+
+def keep_running(
+    kept: Kept,
+    *,
+    cluster: LocalCluster,
+    helper: ClusterHelper,
+    router: tuple[str, int],
+    prometheus: str,
+    control: int | None,
+    echo: Callable[[str], None],
+) -> None:
+    """Serve until Ctrl-C (or SIGTERM): publish the router, Prometheus and the API server to the process outside
+    (when the demo runs in a namespace of its own), or print their addresses (when it runs where the user is)."""
+    assert cluster.state is not None  # started
+    server = cluster.state.server
+    if control is None:
+        router_url = f"http://{router[0]}:{router[1]}"
+        access = write_access(kept, router_url, prometheus, server, cluster.kubeconfig)
+        echo(banner(kept, access, kubectl_path(), local=True))
+        while True:
+            time.sleep(3600)
+
+    def router_address() -> tuple[str, int] | None:
+        ips = helper.pod_ips(DEMO_NAMESPACE, "pdserve.io/role=router")
+        return (ips[0], router[1]) if ips else None
+
+    targets = {
+        "router": Target("router", router, router_address),
+        "prometheus": Target("prometheus", address_of(prometheus)),
+        "apiserver": Target("apiserver", address_of(server)),
+    }
+    asyncio.run(publish_inside(kept, targets, control))
+
+
 def main(manifest_path: str | None, keep: bool, echo: Callable[[str], None] = print) -> int:
-    """Entry point of `pdserve dev demo`: move into a private network namespace when possible, then run."""
-    if netns.should_isolate():
+    """Entry point of `pdserve dev demo`: run in a private network namespace of its own when possible (publishing
+    what `--keep` keeps running on this namespace's loopback, `demo_access`), else here."""
+    control = control_fd()
+    if control is None and netns.can_isolate():
         args = ["-f", str(Path(manifest_path).resolve())] if manifest_path else []
-        return netns.run_in_fresh(
-            [sys.executable, "-m", "pdserve.cli", "dev", "demo", *args, *(["--keep"] if keep else [])]
-        )
+        argv = [sys.executable, "-m", "pdserve.cli", "dev", "demo", *args, *(["--keep"] if keep else [])]
+        return run_isolated(argv, echo)
+    if control is not None:
+        stop_on_signals()
     manifest = Path(manifest_path).read_text() if manifest_path else default_manifest()
     try:
-        return run_demo(manifest, keep, echo)
+        return run_demo(manifest, keep, echo, control)
     except DemoError as exc:
         echo(f"Error: {exc}")
         return 1

@@ -1,18 +1,28 @@
 """The pdserve operator: renders PDService objects into Kubernetes objects and reconciles them.
 
-Layers (imports only go down):
+Layers, top to bottom; imports only go down, and modules of one layer never import each other (the operator's
+import-linter contracts in pyproject.toml hold this):
 
-    cli, runner      composition root: client, cache, controller, Lease election, kopf, /metrics, /healthz,
-                     and with --prometheus-url the SLO autoscaler's loops (`autoscaler.loop`)
-    handlers         kopf registration only: `on.event` for PDServices and every child kind -> controller
-    controller       informer cache + de-duplicating work queue + workers + periodic resync, gated by leadership
-    autoscaler       the SLO autoscaler: one loop per PDService with a pool it scales (leader only), writing the
-                     pools' /scale and leaving its reports for the reconcile to put in status (its docstring)
-    reconcile        the one level-triggered path: render -> plan -> apply/prune -> status (IO via `kube`)
-    plan, status,    pure: what to apply/prune (`plan`), is an observed child still what we applied (`drift`),
-    drift, render    the status and conditions of observed children (`status`), the objects (`render`)
-    kube, leader     IO: server-side apply, delete, status patch, events, Lease; every request counted
-                     (`kube`, not `api`: `pdserve.api` is the PDService API these objects are rendered from)
+    cli, runner          composition root: settings (one table: `pdserve.api.settings`), client, cache,
+                         controller, Lease election, kopf, /metrics, /healthz, and with --prometheus-url the SLO
+                         autoscaler's loops
+    handlers             kopf registration only: `on.event` for PDServices and every child kind -> controller
+    controller           informer cache + de-duplicating work queue + workers + periodic resync, gated by leadership
+    autoscaler.loop      the SLO autoscaler: one loop per PDService with a pool it scales (leader only): collect ->
+                         decide -> actuate -> report, leaving its reports for the reconcile to put in status
+    reconcile            the one level-triggered pass: plan -> execute -> status
+    executor, kube,      IO: the plan's writes and the status patch (`executor`), server-side apply, delete, events,
+    store, leader,       Lease (`kube`, `leader`: every request counted), the informer cache (`store`), node labels
+    autoscaler.collector (`nodes`), the autoscaler's Prometheus reads and /scale writes (`autoscaler.collector`,
+    autoscaler.actuator  `autoscaler.actuator`)
+    render, plan, drift, pure planning: the objects (`render`), what to apply and prune (`plan`), is an observed
+    status, autoscaler  child still what we applied (`drift`), the status of observed children given what the spec
+                         asks as values (`status`: it never calls the renderer or the autoscaler), the autoscaler's
+                         model, policy and reports
+    view                 the effective view of a stored PDService: its validation result, once per stored version
+    names, kinds,        names and labels of children, the kinds and their REST paths, what was observed of one
+    observed, conditions PDService (`observed.Snapshot`), a condition as decided
+    (`kube`, not `api`: `pdserve.api` is the PDService API these objects are rendered from)
 
 Operating notes:
 - Install the CRD before starting the operator (kopf resolves resources at start-up and may not pick up a CRD that

@@ -22,16 +22,17 @@ from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
-from pdserve.api.policy import DEFAULT_POLICY, Policy
 from pdserve_operator.autoscaler.report import ScalingBoard
 from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi, NotLeaderError
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.names import MANAGED_BY, MANAGED_BY_LABEL
 from pdserve_operator.nodes import NodeLabelCache, NodeLabels
+from pdserve_operator.observed import OwnerKey
 from pdserve_operator.reconcile import RetryLaterError, reconcile
-from pdserve_operator.render.names import MANAGED_BY, MANAGED_BY_LABEL
-from pdserve_operator.status import CRASH_RECOVERY_SECONDS
-from pdserve_operator.store import OwnerKey, Store
+from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews
+from pdserve_operator.workqueue import WorkQueue
 
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 
@@ -44,20 +45,22 @@ class Controller:
         api: KubeApi,
         store: Store | None = None,
         *,
-        workers: int = 4,
-        resync_seconds: float = 60.0,
-        relist_seconds: float = 600.0,
-        namespaces: Collection[str] = (),
+        views: SpecViews,
+        workers: int,
+        resync_seconds: float,
+        relist_seconds: float,
+        crash_window: float,
+        namespaces: Collection[str],
         is_leader: Callable[[], bool] = lambda: True,
         metrics: OperatorMetrics | None = None,
         applier: Executor | None = None,
-        policy: Policy = DEFAULT_POLICY,
-        crash_window: float = CRASH_RECOVERY_SECONDS,
         scaling: ScalingBoard | None = None,
         nodes: NodeLabels | None = None,
     ) -> None:
-        from pdserve_operator.workqueue import WorkQueue
-
+        """`views`: each PDService's validation result under the administrator's policy, shared with the
+        autoscaler's loops. `workers`, `resync_seconds`, `relist_seconds`, `crash_window`, `namespaces`: the
+        process settings of the same names (`pdserve.api.settings.OperatorSettings`; `crash_window` is
+        `crash_recovery_seconds`; no namespace: cluster-wide)."""
         self.api = api
         self.metrics = metrics if metrics is not None else api.metrics
         self.applier = applier
@@ -68,7 +71,7 @@ class Controller:
         self.relist_seconds = relist_seconds
         self.namespaces = list(namespaces)  # empty: cluster-wide
         self.is_leader = is_leader
-        self.policy = policy
+        self.views = views
         self.crash_window = crash_window
         # The autoscaler loops' reports (the runner's board; None: an operator without the autoscaler wiring).
         self.scaling = scaling
@@ -87,6 +90,7 @@ class Controller:
         namespace, name = meta.get("namespace", "default"), meta["name"]
         if event.get("type") == "DELETED":
             self.store.delete_owner(namespace, name)
+            self.views.forget(namespace, name)
             log.info("Forgot deleted PDService pdservice=%s/%s", namespace, name)
             return
         self.store.put_owner(dict(obj))
@@ -205,9 +209,9 @@ class Controller:
                 name,
                 self.store,
                 self.api,
-                applier=self.applier,
-                policy=self.policy,
+                views=self.views,
                 crash_window=self.crash_window,
+                applier=self.applier,
                 scaling=self.scaling,
                 nodes=self.nodes,
             )

@@ -27,7 +27,7 @@ def _matches(kind: Kind) -> Any:
     return lambda resource: resource.group == kind.group and resource.plural == kind.plural
 
 
-def configure(settings: kopf.OperatorSettings, *, server_timeout: int = 270, client_timeout: int = 300) -> None:
+def configure(settings: kopf.OperatorSettings, *, server_timeout: int, client_timeout: int) -> None:
     """kopf settings: bookkeeping in annotations, bounded watches and requests, server-side child selectors."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.pdserve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.pdserve.io")
@@ -66,7 +66,7 @@ def connection_info(configuration: k8s.Configuration, *, trust_env: bool = False
     )
 
 
-def register(controller: Controller, registry: kopf.OperatorRegistry, *, kubeconfig: str | None = None) -> None:
+def register(controller: Controller, registry: kopf.OperatorRegistry, *, kubeconfig: str | None) -> None:
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
         return connection_info(load_configuration(kubeconfig), trust_env=settings.networking.trust_env)

@@ -38,9 +38,9 @@ class LeaseElector:
         namespace: str,
         name: str,
         identity: str,
-        lease_seconds: float = 15.0,
-        renew_deadline: float = 10.0,
-        retry_period: float = 2.0,
+        lease_seconds: float,
+        renew_deadline: float,
+        retry_period: float,
         on_started_leading: Callable[[], None] = lambda: None,
     ) -> None:
         self.api, self.namespace, self.name, self.identity = api, namespace, name, identity

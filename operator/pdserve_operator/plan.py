@@ -24,19 +24,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.api.defaults import EffectiveSpec, effective
-from pdserve.api.v1alpha1 import PDService
+from pdserve.api.defaults import EffectiveSpec
 from pdserve_operator import drift
 from pdserve_operator.kinds import MANAGED, Kind, kind_of
-from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL
+from pdserve_operator.names import ENGINE_ROLES, ROLE_LABEL
+from pdserve_operator.observed import ObjectKey, key_of
 
-ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
 WORKLOAD_KINDS = frozenset({"StatefulSet", "Deployment"})
-
-
-def key_of(obj: Mapping[str, Any]) -> ObjectKey:
-    meta = obj["metadata"]
-    return (obj["kind"], meta.get("namespace", ""), meta["name"])
 
 
 @dataclass(frozen=True)
@@ -97,10 +91,10 @@ def clamp_autoscaled_replicas(spec: EffectiveSpec, sts: dict[str, Any], observed
 
 
 def desired_objects(
-    pds: PDService, rendered: Iterable[dict[str, Any]], observed: Mapping[ObjectKey, dict[str, Any]]
+    spec: EffectiveSpec, rendered: Iterable[dict[str, Any]], observed: Mapping[ObjectKey, dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """The rendered objects with the fields left to others adjusted, each stamped with its applied-hash."""
-    spec = effective(pds.spec)
+    """The rendered objects with the fields left to others adjusted, each stamped with its applied-hash. `spec` is
+    the effective spec the objects were rendered from (the validation result's, never derived here again)."""
     result = []
     for original in rendered:
         # Hash what the spec says, *then* adopt the autoscaler's replicas: its scaling must not look like a spec

@@ -1,8 +1,16 @@
 """The one reconcile path: observed PDService + children -> applies, prunes, status. Level-triggered.
 
 It never asks why it runs (create, update, a child's event, a resync timer, a restart): it reads the latest state
-from the informer cache, renders, plans, executes only the writes the plan contains, and writes status only when
-it changed. Running it twice in a row makes no writes the second time.
+from the informer cache and runs three steps, each a function of its own:
+
+1. plan (pure, `plan_writes`): render the validated spec (`view.SpecViews`: validated once per stored version,
+   its effective spec derived once) against what the cluster shows, and plan the applies and prunes (`plan.py`);
+2. execute (IO, `executor.execute`): make exactly the writes the plan contains, with their Events;
+3. status: what the spec asks as values (pure, `status_intent`: desired replicas, the router endpoint, the
+   autoscaler's view), the status computed from them and the observed children (`status.py`), written only when
+   it changed, with Events for the condition changes a user cares about (pure, `transition_events`).
+
+Running it twice in a row makes no writes the second time.
 
 What the render depends on beyond the spec (`render.Observed`) is read here: the kv-compat values the engine pods
 carry (from the cache) and, when the router's topology needs node labels, the labels of the nodes those pods run on
@@ -18,38 +26,47 @@ Failure policy:
   re-queues the PDService with exponential backoff.
 - Leadership lost (`NotLeaderError` from any write): propagates at once; the pass makes no further writes.
 
-The objects of one wave are applied concurrently on `applier`, the runner's thread pool (passed down, never a module
-global); without one they are applied one after the other in the calling thread.
+The objects of one wave are applied concurrently on `applier`, the runner's thread pool (`executor.py`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pdserve.api.defaults import EffectiveSpec
-from pdserve.api.kvcompat import KV_COMPAT_LABEL
-from pdserve.api.policy import DEFAULT_POLICY, Policy
-from pdserve.api.validation import Validated, validate
+from pdserve.api.defaults import EffectiveRouting, EffectiveSpec
+from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.validation import Validated
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
-from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard
-from pdserve_operator.kube import ApiError, KubeIO
+from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard, ScalingReport, kept_view, status_view
+from pdserve_operator.executor import Executed, RetryLaterError, execute, post_event, write_status
+from pdserve_operator.kube import KubeIO
+from pdserve_operator.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
 from pdserve_operator.nodes import NodeLabels
+from pdserve_operator.observed import Snapshot
 from pdserve_operator.render import Observed, render
 from pdserve_operator.render.discovery import node_topology_labels
-from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole
+from pdserve_operator.render.router import router_endpoint
 from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews
+
+__all__ = [
+    "Outcome",
+    "RetryLaterError",
+    "observe",
+    "plan_writes",
+    "reconcile",
+    "status_intent",
+    "transition_events",
+    "update_status",
+]
 
 log = logging.getLogger("pdserve.operator.reconcile")
-
-
-class RetryLaterError(Exception):
-    """A transient failure: the work queue retries this PDService with backoff."""
 
 
 @dataclass
@@ -66,11 +83,63 @@ class Outcome:
     requeue_after: float | None = None
 
 
-def _apply_one(api: KubeIO, item: planner.Apply) -> tuple[planner.Apply, dict[str, Any] | None, ApiError | None]:
-    try:
-        return item, api.apply(item.obj), None
-    except ApiError as exc:
-        return item, None, exc
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def reconcile(
+    namespace: str,
+    name: str,
+    store: Store,
+    api: KubeIO,
+    now: Callable[[], str] = utc_now,
+    *,
+    views: SpecViews,
+    crash_window: float,
+    applier: Executor | None = None,
+    scaling: ScalingBoard | None = None,
+    nodes: NodeLabels | None = None,
+) -> Outcome:
+    """One pass for one PDService: plan -> execute -> status. Raises RetryLaterError (transient failure) or
+    NotLeaderError (leadership lost).
+
+    `views`: the validation result of each stored PDService under the administrator's policy (the operator's
+    flags). `crash_window`: how long a crashed container must be running and ready again before it stops counting
+    (`--crash-recovery-seconds`). `applier`: the thread pool a wave's applies share (None: one after the other).
+    `scaling`: the autoscaler loops' reports, placed in status as they are (None: an operator without an
+    autoscaler, like one started without --prometheus-url). `nodes`: where node labels come from
+    (`nodes.NodeLabelCache`); None reads none (the topology ConfigMap then lists no node)."""
+    body = store.owner(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
+    checked = views.checked(body)
+    if checked.ok:
+        snapshot = store.snapshot(namespace, name)
+        spec = checked.require()[1]
+        writes = plan_writes(checked, snapshot, observe(snapshot.pods, spec, nodes), body["metadata"]["uid"])
+        done = execute(writes, body, store, api, applier=applier, now=now)
+        outcome = Outcome("noop" if writes.empty else "applied", done.applied, done.pruned, events=done.events)
+    else:
+        _log_rejected(body, checked)
+        done, outcome = Executed(), Outcome("invalid")
+    update_status(
+        body,
+        checked,
+        done,
+        outcome,
+        store=store,
+        api=api,
+        now=now,
+        crash_window=crash_window,
+        report=scaling.get((namespace, name)) if scaling is not None else None,
+        configured=scaling is not None and scaling.configured,
+    )
+    if done.transient:
+        raise RetryLaterError("; ".join(done.transient))
+    return outcome
+
+
+# ------------------------------------------------------------------------------------------------------ 1. plan
 
 
 def observe(pods: Iterable[dict[str, Any]], spec: EffectiveSpec, nodes: NodeLabels | None) -> Observed:
@@ -92,37 +161,77 @@ def observe(pods: Iterable[dict[str, Any]], spec: EffectiveSpec, nodes: NodeLabe
     return Observed(kv_compat={role: frozenset(found) for role, found in values.items()}, node_labels=node_labels)
 
 
-def utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def plan_writes(checked: Validated, snapshot: Snapshot, observed: Observed, owner_uid: str) -> planner.Plan:
+    """The applies and prunes that bring the children of a valid PDService (owned by `owner_uid`) to what its
+    spec renders to, given the children the cache holds (`snapshot`) and the cluster facts the render reads."""
+    spec = checked.require()[1]
+    desired = planner.desired_objects(spec, render(checked, observed), snapshot.children)
+    return planner.make_plan(desired, snapshot.children, owner_uid)
 
 
-def _spec_document(body: dict[str, Any]) -> dict[str, Any]:
-    # Validation and the models see what the user wrote; status is ours and kopf-free.
-    return {key: value for key, value in body.items() if key != "status"}
+# ---------------------------------------------------------------------------------------------------- 3. status
 
 
-def _condition(status: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for condition in (status or {}).get("conditions") or []:
-        if condition.get("type") == type_:
-            return dict(condition)
-    return {}
+def status_intent(
+    body: Mapping[str, Any],
+    checked: Validated,
+    snapshot: Snapshot,
+    *,
+    report: ScalingReport | None,
+    configured: bool,
+) -> status_mod.Intent:
+    """What the spec of the stored PDService `body` asks (`checked`: its validation result), as the values status
+    reports (`status.Intent`); `body` gives only its name and the status it has now.
+
+    A valid spec: each pool's desired replicas (an autoscaled pool's StatefulSet decides once it exists), the
+    router's in-cluster URL, the kv-compat hash, and the autoscaler's view (`autoscaler.report.status_view`: its
+    latest `report`, or why there is none; `configured`: whether the operator has a Prometheus at all). An invalid
+    spec that parsed still says what the pools should have; the rest stays as the status said (the children and
+    the autoscaler keep running the last valid spec). A spec that did not parse says nothing."""
+    spec, old = checked.spec, body.get("status") or {}
+    namespace, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+    statefulsets = {role: snapshot.child("StatefulSet", namespace, child_name(name, role)) for role in ENGINE_ROLES}
+    desired: dict[EngineRole, int | None] = {role: None for role in ENGINE_ROLES}
+    if spec is not None:
+        for role in ENGINE_ROLES:
+            pool = spec.pool(role)
+            # The autoscaler owns the replicas of an autoscaled pool: report what it asked for.
+            desired[role] = (
+                None if pool.autoscaling.enabled and statefulsets[role] is not None else pool.desired_replicas
+            )
+    fallback = spec.router.routing.fallback_to_decode if spec is not None else EffectiveRouting.fallback_to_decode
+    if not checked.ok or checked.pds is None or spec is None:
+        fields, conditions = kept_view(old)
+        return status_mod.Intent(desired, fallback, None, None, fields, conditions)
+    replicas = {role: _spec_replicas(sts) for role, sts in statefulsets.items()}
+    fields, conditions = status_view(spec, replicas, configured=configured, report=report, old_status=old)
+    return status_mod.Intent(
+        desired, fallback, router_endpoint(checked.pds, spec), kv_compat_hash(spec), fields, conditions
+    )
 
 
-def _transition_events(old: dict[str, Any] | None, new: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Events for condition changes a user cares about: becoming (un)available, a new Degraded reason."""
+def _spec_replicas(sts: Mapping[str, Any] | None) -> int | None:
+    """A pool StatefulSet's spec.replicas (what its scaler asked for), None while it does not exist."""
+    replicas = (sts or {}).get("spec", {}).get("replicas")
+    return replicas if isinstance(replicas, int) else None
+
+
+def transition_events(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """Events (type, reason, message) for the condition changes a user cares about: becoming (un)available, a new
+    Degraded reason, recovering, the autoscaler going blind (metrics unavailable, no Prometheus configured) and
+    seeing again."""
     events = []
-    was, now = _condition(old, "Available"), _condition(new, "Available")
+    was, now = _condition(old, status_mod.AVAILABLE), _condition(new, status_mod.AVAILABLE)
     if was.get("status") != now.get("status"):
         if now.get("status") == "True":
             events.append(("Normal", "Available", now.get("message", "")))
         elif was:
             events.append(("Warning", "Unavailable", now.get("message", "")))
-    was, now = _condition(old, "Degraded"), _condition(new, "Degraded")
+    was, now = _condition(old, status_mod.DEGRADED), _condition(new, status_mod.DEGRADED)
     if now.get("status") == "True" and (was.get("reason"), was.get("message")) != (now["reason"], now["message"]):
         events.append(("Warning", now["reason"], now.get("message", "")))
     elif now.get("status") == "False" and was.get("status") == "True":
         events.append(("Normal", "Recovered", f"no longer degraded (was {was.get('reason')})"))
-    # The autoscaler going blind (metrics unavailable, no Prometheus configured) and seeing again.
     was, now = _condition(old, SCALING_ACTIVE), _condition(new, SCALING_ACTIVE)
     if now.get("status") == "False" and (was.get("status"), was.get("reason")) != ("False", now["reason"]):
         events.append(("Warning", now["reason"], f"autoscaling holds: {now.get('message', '')}"))
@@ -131,166 +240,62 @@ def _transition_events(old: dict[str, Any] | None, new: dict[str, Any]) -> list[
     return events
 
 
-def reconcile(
-    namespace: str,
-    name: str,
-    store: Store,
-    api: KubeIO,
-    now: Callable[[], str] = utc_now,
-    *,
-    applier: Executor | None = None,
-    policy: Policy = DEFAULT_POLICY,
-    crash_window: float = status_mod.CRASH_RECOVERY_SECONDS,
-    scaling: ScalingBoard | None = None,
-    nodes: NodeLabels | None = None,
-) -> Outcome:
-    """One pass for one PDService. Raises RetryLaterError (transient failure) or NotLeaderError (leadership lost).
-
-    `policy` is the administrator's (the operator's flags, e.g. which node paths may hold model weights).
-    `crash_window`: how long a crashed container must be running and ready again before it stops counting
-    (`status.CRASH_RECOVERY_SECONDS`). `scaling`: the autoscaler loops' reports, placed in status as they are
-    (None: an operator without an autoscaler, like one started without --prometheus-url). `nodes`: where node labels
-    come from (`nodes.NodeLabelCache`); None reads none (the topology ConfigMap then lists no node)."""
-    body = store.owner(namespace, name)
-    if body is None:
-        return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
-    if body["metadata"].get("deletionTimestamp"):
-        return Outcome("gone")
-    # Parsed and checked once: the result carries the model and its effective spec to render and status.
-    checked = validate(_spec_document(body), policy)
-    if not checked.ok:
-        return _invalid(body=body, checked=checked, store=store, api=api, now=now, crash_window=crash_window)
-
-    pds, spec = checked.require()
-    uid = body["metadata"]["uid"]
-    snapshot = store.snapshot(namespace, name)
-    rendered = render(checked, observe(snapshot.pods, spec, nodes))
-    desired = planner.desired_objects(pds, rendered, snapshot.children)
-    the_plan = planner.make_plan(desired, snapshot.children, uid)
-
-    outcome = Outcome("noop" if the_plan.empty else "applied")
-    apply_errors: list[str] = []
-    transient: list[str] = []
-    done: dict[str, list[str]] = {}
-    apply_all = applier.map if applier is not None else map
-    for wave in the_plan.waves():
-        # Objects of one wave are independent: apply them concurrently (a NotLeaderError propagates from map).
-        for item, response, error in apply_all(lambda it: _apply_one(api, it), wave):
-            label = f"{item.kind.kind} {item.obj['metadata']['name']}"
-            if error is not None:
-                (transient if error.retriable else apply_errors).append(f"{label}: {error}")
-                log.warning("Failed to apply %s pdservice=%s/%s error=%s", label, namespace, name, error)
-                continue
-            assert response is not None
-            store.put(response)
-            outcome.applied.append(f"{label} ({item.reason})")
-            verb = {"missing": "Created", "changed": "Updated"}.get(item.reason, "Reverted drift of")
-            done.setdefault(verb, []).append(label if verb != "Reverted drift of" else f"{label} ({item.reason})")
-            log.info("%s %s pdservice=%s/%s reason=%s", verb, label, namespace, name, item.reason)
-    for verb, labels in done.items():
-        # One event per pass and verb, not per object: events are API writes too.
-        _event(api, body, "Normal", "Applied", f"{verb} {', '.join(labels)}", now=now, outcome=outcome)
-    for prune in the_plan.prunes:
-        label = f"{prune.kind.kind} {prune.name}"
-        try:
-            api.delete(prune.kind, prune.namespace, prune.name, prune.uid)
-        except ApiError as exc:
-            (transient if exc.retriable else apply_errors).append(f"delete {label}: {exc}")
-            continue
-        store.delete({"kind": prune.kind.kind, "metadata": {"namespace": prune.namespace, "name": prune.name}})
-        outcome.pruned.append(label)
-        log.info("Pruned %s pdservice=%s/%s", label, namespace, name)
-    if outcome.pruned:
-        message = f"Deleted {', '.join(outcome.pruned)}: the spec no longer produces them"
-        _event(api, body, "Normal", "Pruned", message, now=now, outcome=outcome)
-    # Refused applies become Degraded/ApplyFailed; its Warning event is posted when the condition changes (below),
-    # not on every pass, so a persistent refusal does not flood the namespace with events.
-
-    observed, moment = store.snapshot(namespace, name), now()
-    new_status = status_mod.compute_status(
-        body,
-        observed,
-        pds=pds,
-        apply_errors=apply_errors,
-        applied=bool(outcome.applied or outcome.pruned),
-        now=moment,
-        crash_window=crash_window,
-        scaling=scaling.get((namespace, name)) if scaling is not None else None,
-        scaling_configured=scaling is not None and scaling.configured,
-    )
-    outcome.requeue_after = status_mod.next_check_seconds(observed, moment, crash_window)
-    _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)
-    if transient:
-        raise RetryLaterError("; ".join(transient))
-    return outcome
+def _condition(status: Mapping[str, Any] | None, type_: str) -> dict[str, Any]:
+    for condition in (status or {}).get("conditions") or []:
+        if condition.get("type") == type_:
+            return dict(condition)
+    return {}
 
 
-def _invalid(
-    *,
+def update_status(
     body: dict[str, Any],
     checked: Validated,
+    done: Executed,
+    outcome: Outcome,
+    *,
     store: Store,
     api: KubeIO,
     now: Callable[[], str],
     crash_window: float,
-) -> Outcome:
+    report: ScalingReport | None,
+    configured: bool,
+) -> None:
+    """The status step: compute the status from the children as they are after the writes, write it when it
+    changed, post the Events of its condition changes, and ask for a pass when it will change by itself."""
     meta = body["metadata"]
-    problems = checked.problems
+    snapshot, moment = store.snapshot(meta.get("namespace", "default"), meta["name"]), now()
+    intent = status_intent(body, checked, snapshot, report=report, configured=configured)
+    facts = status_mod.facts_of(body, snapshot, intent, moment, crash_window)
+    new_status = status_mod.compute_status(
+        body,
+        facts,
+        intent,
+        problems=checked.problems,
+        apply_errors=done.refused,
+        applied=bool(done.applied or done.pruned),
+        now=moment,
+    )
+    if checked.ok:
+        outcome.requeue_after = status_mod.next_check_seconds(facts, moment)
+    old_status = body.get("status")
+    patch = status_mod.status_patch(old_status, new_status)
+    if patch is None or not write_status(body, patch, store, api):
+        return
+    outcome.status_written = True
+    if outcome.result == "noop":
+        outcome.result = "status"
+    for type_, reason, message in transition_events(old_status, new_status):
+        outcome.events.append(post_event(api, body, type_, reason, message, now=now))
+
+
+def _log_rejected(body: Mapping[str, Any], checked: Validated) -> None:
     # checked.pds is None only when the document did not parse (the CRD should prevent that); the pydantic
     # problems are reported anyway.
+    meta = body["metadata"]
     log.warning(
         "Rejected spec pdservice=%s/%s generation=%s problems=%s",
         meta.get("namespace"),
         meta["name"],
         meta.get("generation"),
-        "; ".join(map(str, problems)),
+        "; ".join(map(str, checked.problems)),
     )
-    snapshot, moment = store.snapshot(meta.get("namespace", "default"), meta["name"]), now()
-    new_status = status_mod.compute_status(
-        body, snapshot, pds=checked.pds, problems=problems, now=moment, crash_window=crash_window
-    )
-    outcome = Outcome("invalid")
-    _write_status(body=body, new_status=new_status, store=store, api=api, now=now, outcome=outcome)
-    return outcome
-
-
-def _event(
-    api: KubeIO,
-    body: dict[str, Any],
-    type_: str,
-    reason: str,
-    message: str,
-    *,
-    now: Callable[[], str],
-    outcome: Outcome,
-) -> None:
-    api.post_event(body, type_, reason, message, now())
-    outcome.events.append(f"{type_} {reason}: {message}")
-
-
-def _write_status(
-    *,
-    body: dict[str, Any],
-    new_status: dict[str, Any],
-    store: Store,
-    api: KubeIO,
-    now: Callable[[], str],
-    outcome: Outcome,
-) -> None:
-    old_status = body.get("status")
-    patch = status_mod.status_patch(old_status, new_status)
-    if patch is None:
-        return
-    meta = body["metadata"]
-    try:
-        updated = api.patch_status(meta.get("namespace", "default"), meta["name"], patch)
-    except ApiError as exc:
-        if exc.not_found:
-            return  # deleted meanwhile
-        raise RetryLaterError(f"status: {exc}") from exc
-    store.put_owner(updated)
-    outcome.status_written = True
-    if outcome.result == "noop":
-        outcome.result = "status"
-    for type_, reason, message in _transition_events(old_status, new_status):
-        _event(api, body, type_, reason, message, now=now, outcome=outcome)

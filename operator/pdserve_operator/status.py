@@ -20,7 +20,7 @@ restarted (`lastState.terminated`) is reported from the first crash, without wai
 CrashLoopBackOff (which a container that crashes once never reaches: the kubelet restarts it at once). The message
 names the pod and container, the exit code, the termination reason and time, and the restart count; it depends on
 nothing but the crash, so an unchanged crash never rewrites the status or posts another Event. A crash counts until
-the container has been running *and* ready for `crash_window` seconds (default `CRASH_RECOVERY_SECONDS`; the time is
+the container has been running *and* ready for `crash_window` seconds (`--crash-recovery-seconds`; the time is
 taken from the container's `startedAt` and the pod's Ready transition): a container that restarts, starts and
 fails its readiness probe again stays reported instead of flapping between Degraded and not. The reconcile asks to
 be re-run when that window ends (`next_check_seconds`): nothing else would trigger the pass that clears it.
@@ -41,11 +41,16 @@ too), derived from the three above so that exactly one of them is True at any ti
 Together with `observedGeneration` (written on every status write; kstatus reports InProgress until it equals
 `metadata.generation`) this gives GitOps tools a verdict that never passes vacuously.
 
-Autoscaling (`autoscaler.report.status_view`): while a pool has autoscaling enabled, `status.<pool>.autoscaling`
-says who scales it and what was decided last, and while a pool is scaled by pdserve the HPA-style conditions
-`ScalingActive`, `AbleToScale` and `ScalingLimited` follow the six above. They come from the autoscaler's latest
-report (`ScalingReport`, left on the board by its loop); they never feed Available/Progressing/Degraded or the
-kstatus verdict: an autoscaler that cannot act leaves a service exactly as ready as it was.
+Autoscaling: while a pool has autoscaling enabled, `status.<pool>.autoscaling` says who scales it and what was
+decided last, and while a pool is scaled by pdserve the HPA-style conditions `ScalingActive`, `AbleToScale` and
+`ScalingLimited` follow the six above. They come from the autoscaler's latest report, turned into status fields by
+`autoscaler.report` and handed in by the reconcile as values (`Intent`); they never feed
+Available/Progressing/Degraded or the kstatus verdict: an autoscaler that cannot act leaves a service exactly as
+ready as it was.
+
+What the spec asks (desired replicas, the router's endpoint, the kv-compat hash) is handed in the same way: this
+module reads no spec and calls neither the renderer nor the autoscaler, so it sits beside them in the operator's
+layers, not above them.
 
 `merge_conditions` keeps `lastTransitionTime` of a condition whose status did not change, so an unchanged world
 computes a byte-identical status and the reconcile writes nothing.
@@ -54,17 +59,14 @@ computes a byte-identical status and the reconcile writes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pdserve.api.defaults import EffectiveRouting, EffectiveSpec, effective
-from pdserve.api.kvcompat import kv_compat_hash
-from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Problem
-from pdserve_operator.autoscaler.report import SCALING_CONDITION_TYPES, ScalingReport, status_view
-from pdserve_operator.render.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
-from pdserve_operator.render.router import router_endpoint
+from pdserve_operator.conditions import Condition
+from pdserve_operator.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
+from pdserve_operator.observed import Snapshot
 
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
@@ -75,36 +77,30 @@ STALLED = "Stalled"
 CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED, READY, RECONCILING, STALLED)
 STALLED_REASONS = frozenset({"InvalidSpec", "ApplyFailed", "CrashLooping", "RouterUnavailable"})
 """Degraded reasons that need a human (kstatus' Stalled); other Degraded reasons resolve on their own."""
-CRASH_RECOVERY_SECONDS = 60.0
-"""How long a crashed container must have been running and ready again before it no longer counts as crashed.
-Long enough that a restarted engine that fails again right after becoming ready (a bad request, memory growth
-under its first load) is one episode, short enough that a single crash holds kstatus' Ready back for a minute."""
 # How many offending pods a condition message names before it says "and N more".
 _MAX_PODS_IN_MESSAGE = 3
 # Characters of a container's termination message quoted in a condition (it may be a whole stack trace).
 _MAX_TERMINATION_MESSAGE = 200
 
 
-@dataclass
-class Snapshot:
-    """What the operator observed of one PDService's children."""
-
-    children: Mapping[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
-    pods: Sequence[dict[str, Any]] = ()
-    endpoint_slices: Sequence[dict[str, Any]] = ()
-
-    def child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.children.get((kind, namespace, name))
-
-
 @dataclass(frozen=True)
-class ConditionValue:
-    """A condition without its transition time (that is decided by `merge_conditions`)."""
+class Intent:
+    """What the spec asks, as the values status reports: computed by the reconcile from the validation result (its
+    effective spec, the router's Service, the autoscaler's report), never derived here.
 
-    type: str
-    status: str
-    reason: str
-    message: str = ""
+    `desired`: each pool's desired replicas; None where the pool's StatefulSet decides (its `spec.replicas`: an
+    autoscaled pool's scaler, or a spec that did not parse). `fallback_to_decode`: whether decode may prefill
+    itself (then an empty prefill pool is still Available). `router_endpoint` and `kv_compat_hash`: what the
+    children serve; None while the spec is invalid (the children still run the last valid spec: the status keeps
+    what it said). `autoscaling` and `scaling_conditions`: `status.<pool>.autoscaling` and the scaling conditions
+    (`autoscaler.report`), placed as they are after the six conditions status decides itself."""
+
+    desired: Mapping[EngineRole, int | None]
+    fallback_to_decode: bool
+    router_endpoint: str | None
+    kv_compat_hash: str | None
+    autoscaling: Mapping[EngineRole, Mapping[str, Any]]
+    scaling_conditions: Sequence[Condition]
 
 
 # ------------------------------------------------------------------------------------------------- pool summaries
@@ -345,62 +341,60 @@ class Facts:
     pull_failures: list[str]
 
 
-def available_condition(facts: Facts) -> ConditionValue:
+def available_condition(facts: Facts) -> Condition:
     prefill, decode = facts.pools.get("prefill"), facts.pools.get("decode")
     if decode is None or decode["readyReplicas"] < 1:
-        return ConditionValue(AVAILABLE, "False", "DecodeUnavailable", "no decode engine is ready")
+        return Condition(AVAILABLE, "False", "DecodeUnavailable", "no decode engine is ready")
     prefill_ok = prefill is not None and prefill["readyReplicas"] >= 1
     prefill_optional = prefill is not None and prefill["desiredReplicas"] == 0 and facts.fallback_to_decode
     if not (prefill_ok or prefill_optional):
-        return ConditionValue(AVAILABLE, "False", "PrefillUnavailable", "no prefill engine is ready")
+        return Condition(AVAILABLE, "False", "PrefillUnavailable", "no prefill engine is ready")
     if facts.router_ready < 1:
-        return ConditionValue(AVAILABLE, "False", "RouterUnavailable", "no router pod is ready")
+        return Condition(AVAILABLE, "False", "RouterUnavailable", "no router pod is ready")
     if facts.router_endpoints < 1:
-        return ConditionValue(AVAILABLE, "False", "RouterUnavailable", "the router Service has no ready endpoint")
+        return Condition(AVAILABLE, "False", "RouterUnavailable", "the router Service has no ready endpoint")
     message = (
         f"prefill {prefill['readyReplicas'] if prefill else 0}/{prefill['desiredReplicas'] if prefill else 0}, "
         f"decode {decode['readyReplicas']}/{decode['desiredReplicas']}, router {facts.router_ready} ready"
     )
-    return ConditionValue(AVAILABLE, "True", "MinimumReplicasAvailable", message)
+    return Condition(AVAILABLE, "True", "MinimumReplicasAvailable", message)
 
 
-def progressing_condition(facts: Facts, applied: bool, apply_errors: Sequence[str] = ()) -> ConditionValue:
+def progressing_condition(facts: Facts, applied: bool, apply_errors: Sequence[str] = ()) -> Condition:
     if applied:
-        return ConditionValue(PROGRESSING, "True", "Applying", "the operator applied changed children")
+        return Condition(PROGRESSING, "True", "Applying", "the operator applied changed children")
     if facts.progress:
-        return ConditionValue(PROGRESSING, "True", "RollingOut", _summarise(facts.progress))
+        return Condition(PROGRESSING, "True", "RollingOut", _summarise(facts.progress))
     if apply_errors:
         # A refused child still runs the previous spec: stalled, not complete (like a Deployment's
         # ProgressDeadlineExceeded). The Degraded condition carries the server's message.
-        return ConditionValue(
+        return Condition(
             PROGRESSING, "False", "ApplyFailed", "the API server refused some children; see the Degraded condition"
         )
-    return ConditionValue(PROGRESSING, "False", "Complete", "all children are up to date")
+    return Condition(PROGRESSING, "False", "Complete", "all children are up to date")
 
 
-def degraded_condition(facts: Facts, apply_errors: Sequence[str], previous_reason: str | None = None) -> ConditionValue:
+def degraded_condition(facts: Facts, apply_errors: Sequence[str], previous_reason: str | None = None) -> Condition:
     """The first Degraded reason that applies. `previous_reason` is the Degraded reason of the current status: a
     crash loop stays CrashLooping between the kubelet's back-offs (see the module docstring)."""
     if apply_errors:
-        return ConditionValue(DEGRADED, "True", "ApplyFailed", _summarise(list(apply_errors)))
+        return Condition(DEGRADED, "True", "ApplyFailed", _summarise(list(apply_errors)))
     if facts.pending:
-        return ConditionValue(DEGRADED, "True", "PodsPending", _summarise(facts.pending))
+        return Condition(DEGRADED, "True", "PodsPending", _summarise(facts.pending))
     if facts.crashes:
         message = _summarise([crash.describe() for crash in facts.crashes])
         if previous_reason == "CrashLooping" or any(crash.backing_off for crash in facts.crashes):
-            return ConditionValue(DEGRADED, "True", "CrashLooping", message)
+            return Condition(DEGRADED, "True", "CrashLooping", message)
         engines = any(crash.role != "router" for crash in facts.crashes)
-        return ConditionValue(DEGRADED, "True", "EngineCrashed" if engines else "RouterCrashed", message)
+        return Condition(DEGRADED, "True", "EngineCrashed" if engines else "RouterCrashed", message)
     if facts.pull_failures:
-        return ConditionValue(DEGRADED, "True", "ImagePullFailed", _summarise(facts.pull_failures))
+        return Condition(DEGRADED, "True", "ImagePullFailed", _summarise(facts.pull_failures))
     if facts.router_failure:
-        return ConditionValue(DEGRADED, "True", "RouterUnavailable", facts.router_failure)
-    return ConditionValue(DEGRADED, "False", "AsExpected", "")
+        return Condition(DEGRADED, "True", "RouterUnavailable", facts.router_failure)
+    return Condition(DEGRADED, "False", "AsExpected", "")
 
 
-def gitops_conditions(
-    available: ConditionValue, progressing: ConditionValue, degraded: ConditionValue
-) -> list[ConditionValue]:
+def gitops_conditions(available: Condition, progressing: Condition, degraded: Condition) -> list[Condition]:
     """Ready, Reconciling and Stalled (kstatus semantics) from the three core conditions; exactly one is True."""
     stalled = degraded.status == "True" and degraded.reason in STALLED_REASONS
     ready = available.status == "True" and progressing.status != "True" and degraded.status != "True"
@@ -414,20 +408,20 @@ def gitops_conditions(
         cause = available  # e.g. the router's endpoints are not ready yet
     reconciling = not (ready or stalled)
     return [
-        ConditionValue(READY, "True", "AllReady", available.message)
+        Condition(READY, "True", "AllReady", available.message)
         if ready
-        else ConditionValue(READY, "False", cause.reason, cause.message),
-        ConditionValue(RECONCILING, "True", cause.reason, cause.message)
+        else Condition(READY, "False", cause.reason, cause.message),
+        Condition(RECONCILING, "True", cause.reason, cause.message)
         if reconciling
-        else ConditionValue(RECONCILING, "False", "Stalled" if stalled else "Complete", ""),
-        ConditionValue(STALLED, "True", cause.reason, cause.message)
+        else Condition(RECONCILING, "False", "Stalled" if stalled else "Complete", ""),
+        Condition(STALLED, "True", cause.reason, cause.message)
         if stalled
-        else ConditionValue(STALLED, "False", "AsExpected", ""),
+        else Condition(STALLED, "False", "AsExpected", ""),
     ]
 
 
 def merge_conditions(
-    old: Sequence[Mapping[str, Any]], new: Sequence[ConditionValue], generation: int | None, now: str
+    old: Sequence[Mapping[str, Any]], new: Sequence[Condition], generation: int | None, now: str
 ) -> list[dict[str, Any]]:
     """metav1.Conditions for `new`, keeping each old lastTransitionTime whose status did not flip."""
     previous = {c.get("type"): c for c in old}
@@ -451,17 +445,19 @@ def merge_conditions(
 # ------------------------------------------------------------------------------------------------------- status
 
 
-def _facts(
-    spec: EffectiveSpec | None, body: Mapping[str, Any], snapshot: Snapshot, now: datetime, crash_window: float
-) -> Facts:
+def facts_of(body: Mapping[str, Any], snapshot: Snapshot, intent: Intent, now: str, crash_window: float) -> Facts:
+    """Everything the conditions depend on, from the snapshot, once per pass (the crashed containers among them,
+    which `next_check_seconds` reads too). `crash_window`: how long a crashed container must be running and ready
+    again before it stops counting (`--crash-recovery-seconds`)."""
     namespace = body["metadata"].get("namespace", "default")
     name = body["metadata"]["name"]
+    moment = parse_time(now) or datetime.now(UTC)
     pools: dict[str, dict[str, int]] = {}
     progress: list[str] = []
     for role in ENGINE_ROLES:
         sts = snapshot.child("StatefulSet", namespace, child_name(name, role))
-        desired = _desired(spec, role, sts)
-        pools[role] = pool_status(sts, desired)
+        desired = intent.desired.get(role)
+        pools[role] = pool_status(sts, _int(sts, "spec", "replicas") if desired is None else desired)
         if sts is None:
             progress.append(f"StatefulSet {child_name(name, role)} does not exist yet")
         else:
@@ -480,116 +476,76 @@ def _facts(
         router_ready=_int(deploy, "status", "readyReplicas"),
         router_endpoints=ready_endpoints(snapshot.endpoint_slices),
         progress=progress,
-        fallback_to_decode=(
-            spec.router.routing.fallback_to_decode if spec is not None else EffectiveRouting.fallback_to_decode
-        ),
+        fallback_to_decode=intent.fallback_to_decode,
         router_failure=_deployment_failure(deploy),
         pending=unschedulable_pods(snapshot.pods),
-        crashes=container_crashes(snapshot.pods, now, crash_window),
+        crashes=container_crashes(snapshot.pods, moment, crash_window),
         pull_failures=waiting_containers(
             snapshot.pods, frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
         ),
     )
 
 
-def _desired(spec: EffectiveSpec | None, role: EngineRole, sts: Mapping[str, Any] | None) -> int:
-    if spec is not None:
-        pool = spec.pool(role)
-        if pool.autoscaling.enabled and sts is not None:
-            # The autoscaler owns the replicas of an autoscaled pool: report what it asked for.
-            return _int(sts, "spec", "replicas")
-        return pool.desired_replicas
-    return _int(sts, "spec", "replicas")
-
-
-def _spec_replicas(body: Mapping[str, Any], snapshot: Snapshot, role: EngineRole) -> int | None:
-    """The pool StatefulSet's spec.replicas (what its scaler asked for), None while it does not exist."""
-    meta = body["metadata"]
-    sts = snapshot.child("StatefulSet", meta.get("namespace", "default"), child_name(meta["name"], role))
-    replicas = (sts or {}).get("spec", {}).get("replicas")
-    return replicas if isinstance(replicas, int) else None
-
-
 def compute_status(
     body: Mapping[str, Any],
-    snapshot: Snapshot,
+    facts: Facts,
+    intent: Intent,
     *,
-    pds: PDService | None,
     problems: Sequence[Problem] = (),
     apply_errors: Sequence[str] = (),
     applied: bool = False,
     now: str,
-    crash_window: float = CRASH_RECOVERY_SECONDS,
-    scaling: ScalingReport | None = None,
-    scaling_configured: bool = False,
 ) -> dict[str, Any]:
-    """The complete `.status` for a PDService (`pds` is None when the spec could not be parsed at all).
-
-    `scaling`: the autoscaler's latest report for this service, if its loop has one; `scaling_configured`: whether
-    the operator has a Prometheus (`--prometheus-url`) at all."""
+    """The complete `.status` for a PDService from the facts of this pass (`facts_of`) and what its spec asks
+    (`intent`). `problems`: why the spec is invalid (nothing was applied); `apply_errors`: children the API server
+    refused; `applied`: whether this pass applied or pruned children."""
     old: Mapping[str, Any] = body.get("status") or {}
     generation = body["metadata"].get("generation")
-    spec = effective(pds.spec) if pds is not None else None
-    facts = _facts(spec, body, snapshot, parse_time(now) or datetime.now(UTC), crash_window)
     available = available_condition(facts)
     if problems:
         message = "; ".join(str(problem) for problem in problems)
-        progressing = ConditionValue(
+        progressing = Condition(
             PROGRESSING, "False", "InvalidSpec", "the spec is invalid; children were left unchanged"
         )
-        degraded = ConditionValue(DEGRADED, "True", "InvalidSpec", message)
+        degraded = Condition(DEGRADED, "True", "InvalidSpec", message)
     else:
         progressing = progressing_condition(facts, applied, apply_errors)
         previous: Mapping[str, Any] = next(
             (c for c in old.get("conditions") or [] if c.get("type") == DEGRADED and c.get("status") == "True"), {}
         )
         degraded = degraded_condition(facts, apply_errors, previous.get("reason"))
-    conditions = [available, progressing, degraded, *gitops_conditions(available, progressing, degraded)]
+    conditions = [
+        available,
+        progressing,
+        degraded,
+        *gitops_conditions(available, progressing, degraded),
+        *intent.scaling_conditions,
+    ]
     pools: dict[str, dict[str, Any]] = {role: dict(facts.pools[role]) for role in ENGINE_ROLES}
-    if spec is not None and not problems:
-        replicas = {role: _spec_replicas(body, snapshot, role) for role in ENGINE_ROLES}
-        scaling_fields, scaling_conditions = status_view(
-            spec, replicas, configured=scaling_configured, report=scaling, old_status=old
-        )
-        for role, fields in scaling_fields.items():
-            pools[role]["autoscaling"] = fields
-        conditions += [ConditionValue(c.type, c.status, c.reason, c.message) for c in scaling_conditions]
-    else:
-        # Children and the autoscaler stay as they were while the spec is invalid: so does what status says of them.
-        for role in ENGINE_ROLES:
-            kept = (old.get(role) or {}).get("autoscaling")
-            if kept:
-                pools[role]["autoscaling"] = kept
-        conditions += [
-            ConditionValue(c["type"], c["status"], c["reason"], c.get("message", ""))
-            for c in old.get("conditions") or []
-            if c.get("type") in SCALING_CONDITION_TYPES
-        ]
+    for role, fields in intent.autoscaling.items():
+        pools[role]["autoscaling"] = dict(fields)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions") or [], conditions, generation, now),
         "prefill": pools["prefill"],
         "decode": pools["decode"],
     }
-    if pds is not None and spec is not None and not problems:
-        status["routerEndpoint"] = router_endpoint(pds, spec)
-        status["kvCompatHash"] = kv_compat_hash(spec)
-    else:
-        # Children still run the last valid spec: keep reporting what they serve.
-        for key in ("routerEndpoint", "kvCompatHash"):
-            if old.get(key) is not None:
-                status[key] = old[key]
+    # Children still run the last valid spec while this one is invalid: keep reporting what they serve.
+    for key, given in (("routerEndpoint", intent.router_endpoint), ("kvCompatHash", intent.kv_compat_hash)):
+        value = given if given is not None else old.get(key)
+        if value is not None:
+            status[key] = value
     return status
 
 
-def next_check_seconds(snapshot: Snapshot, now: str, crash_window: float = CRASH_RECOVERY_SECONDS) -> float | None:
+def next_check_seconds(facts: Facts, now: str) -> float | None:
     """Seconds until the status would change with no event at all (a crashed container's recovery window ends),
     or None: the reconcile re-queues itself for then. Rounded up to whole seconds plus one, because the API
     server's timestamps (and `now`) have one-second resolution."""
     moment = parse_time(now)
     if moment is None:
         return None
-    ends = [c.recovers_at for c in container_crashes(snapshot.pods, moment, crash_window) if c.recovers_at]
+    ends = [crash.recovers_at for crash in facts.crashes if crash.recovers_at]
     if not ends:
         return None
     return max(0.0, float(int((min(ends) - moment).total_seconds()) + 1))

@@ -16,11 +16,9 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from pdserve_operator.plan import ObjectKey, key_of
-from pdserve_operator.render.names import INSTANCE_LABEL, child_name
-from pdserve_operator.status import Snapshot
+from pdserve_operator.names import INSTANCE_LABEL, child_name
+from pdserve_operator.observed import ObjectKey, OwnerKey, Snapshot, key_of
 
-OwnerKey = tuple[str, str]  # (namespace, PDService name)
 _SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 

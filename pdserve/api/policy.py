@@ -17,7 +17,8 @@ HOST_PATH_FLAG = "--allow-model-host-paths"
 
 
 class PolicyError(ValueError):
-    """An administrator's setting that would undo a guarantee (e.g. allowing `/` or `/etc`)."""
+    """An administrator's setting that would undo a guarantee (e.g. allowing `/`, `/etc`, or `/var`, which holds
+    `/var/lib/kubelet`)."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class Policy:
 
     @classmethod
     def allowing(cls, *, model_host_paths: Iterable[str] = ()) -> Policy:
-        """A policy from an administrator's settings, refusing any that would allow a system or un-normalised path."""
+        """A policy from an administrator's settings, refusing any prefix that is un-normalised, is or lies under a
+        system folder, or contains one (`hostpaths.SYSTEM_FOLDERS`)."""
         prefixes = tuple(model_host_paths)
         for prefix in prefixes:
             if not prefix.startswith("/") or not hostpaths.is_normalised(prefix):
@@ -37,15 +39,29 @@ class Policy:
                     f"{HOST_PATH_FLAG} {prefix!r}: give an absolute, normalised folder (no '.', '..', '//' or "
                     "trailing '/'), e.g. /mnt/models"
                 )
-            if prefix == "/" or any(hostpaths.under(prefix, system) for system in hostpaths.SYSTEM_PATHS):
-                raise PolicyError(
-                    f"{HOST_PATH_FLAG} {prefix!r}: a system path (or /) can never hold model weights for a "
-                    "PDService; allow a folder dedicated to models, e.g. /mnt/models"
-                )
+            # Not only a system folder or one below it: a folder above one (`/var`, `/var/lib`, `/opt`) would let
+            # PDServices name the system folder inside it (`/var/lib/kubelet`, `/opt/cni/bin`) as their model.
+            if hostpaths.touches_system_path(prefix):
+                raise PolicyError(f"{HOST_PATH_FLAG} {prefix!r}: {_why_system(prefix)}")
         return cls(model_host_paths=prefixes)
 
     def allows_model_host_path(self, path: str) -> bool:
         return any(hostpaths.under(path, prefix) for prefix in self.model_host_paths)
+
+
+def _why_system(prefix: str) -> str:
+    """Why an administrator's prefix touches the system folders, naming them."""
+    if prefix == "/":
+        reason = "it is the node's root"
+    elif holder := next((s for s in hostpaths.SYSTEM_PATHS if hostpaths.under(prefix, s)), None):
+        reason = f"it is or lies in the system folder {holder}"
+    else:
+        inside = [s for s in hostpaths.SYSTEM_PATHS if hostpaths.under(s, prefix)]
+        reason = f"it contains the system folders {', '.join(inside)}"
+    return (
+        f"{reason}, and a PDService's image must never read the node's system folders (docs/security.md lists "
+        "them); allow a folder dedicated to models, e.g. /mnt/models"
+    )
 
 
 DEFAULT_POLICY = Policy()

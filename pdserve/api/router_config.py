@@ -157,6 +157,13 @@ class RouterConfig(_Model):
     served_model_name: str = Field(description="The model name clients send; also what /v1/models lists.")
     host: str = Field(default="0.0.0.0", description="Listen address.")
     port: int = Field(default=EffectiveRouter.port, ge=1, le=65535, description="Listen port.")
+    metrics_port: int = Field(
+        default=9090,
+        ge=0,
+        le=65535,
+        description="Port of the router's Prometheus `/metrics`, apart from the client port: the metrics name every "
+        "engine and its load, which anonymous clients must not read (0: any free port, logged).",
+    )
     discovery: Literal["kubernetes", "static"] = Field(default="kubernetes", description="How engines are found.")
     prefill: EndpointSelector | None = Field(default=None, description="Prefill pool (kubernetes discovery).")
     decode: EndpointSelector | None = Field(default=None, description="Decode pool (kubernetes discovery).")
@@ -241,7 +248,30 @@ class RouterConfig(_Model):
         default=64 * 1024 * 1024,
         ge=1024,
         description="The same bound per client address, so that one client cannot take the whole of "
-        "maxBufferedBodyBytes (slow uploads); a request beyond it gets 429.",
+        "maxBufferedBodyBytes (slow uploads); a request beyond it gets 429. Bodies are charged as their bytes "
+        "arrive (headers announcing a large body cost nothing), and when a bound is reached, bodies still arriving "
+        "that trickle (minBodyBytesPerSecond) or hold more than their fair share give way to new ones. Behind a "
+        "proxy or SNAT every client shares one address: set it to maxBufferedBodyBytes there.",
+    )
+    min_body_bytes_per_second: float = Field(
+        default=64 * 1024,
+        ge=0,
+        description="A request body arriving slower than this (averaged over the last second) while memory is "
+        "short loses its place to others (408): a trickling upload cannot hold its share for the whole "
+        "bodyTimeoutSeconds.",
+    )
+    max_chunk_metadata_bytes: int = Field(
+        default=4096,
+        ge=0,
+        description="Chunk extensions and trailers allowed in one chunked request body (they are read and dropped); "
+        "beyond it the client gets 400.",
+    )
+    client_write_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest time a client may leave an answer unread (its socket and the router's bounded write "
+        "buffer full); then its connection is closed and its engine request aborted. The engine's health is not "
+        "touched: while a client does not read, the engine's silence is not counted against it.",
     )
     max_prefill_answer_bytes: int = Field(
         default=1024 * 1024,
@@ -277,6 +307,8 @@ class RouterConfig(_Model):
     @model_validator(mode="after")
     def _discovery_has_its_inputs(self) -> RouterConfig:
         """Fail at load time, not at the first request, when the chosen discovery mode lacks its inputs."""
+        if self.metrics_port == self.port:
+            raise ValueError(f"metricsPort must differ from port ({self.port}): metrics are not served to clients")
         if self.discovery == "kubernetes" and self.decode is None:
             raise ValueError("discovery=kubernetes needs a decode selector (prefill is optional)")
         if self.discovery == "static":

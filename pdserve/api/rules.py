@@ -166,9 +166,10 @@ RULES: tuple[CrossFieldRule[Any], ...] = (
         cel=_NODE_PATH_NOT_SYSTEM,
         holds=lambda model: not hostpaths.is_node_path(model.uri) or not hostpaths.touches_system_path(model.uri),
         message=(
-            "a node path may not be, lie under or contain a system path (/, /etc, /proc, /sys, /dev, /root, /run, "
-            "/var/run, /var/lib/kubelet, /var/log, ...): the engine image is the author's and would read the node; "
-            "keep model weights in a folder of their own, e.g. /mnt/models/llama"
+            "a node path may not be, lie under or contain a system folder (/, /etc, /proc, /sys, /dev, /root, /run, "
+            "/var/run, /var/lib/kubelet, /var/lib/rancher, /var/log, /opt/cni, ...; docs/security.md lists them): "
+            "the engine image is the author's and would read the node; keep model weights in a folder of their own, "
+            "e.g. /mnt/models/llama"
         ),
         field="uri",
     ),

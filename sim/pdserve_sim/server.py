@@ -48,6 +48,24 @@ def _json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
 
 
+def _model_permission(created: int) -> dict[str, Any]:
+    """The permission entry vLLM lists with each base model in /v1/models (its ModelPermission defaults)."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
 def _error_response(err: ApiError) -> web.Response:
     return _json_response(err.body(), err.status)
 
@@ -204,7 +222,7 @@ class SimServer:
                 "root": cfg.model,
                 "parent": None,
                 "max_model_len": cfg.timing.max_model_len,
-                "permission": [],
+                "permission": [_model_permission(self.created)],
             }
             for name in cfg.model_names
         ]

@@ -71,7 +71,7 @@ def test_every_absent_field_has_the_table_value() -> None:
 
 
 def test_the_documented_values() -> None:
-    """The README quotes these; a change here is a change of behaviour for every stored object without the field."""
+    """docs/api.md quotes these; a change here is a change of behaviour for every stored object without the field."""
     resolved = effective(spec())
     assert (resolved.engine.port, resolved.engine.side_channel_port, resolved.engine.block_size) == (8000, 5600, 16)
     assert resolved.engine.kv_lease_seconds == 30 and resolved.engine.shm_size == "16Gi"

@@ -7,6 +7,8 @@ system paths itself (rules.py); the allow-list is the operator's (and `pdserve v
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from pdserve.api.policy import Policy, PolicyError
 from pdserve.api.validation import validate
 
 MODELS = Policy.allowing(model_host_paths=["/mnt/models"])
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pds(uri: str) -> dict[str, Any]:
@@ -71,7 +74,7 @@ def test_paths_outside_the_allowed_prefixes_are_refused(uri: str) -> None:
 def test_system_paths_are_refused_even_when_allowed(uri: str) -> None:
     everything = Policy(model_host_paths=("/etc", "/proc", "/var", "/run", "/root", "/boot", "/home", "/sys", "/dev"))
     problems = uri_problems(uri, everything)
-    assert problems and any("system path" in message for message in problems), problems
+    assert problems and any("system folder" in message for message in problems), problems
 
 
 @pytest.mark.parametrize(
@@ -89,10 +92,67 @@ def test_an_administrator_cannot_allow_a_system_or_unnormalised_prefix(prefix: s
         Policy.allowing(model_host_paths=[prefix])
 
 
+@pytest.mark.parametrize(
+    ("prefix", "named"),
+    [
+        ("/var", "/var/lib/calico"),  # and /var/lib/kubelet, /var/log, ...
+        ("/var/lib", "/var/lib/calico"),
+        ("/opt", "/opt/cni"),
+        ("/var/lib/kubernetes", "/var/lib/kubernetes"),
+        ("/var/lib/rancher/k3s", "/var/lib/rancher"),
+        ("/opt/cni/bin", "/opt/cni"),
+        ("/var/snap/microk8s", "/var/snap"),
+    ],
+)
+def test_an_administrator_cannot_allow_a_folder_that_holds_a_system_folder(prefix: str, named: str) -> None:
+    """Issue 18.10: `/var` (and `/var/lib`, `/opt`) was accepted, and then `/var/lib/kubernetes`,
+    `/var/lib/rancher/k3s` and `/opt/cni/bin` rendered as hostPath mounts."""
+    with pytest.raises(PolicyError) as error:
+        Policy.allowing(model_host_paths=["/mnt/models", prefix])
+    assert named in str(error.value) and "docs/security.md" in str(error.value)
+
+
+@pytest.mark.parametrize("prefix", ["/mnt/models", "/var/lib/models", "/opt/models", "/data/llm", "/srv/weights"])
+def test_dedicated_model_folders_are_allowed(prefix: str) -> None:
+    assert Policy.allowing(model_host_paths=[prefix]).allows_model_host_path(f"{prefix}/llama")
+
+
+@pytest.mark.parametrize("uri", ["/var/lib/kubernetes/pki", "/var/lib/rancher/k3s/server", "/opt/cni/bin", "/opt"])
+def test_distribution_and_network_plugin_state_is_refused_whatever_the_policy(uri: str) -> None:
+    """Even under a policy built without `allowing` (a prefix that holds the folder), the rules refuse the path."""
+    problems = uri_problems(uri, Policy(model_host_paths=("/var", "/opt")))
+    assert any("system folder" in message for message in problems), problems
+
+
+def _sample_paths() -> set[str]:
+    """Every system folder, the folders above and below it, its look-alike siblings, and ordinary folders."""
+    paths = {"/", "/mnt", "/mnt/models", "/data", "/var/lib/models", "/opt/models", "/srv", "/optx", "/varx/lib"}
+    for system in hostpaths.SYSTEM_PATHS:
+        parts = system.split("/")
+        paths |= {"/".join(parts[:depth]) or "/" for depth in range(1, len(parts) + 1)}
+        paths |= {system + "/x", system + "x", system + "-x", system + "x/y"}
+    return paths
+
+
+def test_the_chart_pattern_refuses_exactly_what_the_rules_refuse() -> None:
+    """`touching_pattern` (the chart schema's copy of the rule, RE2 syntax) agrees with `touches_system_path` on
+    every path of a sample built from the table itself."""
+    pattern = re.compile(hostpaths.touching_pattern())
+    disagree = [p for p in sorted(_sample_paths()) if bool(pattern.search(p)) != hostpaths.touches_system_path(p)]
+    assert disagree == []
+
+
+def test_security_doc_lists_every_system_folder() -> None:
+    doc = (ROOT / "docs" / "security.md").read_text()
+    missing = [f.path for f in hostpaths.SYSTEM_FOLDERS if f"| `{f.path}` | {f.holds} |" not in doc]
+    assert missing == []
+
+
 def test_hostpath_facts() -> None:
     assert hostpaths.is_normalised("/mnt/models/llama-3.1")
     assert not hostpaths.is_normalised("/mnt/models/../x")
     assert hostpaths.touches_system_path("/var")
+    assert hostpaths.touches_system_path("/opt") and not hostpaths.touches_system_path("/opt/models")
     assert hostpaths.touches_system_path("/var/lib/kubelet/pods/x")
     assert not hostpaths.touches_system_path("/var/models")
     assert hostpaths.under("/mnt/models/x", "/mnt/models") and not hostpaths.under("/mnt/modelsx", "/mnt/models")

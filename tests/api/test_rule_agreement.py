@@ -3,7 +3,7 @@ generated CRD (`kubectl apply --dry-run=server`). They must agree on every case:
 for a rule of `pdserve.api.rules` both name the same field with the same message.
 
 Cases the offline check alone refuses are listed too (`python_only`): rules CEL cannot express or that would newly
-refuse stored objects. For them the API server must admit, which keeps the README's split honest.
+refuse stored objects. For them the API server must admit, which keeps docs/api.md's split honest.
 """
 
 from __future__ import annotations
@@ -141,6 +141,27 @@ CASES = [
     Case(
         "node-path-above-kubelet",
         {"model": {"name": "m", "uri": "/var"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    # Distributions' and network plugins' state, and the folders holding it (issue 18.10).
+    Case(
+        "node-path-k3s",
+        {"model": {"name": "m", "uri": "/var/lib/rancher/k3s"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    Case(
+        "node-path-kubernetes-pki",
+        {"model": {"name": "m", "uri": "/var/lib/kubernetes"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    Case(
+        "node-path-cni-bin",
+        {"model": {"name": "m", "uri": "/opt/cni/bin"}},
+        breaks=(("model-node-path-not-system", "spec.model"),),
+    ),
+    Case(
+        "node-path-above-cni",
+        {"model": {"name": "m", "uri": "/opt"}},
         breaks=(("model-node-path-not-system", "spec.model"),),
     ),
     Case(

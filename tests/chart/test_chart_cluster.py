@@ -174,7 +174,7 @@ def test_can_i_list_is_the_documented_list_in_namespaced_mode(
 ) -> None:
     release = f"pdserve-{namespace}"
     cleanup_cluster_scoped.append(release)
-    install(cluster, namespace, {"watch": {"mode": "namespaced", "namespaces": [namespace]}})
+    objects = install(cluster, namespace, {"watch": {"mode": "namespaced", "namespaces": [namespace]}})
     expected = documented("watched", "leaderElection", "cluster", "namespacedModeCluster")
     assert granted(cluster, namespace, release) == expected
     # Nothing at all in a namespace it does not watch, beyond the cluster-scoped reads.
@@ -185,6 +185,22 @@ def test_can_i_list_is_the_documented_list_in_namespaced_mode(
         assert others == documented("cluster", "namespacedModeCluster")
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+    # Nor in kube-system (docs/security.md): compared with a ServiceAccount of the same namespace that holds nothing.
+    user = f"system:serviceaccount:{namespace}:{release}"
+    baseline = can_i_list(cluster, "kube-system", f"system:serviceaccount:{namespace}:default")
+    assert can_i_list(cluster, "kube-system", user) - baseline == documented("cluster", "namespacedModeCluster")
+    # And no ClusterRole bound to it names a namespaced resource, by the API server's own list of them.
+    namespaced = set(cluster.kubectl("api-resources", "--namespaced=true", "-o", "name").stdout.split())
+    cluster_roles = {o["roleRef"]["name"] for o in objects if o["kind"] == "ClusterRoleBinding"}
+    cluster_grants = {
+        f"{resource}.{group}" if group else resource
+        for role in objects
+        if role["kind"] == "ClusterRole" and role["metadata"]["name"] in cluster_roles
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    assert cluster_grants and not cluster_grants & namespaced, cluster_grants & namespaced
 
 
 def test_can_i_list_is_the_documented_list_in_cluster_mode(
@@ -201,6 +217,10 @@ def test_can_i_list_is_the_documented_list_in_cluster_mode(
         assert others == documented("watched", "cluster")  # the Lease only in the release namespace
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+    # kube-system included: why docs/security.md recommends namespaced mode where tenants share a cluster.
+    baseline = can_i_list(cluster, "kube-system", f"system:serviceaccount:{namespace}:default")
+    in_kube_system = can_i_list(cluster, "kube-system", user) - baseline
+    assert {("deployments.apps", "create"), ("rolebindings.rbac.authorization.k8s.io", "create")} <= in_kube_system
 
 
 def _example(namespace: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pdserve_dev import dashboard
-from pdserve_dev.cluster.prometheus import TARGET_LABELS
+from pdserve_dev.cluster.prometheus import METRICS_PORT_NAMES, TARGET_LABELS
 from pdserve_dev.testing.helm import template
 from pdserve_dev.testing.promtool import promtool
 
@@ -157,11 +157,22 @@ def test_pod_monitor_gives_the_local_prometheus_target_labels() -> None:
     one set of alerts serve both. `namespace` and `pod` are labels the Prometheus Operator always sets."""
     objects = template(CHART, values={"monitoring.podMonitor.enabled": True})
     [monitor] = [o for o in objects if o["kind"] == "PodMonitor"]
-    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
-    copied = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"] if "targetLabel" in r}
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
     expected = {label: [meta] for label, meta in TARGET_LABELS.items() if label not in ("namespace", "pod")}
-    assert copied == expected
-    assert endpoint["port"] == "http"
+    for endpoint in endpoints:
+        copied = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"] if "targetLabel" in r}
+        assert copied == expected
+    # Each pool on the port the local cluster's job scrapes it on: engines on `http`, routers on `metrics`.
+    kept = {
+        endpoint["port"]: {rule["regex"] for rule in endpoint["relabelings"] if rule.get("action") == "keep"}
+        for endpoint in endpoints
+    }
+    by_port: dict[str, set[str]] = {}
+    for role, port in METRICS_PORT_NAMES.items():
+        by_port.setdefault(port, set()).add(role)
+    assert {port: {frozenset(regex.split("|")) for regex in regexes} for port, regexes in kept.items()} == {
+        port: {frozenset(roles)} for port, roles in by_port.items()
+    }
 
 
 def test_service_monitor_honours_the_operators_pdservice_labels() -> None:

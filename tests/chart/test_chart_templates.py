@@ -365,7 +365,7 @@ def test_monitoring_is_off_by_default_and_complete_when_on() -> None:
     pods = one(objects, "PodMonitor")
     assert pods["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pdserve-operator"}
     assert pods["spec"]["namespaceSelector"] == {"any": True}
-    assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    assert [endpoint["port"] for endpoint in pods["spec"]["podMetricsEndpoints"]] == ["http", "metrics"]
     rule = one(objects, "PrometheusRule")
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     assert rules and all(r["expr"] for r in rules)

@@ -77,11 +77,19 @@ def test_pdserve_pods_get_namespace_pod_pool_and_pdservice_labels() -> None:
         {"__meta_kubernetes_pod_container_port_name": "nixl"},  # the side channel, not the metrics port
         {"__meta_kubernetes_pod_phase": "Succeeded"},
         {"__meta_kubernetes_pod_phase": "Failed"},
+        # A router serves no metrics on its client port.
+        {"__meta_kubernetes_pod_label_pdserve_io_role": "router", "__meta_kubernetes_pod_container_port_name": "http"},
     ],
-    ids=["other-pod", "other-port", "succeeded", "failed"],
+    ids=["other-pod", "other-port", "succeeded", "failed", "router-client-port"],
 )
 def test_other_pods_ports_and_finished_pods_are_not_scraped(change: dict[str, str]) -> None:
     assert _relabel(prom.pod_relabel_configs(), {**POD_META, **change}) is None
+
+
+def test_routers_are_scraped_on_their_metrics_port() -> None:
+    meta = {**POD_META, "__meta_kubernetes_pod_label_pdserve_io_role": "router"}
+    labels = _relabel(prom.pod_relabel_configs(), {**meta, "__meta_kubernetes_pod_container_port_name": "metrics"})
+    assert labels is not None and labels["pool"] == "router"
 
 
 def test_pending_and_not_ready_pods_are_scraped() -> None:

@@ -79,3 +79,43 @@ def test_a_module_the_proxy_refuses_is_named(monkeypatch: pytest.MonkeyPatch, tm
     assert not (build.bin_dir() / "kwok").exists()
     with pytest.raises(build.BuildError, match="kwok: the Go module proxy"):
         build.ensure_binaries(["kwok"], log=lambda _: None)
+
+
+def test_the_cache_key_covers_the_linker_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A binary stamped with other versions is another binary: a recipe change must never reuse a cached one.
+    key, prometheus = versions.cache_key(), versions.cache_key(versions.PROMETHEUS)
+    monkeypatch.setattr(versions, "HELM_CLIENT_GO_VERSION", "v0.36.0")
+    assert versions.cache_key() != key
+    assert versions.cache_key(versions.PROMETHEUS) == prometheus
+    original = versions.ldflags
+    monkeypatch.setattr(versions, "ldflags", lambda module: (*original(module), "-X example.com/v.x=1"))
+    assert versions.cache_key(versions.PROMETHEUS) != prometheus
+
+
+def test_helm_is_stamped_as_its_release_stamps_it() -> None:
+    flags = versions.ldflags("helm")
+    assert f"-X helm.sh/helm/v3/internal/version.version={versions.HELM_VERSION}" in flags
+    assert "-X helm.sh/helm/v3/internal/version.gitTreeState=clean" in flags
+    # The default Kubernetes version of `helm template` / `helm lint` (v1.20 unstamped) follows helm's client-go.
+    for pkg in ("helm.sh/helm/v3/pkg/chartutil", "helm.sh/helm/v3/pkg/lint/rules"):
+        assert f"-X {pkg}.k8sVersionMajor=1" in flags
+        assert f"-X {pkg}.k8sVersionMinor=37" in flags
+
+
+def test_helms_client_go_pin_is_the_one_its_go_sum_holds() -> None:
+    # go.sum's module-content lines ("<path> <version> h1:...", not ".../go.mod") are the versions built.
+    built = {
+        version
+        for path, version, _ in (line.split() for line in versions.read_go_sum("helm").splitlines() if line.strip())
+        if path == "k8s.io/client-go" and not version.endswith("/go.mod")
+    }
+    assert built == {versions.HELM_CLIENT_GO_VERSION}
+    (pin,) = versions.RESOLVED_PINS["helm"].values()
+    assert pin() == versions.HELM_CLIENT_GO_VERSION
+
+
+def test_a_client_go_version_maps_to_its_kubernetes_release() -> None:
+    assert versions._kubernetes_of_client_go("v0.37.0") == ("1", "37")
+    assert versions._kubernetes_of_client_go("v0.38.2") == ("1", "38")
+    with pytest.raises(ValueError, match="client-go"):
+        versions._kubernetes_of_client_go("v1")

@@ -116,7 +116,10 @@ def test_every_policy_runs_a_step_of_load() -> None:
     requests = steady(30.0, 200.0) + steady(90.0, 250.0, seed=2, start=200.0)
     requests.sort(key=lambda r: r.arrival)
     profile = profile_from_timing(H200_8B)
-    model = ModelConfig(slo=SLO, prefill_profile=profile, decode_profile=profile, horizon_s=45.0)
+    replay = config((1, 1))
+    model = ModelConfig(
+        slo=SLO, interval_s=replay.interval_s, prefill_profile=profile, decode_profile=profile, horizon_s=45.0
+    )
     peak = static_peak(model, requests, 60.0, 256)
     assert peak[0] >= 3 and peak[2] >= 180.0
     bounds = PolicyConfig(prefill=PoolBounds(1, 4 * peak[0]), decode=PoolBounds(1, 4 * peak[1]))
@@ -124,9 +127,9 @@ def test_every_policy_runs_a_step_of_load() -> None:
     for scaler in (
         HpaScaler(bounds),
         LlmdSloScaler(bounds, SLO.ttft_s, SLO.itl_s),
-        PdserveScaler(AutoscalerConfig(model=model, policy=bounds)),
+        PdserveScaler(AutoscalerConfig(model=model, policy=bounds, warmup_s=replay.warmup_s, window_s=replay.window_s)),
     ):
-        outcome = ReplayCluster(config((1, 1)), requests, scaler).run()
+        outcome = ReplayCluster(replay, requests, scaler).run()
         assert all(job.finished is not None for job in outcome.jobs)
         assert max(row[1] for row in outcome.timeline) > 1, f"{scaler.name} never scaled prefill up"
         results[scaler.name] = outcome

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,13 @@ def test_load_azure_sorts_and_starts_at_zero(tmp_path: Path) -> None:
     trace = load_azure(path)
     assert [r.arrival for r in trace] == pytest.approx([0.0, 3.5, 23.75, 120.0])
     assert [(r.prompt, r.output) for r in trace] == [(2000, 20), (100, 10), (1, 5), (300, 30)]
+
+
+def test_load_azure_reads_a_gzipped_trace(tmp_path: Path) -> None:
+    plain, packed = tmp_path / "trace.csv", tmp_path / "trace.csv.gz"
+    plain.write_text(CSV)
+    packed.write_bytes(gzip.compress(CSV.encode()))
+    assert load_azure(packed) == load_azure(plain)
 
 
 TRACE = [Request(float(t), 100 + t, 1 + t % 7) for t in range(0, 600, 2)]

@@ -28,8 +28,8 @@ async def router(prefill: str, decode: str) -> AsyncIterator[str]:
         static_decode=[decode],
         engine_metrics_interval_seconds=0.0,
     )
-    app = RouterApp(config)
-    port = await app.start("127.0.0.1", 0)
+    app = RouterApp(config, access_log=False)
+    port = await app.start("127.0.0.1", 0, metrics_port=0)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -24,6 +24,7 @@ from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import by_label, metric_value, scrape_sync, series
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.wait import wait_for
+from pdserve_operator.render.router import METRICS_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -157,6 +158,7 @@ def test_router_follows_a_replaced_decode_pod(cluster: ClusterHelper, namespace:
     pulled = by_label(scrape_sync(f"{new_engine}/metrics"), "vllm:prompt_tokens_by_source_total", "source")
     assert pulled.get("external_kv_transfer", 0) > 0  # it decoded with KV pulled from prefill: the PD path
     # The router's table: exactly the two live decode engines, both usable (the old address is gone).
-    up = series(scrape_sync(f"{demo}/metrics"), "pdserve_router_endpoint_up", role="decode")
+    metrics = f"{demo.rsplit(':', 1)[0]}:{METRICS_PORT}"  # the router pod's metrics port (never the client port)
+    up = series(scrape_sync(f"{metrics}/metrics"), "pdserve_router_endpoint_up", role="decode")
     table = sorted((labels["endpoint"], value) for labels, value in up)
     assert table == [("demo-decode-0", 1.0), ("demo-decode-1", 1.0)]

@@ -55,6 +55,7 @@ class Service:
     namespace: str
     operator: OperatorProcess
     router: str  # base URL of the router running as the router ServiceAccount
+    metrics: str  # base URL of its metrics port
     router_log: Path
 
 
@@ -63,9 +64,9 @@ def _ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def _usable(router: str, role: str) -> int:
+def _usable(metrics: str, role: str) -> int:
     try:
-        text = scrape_sync(f"{router}/metrics", timeout=3)
+        text = scrape_sync(f"{metrics}/metrics", timeout=3)
     except OSError:
         return -1
     return int(metric_value(text, "pdserve_router_endpoint_up", role=role))
@@ -123,7 +124,7 @@ def service(cluster: ClusterHelper, tmp_path_factory: pytest.TempPathFactory) ->
             kubeconfig = cluster.service_account_kubeconfig(namespace, ROUTER, work / "router.kubeconfig")
             rendered = cluster.get_json("configmap", ROUTER, "-n", namespace)["data"]["router.yaml"]
             (work / "router.yaml").write_text(rendered)
-            port = free_port("127.0.0.1")
+            port, metrics_port = free_port("127.0.0.1"), free_port("127.0.0.1")
             env = {"PATH": "/usr/bin:/bin", "KUBECONFIG": str(kubeconfig), "PDSERVE_BIND_HOST": "127.0.0.1"}
             log_path = work / "router.log"
             with log_path.open("wb") as log:
@@ -137,18 +138,20 @@ def service(cluster: ClusterHelper, tmp_path_factory: pytest.TempPathFactory) ->
                         str(work / "router.yaml"),
                         "--port",
                         str(port),
+                        "--metrics-port",
+                        str(metrics_port),
                     ],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
-            router = f"http://127.0.0.1:{port}"
+            router, metrics = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"
             wait_for(
-                lambda: _usable(router, "prefill") == 1 and _usable(router, "decode") == 3,
+                lambda: _usable(metrics, "prefill") == 1 and _usable(metrics, "decode") == 3,
                 timeout=60,
                 message=lambda: f"the router sees 1 + 3 engines; its log:\n{log_path.read_text()[-3000:]}",
             )
-            yield Service(namespace, operator, router, log_path)
+            yield Service(namespace, operator, router, metrics, log_path)
     finally:
         if router_proc is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -287,7 +290,7 @@ def test_a_rolling_update_of_the_engine_image_never_pairs_mismatched_engines(
 
         wait_for(rolled_over, timeout=400, interval=1, message=lambda: f"the rollout, load so far: {load.outcomes}")
         # The router follows: exactly the four new engines, and PD requests pair them.
-        wait_for(lambda: _usable(service.router, "prefill") == 1 and _usable(service.router, "decode") == 3, 60)
+        wait_for(lambda: _usable(service.metrics, "prefill") == 1 and _usable(service.metrics, "decode") == 3, 60)
         served = load.outcomes["pd"]
         wait_for(lambda: load.outcomes["pd"] >= served + 10, timeout=60, message="PD traffic after the rollout")
     finally:
@@ -307,5 +310,5 @@ def test_a_rolling_update_of_the_engine_image_never_pairs_mismatched_engines(
     assert len(watcher.mismatches) >= 8  # the four old engines and the four new ones were all read
     served = load.outcomes["pd"] + load.outcomes["decode-only"] + load.outcomes["fallback"]
     assert served == sum(load.outcomes.values()), (load.outcomes, load.failures[:5])
-    routes = series(scrape_sync(f"{service.router}/metrics"), "pdserve_router_endpoint_up")
+    routes = series(scrape_sync(f"{service.metrics}/metrics"), "pdserve_router_endpoint_up")
     assert sorted(labels["role"] for labels, _ in routes) == ["decode", "decode", "decode", "prefill"]

@@ -23,6 +23,8 @@ from pdserve.api.crdgen import custom_resource_definition
 from pdserve.api.defaults import effective
 from pdserve.api.kubeclient import new_api_client
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.settings import OperatorSettings
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import validate
 from pdserve_dev.testing.cluster import ClusterHelper
@@ -35,6 +37,7 @@ from pdserve_operator.kube import KubeApi
 from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import observe
 from pdserve_operator.render import render
+from pdserve_operator.view import SpecViews
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -588,7 +591,17 @@ def test_a_starting_controller_lists_the_children_before_its_first_pass(
         owner = pds_get(cluster, namespace, "sync")
         api = KubeApi(new_api_client(cluster.kubeconfig))
         metrics = OperatorMetrics()
-        controller = Controller(api, namespaces=[namespace], metrics=metrics, resync_seconds=3600)
+        defaults = OperatorSettings()
+        controller = Controller(
+            api,
+            views=SpecViews(DEFAULT_POLICY),
+            workers=defaults.workers,
+            resync_seconds=3600,
+            relist_seconds=defaults.relist_seconds,
+            crash_window=defaults.crash_recovery_seconds,
+            namespaces=[namespace],
+            metrics=metrics,
+        )
 
         def passes() -> float:
             return sum(

@@ -14,22 +14,40 @@ from typing import Any, cast
 
 import yaml
 
+from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.view import SpecViews
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama-8b"
 
 
-def controller(crash_window: float = 60.0) -> tuple[Controller, FakeKube]:
-    kube = FakeKube()
+def new_controller(kube: FakeKube, crash_window: float = OperatorSettings.crash_recovery_seconds) -> Controller:
+    """A controller over `kube` with the operator's default settings (`OperatorSettings`)."""
+    defaults = OperatorSettings()
     # FakeKube implements the writes a reconcile makes (KubeIO); the controller's relist, not used here, would
     # need the real KubeApi.
-    return Controller(cast(KubeApi, kube), metrics=OperatorMetrics(), crash_window=crash_window), kube
+    return Controller(
+        cast(KubeApi, kube),
+        views=SpecViews(DEFAULT_POLICY),
+        workers=defaults.workers,
+        resync_seconds=defaults.resync_seconds,
+        relist_seconds=defaults.relist_seconds,
+        crash_window=crash_window,
+        namespaces=(),
+        metrics=OperatorMetrics(),
+    )
+
+
+def controller(crash_window: float = OperatorSettings.crash_recovery_seconds) -> tuple[Controller, FakeKube]:
+    kube = FakeKube()
+    return new_controller(kube, crash_window), kube
 
 
 def pod(owner: str, *, ready_at: str | None = None) -> dict[str, Any]:
@@ -109,7 +127,7 @@ class RefusingLists(FakeKube):
 
 async def test_no_pass_runs_before_the_first_list_which_is_retried_until_it_succeeds() -> None:
     kube = RefusingLists(failures=2)
-    ctl = Controller(cast(KubeApi, kube), metrics=OperatorMetrics())
+    ctl = new_controller(kube)
     ctl.on_owner_event({"type": "ADDED", "object": kube.add_owner(yaml.safe_load(EXAMPLE.read_text()))})
     stop = asyncio.Event()
     task = asyncio.create_task(ctl.run(stop))
@@ -127,7 +145,7 @@ async def test_no_pass_runs_before_the_first_list_which_is_retried_until_it_succ
 
 async def test_a_controller_stopped_before_its_first_list_exits() -> None:
     kube = RefusingLists(failures=1_000)
-    ctl = Controller(cast(KubeApi, kube), metrics=OperatorMetrics())
+    ctl = new_controller(kube)
     stop = asyncio.Event()
     task = asyncio.create_task(ctl.run(stop))
     await wait_for_async(lambda: asyncio.to_thread(lambda: kube.lists >= 1), within=5)

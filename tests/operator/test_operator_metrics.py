@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from pdserve_dev.testing.metrics import samples
 from pdserve_operator.metrics import OperatorMetrics
 
-# Contract: the names dashboards and alerts use (README "Operator"); unchanged by the move into OperatorMetrics.
+# Contract: the names dashboards and alerts use (docs/operator.md); unchanged by the move into OperatorMetrics.
 NAMES = {
     "pdserve_operator_reconciles_total",
     "pdserve_operator_reconcile_errors_total",

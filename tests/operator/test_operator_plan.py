@@ -14,6 +14,7 @@ from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import validate
 from pdserve_operator import plan
 from pdserve_operator.kinds import STATEFUL_SET
+from pdserve_operator.observed import ObjectKey, key_of
 from pdserve_operator.render import render
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
@@ -32,20 +33,26 @@ def example(**patch: Any) -> PDService:
     return PDService.model_validate(document)
 
 
-def as_observed(objects: list[dict[str, Any]]) -> dict[plan.ObjectKey, dict[str, Any]]:
+def desired_of(pds: PDService, observed: dict[ObjectKey, dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a pass applies for `pds`: its render, adjusted for what the cluster holds (`observed`), stamped."""
+    checked = validate(pds)
+    return plan.desired_objects(checked.require()[1], render(checked), observed)
+
+
+def as_observed(objects: list[dict[str, Any]]) -> dict[ObjectKey, dict[str, Any]]:
     """What the API server would return: our fields plus server-set metadata and defaults."""
     observed = {}
     for index, obj in enumerate(objects):
         stored = copy.deepcopy(obj)
         stored["metadata"].update(uid=f"uid-{index}", resourceVersion=str(100 + index), generation=1)
         stored.setdefault("status", {})
-        observed[plan.key_of(stored)] = stored
+        observed[key_of(stored)] = stored
     return observed
 
 
 def test_first_pass_creates_everything_in_render_order() -> None:
     pds = example()
-    desired = plan.desired_objects(pds, render(validate(pds)), {})
+    desired = desired_of(pds, {})
     result = plan.make_plan(desired, {}, UID)
     assert [a.obj["kind"] for a in result.applies] == [o["kind"] for o in render(validate(pds))]
     assert {a.reason for a in result.applies} == {"missing"}
@@ -54,18 +61,18 @@ def test_first_pass_creates_everything_in_render_order() -> None:
 
 def test_second_pass_is_a_noop() -> None:
     pds = example()
-    desired = plan.desired_objects(pds, render(validate(pds)), {})
+    desired = desired_of(pds, {})
     observed = as_observed(desired)
-    again = plan.desired_objects(pds, render(validate(pds)), observed)
+    again = desired_of(pds, observed)
     assert plan.make_plan(again, observed, UID).empty
 
 
 def test_image_change_updates_only_the_changed_children() -> None:
     pds = example()
-    observed = as_observed(plan.desired_objects(pds, render(validate(pds)), {}))
+    observed = as_observed(desired_of(pds, {}))
     newer = example(spec__engine__image="vllm/vllm-openai:v0.33.0")
     old, new = (kv_compat_hash(effective(p.spec)) for p in (pds, newer))
-    result = plan.make_plan(plan.desired_objects(newer, render(validate(newer)), observed), observed, UID)
+    result = plan.make_plan(desired_of(newer, observed), observed, UID)
     # The image is part of the kv-compat value: the router's per-value Services follow it. Here no pod carries the
     # old value (nothing observed), so its Services go; `test_operator_router_discovery` has the rollout.
     assert sorted((a.obj["kind"], a.obj["metadata"]["name"], a.reason) for a in result.applies) == [
@@ -79,12 +86,12 @@ def test_image_change_updates_only_the_changed_children() -> None:
 
 def test_drift_is_reverted() -> None:
     pds = example()
-    observed = as_observed(plan.desired_objects(pds, render(validate(pds)), {}))
+    observed = as_observed(desired_of(pds, {}))
     key = ("StatefulSet", "default", "llama-8b-prefill")
     observed[key]["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"
     service_key = ("Service", "default", "llama-8b-router")
     del observed[service_key]
-    result = plan.make_plan(plan.desired_objects(pds, render(validate(pds)), observed), observed, UID)
+    result = plan.make_plan(desired_of(pds, observed), observed, UID)
     assert sorted((a.obj["kind"], a.obj["metadata"]["name"], a.reason) for a in result.applies) == [
         ("Service", "llama-8b-router", "missing"),
         ("StatefulSet", "llama-8b-prefill", "drift at spec.template.spec.containers[vllm].image"),
@@ -93,7 +100,7 @@ def test_drift_is_reverted() -> None:
 
 def test_prunes_only_owned_leftovers() -> None:
     pds = example()
-    observed = as_observed(plan.desired_objects(pds, render(validate(pds)), {}))
+    observed = as_observed(desired_of(pds, {}))
     owned: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -106,21 +113,21 @@ def test_prunes_only_owned_leftovers() -> None:
     }
     foreign = copy.deepcopy(owned)
     foreign["metadata"].update(name="llama-8b-foreign", uid="x", ownerReferences=[{"uid": "other", "controller": True}])
-    observed[plan.key_of(owned)] = owned
-    observed[plan.key_of(foreign)] = foreign
-    result = plan.make_plan(plan.desired_objects(pds, render(validate(pds)), observed), observed, UID)
+    observed[key_of(owned)] = owned
+    observed[key_of(foreign)] = foreign
+    result = plan.make_plan(desired_of(pds, observed), observed, UID)
     assert not result.applies
     assert [(p.kind.kind, p.name, p.uid) for p in result.prunes] == [("ConfigMap", "llama-8b-old", "cm-uid")]
 
 
 def test_autoscaled_pool_keeps_the_autoscalers_replicas_within_bounds() -> None:
     pds = example(spec__decode__autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 12})
-    observed = as_observed(plan.desired_objects(pds, render(validate(pds)), {}))
+    observed = as_observed(desired_of(pds, {}))
     key = ("StatefulSet", "default", "llama-8b-decode")
     for scaled, expected in [(7, 7), (40, 12), (1, 2)]:
         observed[key]["spec"]["replicas"] = scaled
-        desired = plan.desired_objects(pds, render(validate(pds)), observed)
-        sts = next(o for o in desired if plan.key_of(o) == key)
+        desired = desired_of(pds, observed)
+        sts = next(o for o in desired if key_of(o) == key)
         assert sts["spec"]["replicas"] == expected
         result = plan.make_plan(desired, observed, UID)
         # Inside the bounds the autoscaler's value is left alone: no write at all.
@@ -129,13 +136,13 @@ def test_autoscaled_pool_keeps_the_autoscalers_replicas_within_bounds() -> None:
     # The non-autoscaled pool is still enforced.
     prefill = ("StatefulSet", "default", "llama-8b-prefill")
     observed[prefill]["spec"]["replicas"] = 9
-    desired = plan.desired_objects(pds, render(validate(pds)), observed)
-    assert next(o for o in desired if plan.key_of(o) == prefill)["spec"]["replicas"] == 2
+    desired = desired_of(pds, observed)
+    assert next(o for o in desired if key_of(o) == prefill)["spec"]["replicas"] == 2
 
 
 def test_waves_put_workloads_after_what_they_reference() -> None:
     pds = example()
-    result = plan.make_plan(plan.desired_objects(pds, render(validate(pds)), {}), {}, UID)
+    result = plan.make_plan(desired_of(pds, {}), {}, UID)
     first, second = result.waves()
     assert {a.obj["kind"] for a in second} == {"StatefulSet", "Deployment"}
     assert not {a.obj["kind"] for a in first} & {"StatefulSet", "Deployment"}

@@ -1,4 +1,5 @@
-"""The operator's failure contract: `reconcile()` scenario by scenario against a fake of its IO layer.
+"""The operator's failure contract: `reconcile()` scenario by scenario against a fake of its IO layer; and its
+pure steps (`plan_writes`, `status_intent`, `transition_events`) on their own, without any IO.
 
 `FakeKube` (pdserve_dev.testing.fake_kube) fakes the four writes a reconcile makes, not the API server: what the
 server itself does with an object (validation, defaulting, field ownership) is covered by the cluster tests against
@@ -18,13 +19,25 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.api.kvcompat import kv_compat_hash
+from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.settings import OperatorSettings
 from pdserve.api.validation import validate
 from pdserve_dev.testing.fake_kube import Call, FakeKube
 from pdserve_operator.kube import NotLeaderError
+from pdserve_operator.observed import Snapshot, key_of
 from pdserve_operator.plan import WORKLOAD_KINDS
-from pdserve_operator.reconcile import Outcome, RetryLaterError, reconcile
-from pdserve_operator.render import render
+from pdserve_operator.reconcile import (
+    Outcome,
+    RetryLaterError,
+    plan_writes,
+    reconcile,
+    status_intent,
+    transition_events,
+)
+from pdserve_operator.render import NOTHING_OBSERVED, render
 from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews, spec_document
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama-8b"
@@ -53,6 +66,7 @@ class World:
     def __init__(self, applier: Executor | None) -> None:
         self.kube = FakeKube()
         self.store = Store()
+        self.views = SpecViews(DEFAULT_POLICY)
         self.applier = applier
         self._ticks = itertools.count()
 
@@ -71,7 +85,16 @@ class World:
             self.store.put(obj)
 
     def reconcile(self) -> Outcome:
-        return reconcile(NAMESPACE, NAME, self.store, self.kube, self.now, applier=self.applier)
+        return reconcile(
+            NAMESPACE,
+            NAME,
+            self.store,
+            self.kube,
+            self.now,
+            views=self.views,
+            crash_window=OperatorSettings.crash_recovery_seconds,
+            applier=self.applier,
+        )
 
     def pass_calls(self) -> tuple[Outcome, list[Call]]:
         mark = self.kube.mark()
@@ -365,7 +388,14 @@ def test_a_crashed_engine_is_reported_once_and_recovers_after_the_window(world: 
     def run_at(clock: str) -> tuple[Outcome, list[Call]]:
         mark = world.kube.mark()
         outcome = reconcile(
-            NAMESPACE, NAME, world.store, world.kube, lambda: clock, applier=world.applier, crash_window=window
+            NAMESPACE,
+            NAME,
+            world.store,
+            world.kube,
+            lambda: clock,
+            views=world.views,
+            crash_window=window,
+            applier=world.applier,
         )
         return outcome, world.kube.calls_since(mark)
 
@@ -389,3 +419,120 @@ def test_a_crashed_engine_is_reported_once_and_recovers_after_the_window(world: 
     assert world.condition("Degraded")["status"] == "False"
     assert world.kube.events[-1]["reason"] == "Recovered"
     assert len(world.warnings("EngineCrashed")) == 1
+
+
+# ---------------------------------------------------------------------------------- the pure steps on their own
+
+
+def stored(doc: dict[str, Any] | None = None, status: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = doc or document()
+    body["metadata"].update(uid="u1", resourceVersion="7", generation=1)
+    if status is not None:
+        body["status"] = status
+    return body
+
+
+def test_plan_writes_creates_everything_then_nothing() -> None:
+    body = stored()
+    checked = validate(spec_document(body))
+    first = plan_writes(checked, Snapshot(), NOTHING_OBSERVED, "u1")
+    assert [a.obj["kind"] for a in first.applies] == [o["kind"] for o in render(checked)]
+    assert {a.reason for a in first.applies} == {"missing"} and first.prunes == []
+    # The children exist as applied: nothing to write.
+    children = {key_of(a.obj): {**a.obj, "metadata": {**a.obj["metadata"], "uid": "c"}} for a in first.applies}
+    assert plan_writes(checked, Snapshot(children=children), NOTHING_OBSERVED, "u1").empty
+
+
+def statefulset(role: str, replicas: int) -> dict[str, Any]:
+    return {
+        "kind": "StatefulSet",
+        "metadata": {"name": f"{NAME}-{role}", "namespace": NAMESPACE},
+        "spec": {"replicas": replicas},
+    }
+
+
+def test_status_intent_of_a_valid_spec_is_what_it_asks_and_serves() -> None:
+    doc = document()
+    doc["spec"]["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 4}
+    body = stored(doc)
+    checked = validate(spec_document(body))
+    snapshot = Snapshot(children={key_of(s): s for s in (statefulset("prefill", 3), statefulset("decode", 4))})
+    intent = status_intent(body, checked, snapshot, report=None, configured=False)
+    # The autoscaled pool's StatefulSet decides its replicas; the other pool's are the spec's.
+    assert intent.desired == {"prefill": None, "decode": 4}
+    assert intent.router_endpoint == f"http://{NAME}-router.{NAMESPACE}.svc:8080"
+    assert intent.kv_compat_hash == kv_compat_hash(checked.require()[1])
+    assert intent.fallback_to_decode is checked.require()[1].router.routing.fallback_to_decode
+    # Without a Prometheus, the autoscaler's view says so, with the StatefulSet's replicas.
+    assert intent.autoscaling["prefill"]["reason"] == "PrometheusNotConfigured"
+    assert intent.autoscaling["prefill"]["currentReplicas"] == 3
+    assert [c.type for c in intent.scaling_conditions] == ["ScalingActive", "AbleToScale", "ScalingLimited"]
+
+
+def test_status_intent_of_an_invalid_spec_keeps_what_the_status_said() -> None:
+    old = {
+        "routerEndpoint": "http://old",
+        "prefill": {"autoscaling": {"mode": "pdserve", "reason": "ScaledUp"}},
+        "conditions": [
+            {"type": "ScalingActive", "status": "True", "reason": "ValidMetricFound", "message": "fresh"},
+            {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable", "message": ""},
+        ],
+    }
+    body = stored(invalid(document()), status=old)
+    checked = validate(spec_document(body))
+    assert not checked.ok
+    intent = status_intent(body, checked, Snapshot(), report=None, configured=True)
+    # It parsed: the pools still say what the (invalid) spec asks; what the children serve is left to the status.
+    assert intent.desired == {"prefill": 2, "decode": 4}
+    assert (intent.router_endpoint, intent.kv_compat_hash) == (None, None)
+    assert intent.autoscaling == {"prefill": {"mode": "pdserve", "reason": "ScaledUp"}}
+    assert [(c.type, c.reason) for c in intent.scaling_conditions] == [("ScalingActive", "ValidMetricFound")]
+    # A document that does not parse asks nothing: every pool's StatefulSet decides.
+    unparsed = validate({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDService", "metadata": {"name": NAME}})
+    assert status_intent(body, unparsed, Snapshot(), report=None, configured=True).desired == {
+        "prefill": None,
+        "decode": None,
+    }
+
+
+def condition(type_: str, status: str, reason: str, message: str = "m") -> dict[str, str]:
+    return {"type": type_, "status": status, "reason": reason, "message": message}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "events"),
+    [
+        ([], [condition("Available", "True", "MinimumReplicasAvailable")], [("Normal", "Available", "m")]),
+        ([], [condition("Available", "False", "DecodeUnavailable")], []),  # never available: no news
+        (
+            [condition("Available", "True", "MinimumReplicasAvailable")],
+            [condition("Available", "False", "DecodeUnavailable", "no decode engine is ready")],
+            [("Warning", "Unavailable", "no decode engine is ready")],
+        ),
+        (
+            [],
+            [condition("Degraded", "True", "PodsPending", "p-0: no GPU")],
+            [("Warning", "PodsPending", "p-0: no GPU")],
+        ),
+        ([condition("Degraded", "True", "PodsPending")], [condition("Degraded", "True", "PodsPending")], []),
+        (
+            [condition("Degraded", "True", "PodsPending")],
+            [condition("Degraded", "False", "AsExpected")],
+            [("Normal", "Recovered", "no longer degraded (was PodsPending)")],
+        ),
+        (
+            [condition("ScalingActive", "True", "ValidMetricFound")],
+            [condition("ScalingActive", "False", "MetricsUnavailable", "down")],
+            [("Warning", "MetricsUnavailable", "autoscaling holds: down")],
+        ),
+        (
+            [condition("ScalingActive", "False", "MetricsUnavailable")],
+            [condition("ScalingActive", "True", "ValidMetricFound")],
+            [("Normal", "ScalingActive", "autoscaling resumed (was MetricsUnavailable)")],
+        ),
+    ],
+)
+def test_transition_events_say_what_a_user_cares_about(
+    old: list[dict[str, str]], new: list[dict[str, str]], events: list[tuple[str, str, str]]
+) -> None:
+    assert transition_events({"conditions": old}, {"conditions": new}) == events

@@ -14,11 +14,14 @@ import yaml
 
 from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.settings import OperatorSettings
 from pdserve.api.v1alpha1 import PDService
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_operator.nodes import NodeLabelCache
 from pdserve_operator.reconcile import Outcome, reconcile
 from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"  # topologyKey: pdserve.io/rack
 NAMESPACE, NAME = "default", "llama-8b"
@@ -70,7 +73,16 @@ class World:
         self.store.put_owner(self.kube.add_owner(doc))
 
     def reconcile(self) -> Outcome:
-        return reconcile(NAMESPACE, NAME, self.store, self.kube, self.now, nodes=self.nodes)
+        return reconcile(
+            NAMESPACE,
+            NAME,
+            self.store,
+            self.kube,
+            self.now,
+            views=SpecViews(DEFAULT_POLICY),
+            crash_window=OperatorSettings.crash_recovery_seconds,
+            nodes=self.nodes,
+        )
 
     def services(self) -> set[str]:
         return {key[2] for key in self.kube.objects if key[0] == "Service" and KV_COMPAT_LABEL in self.labels(key)}

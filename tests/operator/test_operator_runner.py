@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pdserve.api.settings import OperatorSettings
 from pdserve_operator.kube import KubeApi
-from pdserve_operator.runner import Options, api_client
+from pdserve_operator.runner import APPLY_THREADS, api_client
 
 
 class _Barrier(BaseHTTPRequestHandler):
@@ -77,8 +78,8 @@ def kubeconfig(path: Path, port: int) -> Path:
 def test_every_concurrent_request_keeps_its_connection(
     server: ThreadingHTTPServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    options = Options(kubeconfig=str(kubeconfig(tmp_path / "kubeconfig", server.server_address[1])))
-    concurrent = options.workers + options.apply_threads + 1  # every reconcile and apply thread, and the Lease
+    options = OperatorSettings(kubeconfig=str(kubeconfig(tmp_path / "kubeconfig", server.server_address[1])))
+    concurrent = options.workers + APPLY_THREADS + 1  # every reconcile and apply thread, and the Lease
     server.barrier = threading.Barrier(concurrent)  # type: ignore[attr-defined]
     api = KubeApi(api_client(options))
     status = {"status": {"observedGeneration": 1}}

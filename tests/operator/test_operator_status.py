@@ -12,10 +12,13 @@ import yaml
 
 from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import kv_compat_hash
+from pdserve.api.settings import OperatorSettings
 from pdserve.api.v1alpha1 import PDService
-from pdserve.api.validation import Problem
+from pdserve.api.validation import Problem, Validated
 from pdserve_dev.cluster import tools
 from pdserve_operator import status as st
+from pdserve_operator.observed import Snapshot
+from pdserve_operator.reconcile import status_intent
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -31,6 +34,34 @@ def body(status: dict[str, Any] | None = None, generation: int = 3) -> dict[str,
 
 def pds() -> PDService:
     return PDService.model_validate({k: v for k, v in body().items() if k != "status"})
+
+
+CRASH_WINDOW = OperatorSettings.crash_recovery_seconds
+
+
+def compute(
+    stored: dict[str, Any],
+    snap: Snapshot,
+    *,
+    now: str,
+    problems: list[Problem] | None = None,
+    apply_errors: list[str] | None = None,
+    crash_window: float = CRASH_WINDOW,
+) -> dict[str, Any]:
+    """The status the reconcile computes for the example PDService (its spec valid unless `problems`) over `snap`:
+    what its spec asks as values (`status_intent`), the facts of the pass, the status."""
+    model = pds()
+    checked = Validated(model, effective(model.spec), tuple(problems or ()))
+    intent = status_intent(stored, checked, snap, report=None, configured=False)
+    facts = st.facts_of(stored, snap, intent, now, crash_window)
+    return st.compute_status(stored, facts, intent, problems=checked.problems, apply_errors=apply_errors or [], now=now)
+
+
+def next_check(snap: Snapshot, now: str, crash_window: float = CRASH_WINDOW) -> float | None:
+    """Seconds until the status of the example PDService over `snap` changes by itself (`next_check_seconds`)."""
+    model = pds()
+    intent = status_intent(body(), Validated(model, effective(model.spec), ()), snap, report=None, configured=False)
+    return st.next_check_seconds(st.facts_of(body(), snap, intent, now, crash_window), now)
 
 
 def sts(
@@ -73,15 +104,15 @@ def slice_(ready: bool = True) -> dict[str, Any]:
 
 def snapshot(
     *children: dict[str, Any], pods: list[dict[str, Any]] | None = None, slices: list[dict[str, Any]] | None = None
-) -> st.Snapshot:
-    return st.Snapshot(
+) -> Snapshot:
+    return Snapshot(
         children={(c["kind"], "default", c["metadata"]["name"]): c for c in children},
         pods=pods or [],
         endpoint_slices=slices if slices is not None else [slice_()],
     )
 
 
-def healthy() -> st.Snapshot:
+def healthy() -> Snapshot:
     return snapshot(sts("prefill", 2, 2), sts("decode", 4, 4), router(2))
 
 
@@ -178,7 +209,7 @@ def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 # (observed children, expected conditions): the table every rule is checked against, here and by kstatus below.
-CASES: list[tuple[st.Snapshot, dict[str, tuple[str, str]]]] = [
+CASES: list[tuple[Snapshot, dict[str, tuple[str, str]]]] = [
     (
         healthy(),
         {
@@ -320,8 +351,8 @@ CASES: list[tuple[st.Snapshot, dict[str, tuple[str, str]]]] = [
 
 
 @pytest.mark.parametrize(("snap", "expected"), CASES)
-def test_conditions(snap: st.Snapshot, expected: dict[str, tuple[str, str]]) -> None:
-    status = st.compute_status(body(), snap, pds=pds(), now=T0)
+def test_conditions(snap: Snapshot, expected: dict[str, tuple[str, str]]) -> None:
+    status = compute(body(), snap, now=T0)
     assert conditions(status) == expected
     assert status["observedGeneration"] == 3
     assert all(c["observedGeneration"] == 3 for c in status["conditions"])
@@ -336,9 +367,7 @@ def test_conditions(snap: st.Snapshot, expected: dict[str, tuple[str, str]]) -> 
 def test_pods_pending_carries_the_scheduler_message() -> None:
     message = "0/16 nodes are available: 16 Insufficient nvidia.com/gpu. preemption: 0/16 nodes are available."
     snap = snapshot(sts("prefill", 2, 0), sts("decode", 4, 4), router(2), pods=[pending_pod("p-0", message)])
-    degraded = next(
-        c for c in st.compute_status(body(), snap, pds=pds(), now=T0)["conditions"] if c["type"] == "Degraded"
-    )
+    degraded = next(c for c in compute(body(), snap, now=T0)["conditions"] if c["type"] == "Degraded")
     assert degraded["message"] == f"p-0: {message}"
 
 
@@ -351,9 +380,7 @@ def test_a_single_crash_is_reported_with_what_a_human_needs() -> None:
     container, the exit code, the termination reason and time, and the restart count."""
     pod = crashed_pod("llama-8b-decode-1", "waiting", exit_code=137, reason="OOMKilled")
     pod["status"]["containerStatuses"][0]["lastState"]["terminated"]["message"] = "CUDA out of memory.\n  at step 7"
-    status = st.compute_status(
-        body(), snapshot(sts("prefill", 2, 2), sts("decode", 4, 3), router(2), pods=[pod]), pds=pds(), now=T0
-    )
+    status = compute(body(), snapshot(sts("prefill", 2, 2), sts("decode", 4, 3), router(2), pods=[pod]), now=T0)
     assert degraded_of(status)["reason"] == "EngineCrashed"
     assert degraded_of(status)["message"] == (
         f"llama-8b-decode-1/vllm: exited with code 137 (OOMKilled) at {CRASHED_AT}, 1 restart: "
@@ -365,32 +392,32 @@ def test_a_crash_keeps_one_status_through_its_restart_until_the_window_ends() ->
     """From the crash to the end of the recovery window the status is one and the same (no write, no new Event,
     no flapping), whatever phase of its restart the container is in; then it recovers."""
     healthy_pools = (sts("prefill", 2, 2), sts("decode", 4, 4), router(2))
-    first = st.compute_status(body(), snapshot(*healthy_pools, pods=[crashed_pod("d-0", "waiting")]), pds=pds(), now=T0)
+    first = compute(body(), snapshot(*healthy_pools, pods=[crashed_pod("d-0", "waiting")]), now=T0)
     assert conditions(first)["Degraded"] == ("True", "EngineCrashed")
     current = first
     for phase in ("starting", "ready"):
         snap = snapshot(*healthy_pools, pods=[crashed_pod("d-0", phase)])
-        again = st.compute_status(body(current), snap, pds=pds(), now=T0)
+        again = compute(body(current), snap, now=T0)
         assert st.status_patch(current, again) is None, phase
         current = again
     # Ready since READY_AT (5 s before T0): the window (60 s) ends at 00:00:55; the reconcile asks to run again just
     # after it (timestamps have one-second resolution), since no event will come.
     ready = snapshot(*healthy_pools, pods=[crashed_pod("d-0", "ready")])
-    assert st.next_check_seconds(ready, T0) == 56
-    assert st.next_check_seconds(ready, T0, crash_window=10) == 6
-    assert st.next_check_seconds(snapshot(*healthy_pools, pods=[crashed_pod("d-0", "starting")]), T0) is None
-    assert st.next_check_seconds(healthy(), T0) is None
+    assert next_check(ready, T0) == 56
+    assert next_check(ready, T0, crash_window=10) == 6
+    assert next_check(snapshot(*healthy_pools, pods=[crashed_pod("d-0", "starting")]), T0) is None
+    assert next_check(healthy(), T0) is None
     # One second before the end: still crashed. At the end: recovered, and nothing left to wait for.
-    assert conditions(st.compute_status(body(current), ready, pds=pds(), now="2026-01-01T00:00:54Z"))["Degraded"] == (
+    assert conditions(compute(body(current), ready, now="2026-01-01T00:00:54Z"))["Degraded"] == (
         "True",
         "EngineCrashed",
     )
-    recovered = st.compute_status(body(current), ready, pds=pds(), now="2026-01-01T00:00:55Z")
+    recovered = compute(body(current), ready, now="2026-01-01T00:00:55Z")
     assert conditions(recovered)["Degraded"] == ("False", "AsExpected")
     assert conditions(recovered)["Ready"] == ("True", "AllReady")
-    assert st.next_check_seconds(ready, "2026-01-01T00:00:55Z") is None
+    assert next_check(ready, "2026-01-01T00:00:55Z") is None
     # The window is the operator's --crash-recovery-seconds.
-    short = st.compute_status(body(current), ready, pds=pds(), now=T0, crash_window=5)
+    short = compute(body(current), ready, now=T0, crash_window=5)
     assert conditions(short)["Degraded"] == ("False", "AsExpected")
 
 
@@ -398,7 +425,7 @@ def test_the_window_counts_from_the_later_of_the_start_and_the_ready_transition(
     # Ready long ago by the pod condition, but the container (re)started 5 s ago: 5 s, not an hour.
     pod = crashed_pod("d-0", "ready", ready_at="2025-12-31T20:00:00Z")
     pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"] = READY_AT
-    assert st.next_check_seconds(snapshot(pods=[pod]), T0) == 56
+    assert next_check(snapshot(pods=[pod]), T0) == 56
     # No timestamps at all on a running, ready container: nothing could ever clear it, so it counts as recovered.
     del pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
     del pod["status"]["conditions"][0]["lastTransitionTime"]
@@ -420,44 +447,41 @@ def test_a_crash_loop_is_stalled_for_its_whole_length() -> None:
     """A container that crashes again is CrashLooping (Stalled) from its first back-off until it has been ready for
     the window, also while the kubelet's next restart runs it: the verdict does not flip every back-off."""
     pools = (sts("prefill", 2, 2), sts("decode", 4, 3), router(2))
-    first = st.compute_status(body(), snapshot(*pools, pods=[crashed_pod("d-0", "starting")]), pds=pds(), now=T0)
+    first = compute(body(), snapshot(*pools, pods=[crashed_pod("d-0", "starting")]), now=T0)
     assert conditions(first)["Stalled"] == ("False", "AsExpected")
-    loop = st.compute_status(
-        body(first), snapshot(*pools, pods=[crashed_pod("d-0", "backoff", restarts=2)]), pds=pds(), now=T1
-    )
+    loop = compute(body(first), snapshot(*pools, pods=[crashed_pod("d-0", "backoff", restarts=2)]), now=T1)
     assert conditions(loop)["Degraded"] == ("True", "CrashLooping")
     assert conditions(loop)["Stalled"] == ("True", "CrashLooping")
     assert degraded_of(loop)["message"] == f"d-0/vllm: exited with code 70 (Error) at {CRASHED_AT}, 2 restarts"
     just_ready = "2026-01-01T00:04:58Z"
     for phase in ("starting", "ready"):
         pod = crashed_pod("d-0", phase, restarts=2, ready_at=just_ready)
-        again = st.compute_status(body(loop), snapshot(*pools, pods=[pod]), pds=pds(), now=T1)
+        again = compute(body(loop), snapshot(*pools, pods=[pod]), now=T1)
         assert st.status_patch(loop, again) is None, phase
     # Ready for the window: recovered, and Stalled with it.
     later = "2026-01-01T00:10:00Z"
-    done = st.compute_status(
+    done = compute(
         body(loop),
         snapshot(*pools, pods=[crashed_pod("d-0", "ready", restarts=2, ready_at=just_ready)]),
-        pds=pds(),
         now=later,
     )
     assert conditions(done)["Degraded"] == ("False", "AsExpected")
     assert conditions(done)["Stalled"] == ("False", "AsExpected")
     # A second, unrelated crash later starts as a single crash again, not as the old loop.
-    fresh = st.compute_status(body(done), snapshot(*pools, pods=[crashed_pod("d-1", "starting")]), pds=pds(), now=later)
+    fresh = compute(body(done), snapshot(*pools, pods=[crashed_pod("d-1", "starting")]), now=later)
     assert conditions(fresh)["Degraded"] == ("True", "EngineCrashed")
 
 
 def test_engine_crashes_outrank_router_crashes() -> None:
     pods = [crashed_pod("r-0", "starting", role="router"), crashed_pod("d-0", "starting")]
-    status = st.compute_status(body(), snapshot(*healthy().children.values(), pods=pods), pds=pds(), now=T0)
+    status = compute(body(), snapshot(*healthy().children.values(), pods=pods), now=T0)
     assert degraded_of(status)["reason"] == "EngineCrashed"
     assert degraded_of(status)["message"].startswith("d-0/vllm: exited with code 70")
     assert "; r-0/vllm: exited with code 70" in degraded_of(status)["message"]
 
 
 def test_pool_status_router_endpoint_and_hash() -> None:
-    status = st.compute_status(body(), healthy(), pds=pds(), now=T0)
+    status = compute(body(), healthy(), now=T0)
     assert status["prefill"] == {"replicas": 2, "readyReplicas": 2, "desiredReplicas": 2}
     assert status["decode"] == {"replicas": 4, "readyReplicas": 4, "desiredReplicas": 4}
     assert status["routerEndpoint"] == "http://llama-8b-router.default.svc:8080"
@@ -465,13 +489,13 @@ def test_pool_status_router_endpoint_and_hash() -> None:
 
 
 def test_transition_time_moves_only_when_status_flips() -> None:
-    first = st.compute_status(body(), snapshot(), pds=pds(), now=T0)
+    first = compute(body(), snapshot(), now=T0)
     # Same world later: identical status, so no write.
-    again = st.compute_status(body(first), snapshot(), pds=pds(), now=T1)
+    again = compute(body(first), snapshot(), now=T1)
     assert again == first
     assert st.status_patch(first, again) is None
     # Available flips: only its time moves; a reason change without a flip keeps the time.
-    later = st.compute_status(body(first), healthy(), pds=pds(), now=T1)
+    later = compute(body(first), healthy(), now=T1)
     times = {c["type"]: c["lastTransitionTime"] for c in later["conditions"]}
     assert times == {
         "Available": T1,
@@ -484,9 +508,9 @@ def test_transition_time_moves_only_when_status_flips() -> None:
 
 
 def test_invalid_spec_keeps_last_good_endpoint_and_reports_every_problem() -> None:
-    good = st.compute_status(body(), healthy(), pds=pds(), now=T0)
+    good = compute(body(), healthy(), now=T0)
     problems = [Problem("spec.prefill.gpusPerPod", "too few"), Problem("spec.engine.sideChannelPort", "clash")]
-    status = st.compute_status(body(good, generation=4), healthy(), pds=pds(), problems=problems, now=T1)
+    status = compute(body(good, generation=4), healthy(), problems=problems, now=T1)
     assert conditions(status) == {
         "Available": ("True", "MinimumReplicasAvailable"),
         "Progressing": ("False", "InvalidSpec"),
@@ -511,7 +535,7 @@ def test_refused_apply_is_not_reported_as_complete() -> None:
     """The API server refused a child: it still runs the old spec, so Progressing must not say "all children are
     up to date" (`kubectl wait --for=condition=Progressing=False` would take the refused change as rolled out)."""
     errors = ["StatefulSet llama-8b-decode: HTTP 422 Invalid: spec.template: bad"]
-    status = st.compute_status(body(), healthy(), pds=pds(), apply_errors=errors, now=T0)
+    status = compute(body(), healthy(), apply_errors=errors, now=T0)
     assert conditions(status) == {
         "Available": ("True", "MinimumReplicasAvailable"),
         "Progressing": ("False", "ApplyFailed"),
@@ -522,7 +546,7 @@ def test_refused_apply_is_not_reported_as_complete() -> None:
     }
     # While other children are still rolling out, that is what Progressing reports.
     rolling = snapshot(sts("prefill", 2, 1, updated=1, revisions=("r1", "r2")), sts("decode", 4, 4), router(2))
-    status = st.compute_status(body(), rolling, pds=pds(), apply_errors=errors, now=T0)
+    status = compute(body(), rolling, apply_errors=errors, now=T0)
     assert conditions(status)["Progressing"] == ("True", "RollingOut")
     # Still stalled: the refusal needs a human even while other children roll out.
     assert conditions(status)["Stalled"] == ("True", "ApplyFailed")
@@ -545,18 +569,18 @@ def test_kstatus_reads_every_status_as_the_conditions_say() -> None:
     Current, Reconciling InProgress, Stalled Failed; and a status of an older generation is never Current."""
     objects, expected = [], []
     for snap, conds in CASES:
-        objects.append(body(st.compute_status(body(), snap, pds=pds(), now=T0)))
+        objects.append(body(compute(body(), snap, now=T0)))
         verdict = {"Ready": "Current", "Reconciling": "InProgress", "Stalled": "Failed"}
         expected.append(next(verdict[t] for t in verdict if conds[t][0] == "True"))
     problems = [Problem("spec.prefill.gpusPerPod", "too few")]
-    objects.append(body(st.compute_status(body(), healthy(), pds=pds(), problems=problems, now=T0)))
+    objects.append(body(compute(body(), healthy(), problems=problems, now=T0)))
     expected.append("Failed")
     # The user edited the spec (generation 4) and the operator has not acted on it yet: the Ready status it wrote
     # for generation 3 must not count.
-    objects.append(body(st.compute_status(body(), healthy(), pds=pds(), now=T0), generation=4))
+    objects.append(body(compute(body(), healthy(), now=T0), generation=4))
     expected.append("InProgress")
     # No status at all (no operator running): kstatus' rule for kinds it does not know says Current. Recorded here
-    # because it is why the README asks Flux users for healthCheckExprs and why Argo CD's health.lua says
+    # because it is why docs/gitops.md asks Flux users for healthCheckExprs and why Argo CD's health.lua says
     # Progressing for it.
     objects.append(body())
     expected.append("Current")

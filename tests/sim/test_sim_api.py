@@ -193,7 +193,19 @@ async def test_small_endpoints(sim: SimServer, http: aiohttp.ClientSession) -> N
     async with http.get(url(sim, "/v1/models")) as resp:
         models = await resp.json()
     assert [m["id"] for m in models["data"]] == ["sim-model", "alias"]
-    assert models["data"][0]["max_model_len"] == sim.config.timing.max_model_len
+    # vLLM's ModelCard, field for field (a router reads max_model_len from it).
+    card = models["data"][0]
+    assert set(card) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+    assert (card["object"], card["owned_by"], card["parent"]) == ("model", "vllm", None)
+    assert card["max_model_len"] == sim.config.timing.max_model_len
+    [permission] = card["permission"]
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert {key: permission[key] for key in ("allow_sampling", "allow_logprobs", "allow_view", "organization")} == {
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_view": True,
+        "organization": "*",
+    }
     async with http.get(url(sim, "/version")) as resp:
         assert "version" in await resp.json()
     text = await scrape(url(sim, ""))

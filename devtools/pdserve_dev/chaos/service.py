@@ -27,6 +27,7 @@ from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.wait import wait_for, wait_until_none_left
+from pdserve_operator.render.router import METRICS_PORT
 
 NAME = "chaos"
 MODEL = "tiny-llama"
@@ -36,6 +37,7 @@ IMAGES = ("vllm/vllm-openai:v0.32.0", "vllm/vllm-openai:v0.32.1")
 ENGINES = "pdserve.io/role in (prefill,decode)"
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
+ROUTER_METRICS_PORT = METRICS_PORT  # what the renderer gives a router serving on ROUTER_PORT
 #: What the operator may own, by kubectl resource name (checked for duplicates after a restart mid-rollout).
 CHILD_RESOURCES = (
     "statefulsets",
@@ -92,10 +94,16 @@ def scale(cluster: ClusterHelper, namespace: str, name: str, role: str, replicas
     cluster.kubectl("scale", f"statefulset/{name}-{role}", f"--replicas={replicas}", "-n", namespace)
 
 
+def router_metrics_url(router: str) -> str:
+    """The metrics base URL of the router pod whose client base URL is `router` (same address, its metrics port)."""
+    return f"{router.rsplit(':', 1)[0]}:{ROUTER_METRICS_PORT}"
+
+
 def endpoints_up(router: str, role: str) -> int:
     """How many engines of `role` the router at `router` uses now (-1 when it does not answer)."""
     try:
-        return int(metric_value(scrape_sync(f"{router}/metrics", timeout=3), "pdserve_router_endpoint_up", role=role))
+        exposition = scrape_sync(f"{router_metrics_url(router)}/metrics", timeout=3)
+        return int(metric_value(exposition, "pdserve_router_endpoint_up", role=role))
     except OSError:
         return -1
 

@@ -209,37 +209,6 @@ def check_go() -> tuple[Path, str]:
     return Path(go), out
 
 
-def _ldflags(module: str) -> str:
-    """`-s -w` strips symbols (binaries shrink by about a third); -X stamps the versions the programs report.
-
-    Without the stamps kube-apiserver reports v0.0.0-master at /version, which kubectl flags as version skew,
-    and Prometheus an empty version in `prometheus_build_info`.
-    """
-    flags = ["-s", "-w"]
-    if module == "kubernetes":
-        version = versions.KUBERNETES_VERSION
-        major, minor = version.lstrip("v").split(".")[:2]
-        for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
-            flags += [
-                f"-X {pkg}.gitVersion={version}",
-                f"-X {pkg}.gitMajor={major}",
-                f"-X {pkg}.gitMinor={minor}",
-                f"-X {pkg}.gitTreeState=clean",
-            ]
-    elif module == "kwok":
-        flags.append(f"-X sigs.k8s.io/kwok/pkg/consts.Version={versions.KWOK_VERSION}")
-    elif module == "helm":
-        flags.append(f"-X helm.sh/helm/v3/internal/version.version={versions.HELM_VERSION}")
-    elif module == "prometheus":
-        stamp = "github.com/prometheus/common/version"
-        flags += [
-            f"-X {stamp}.Version={versions.PROMETHEUS_VERSION.lstrip('v')}",
-            f"-X {stamp}.Branch=v{versions.PROMETHEUS_VERSION.lstrip('v')}",
-            f"-X {stamp}.BuildUser=pdserve-dev",
-        ]
-    return " ".join(flags)
-
-
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock file for the duration of a build (another builder waits, then finds the work done)."""
@@ -329,12 +298,18 @@ def _build_toolset(
             if known_sums:
                 (src / "go.sum").write_text(known_sums)
             tags = [f"-tags={','.join(module.tags)}"] if module.tags else []
+            mismatch: str | None = None
             for name in todo:
                 package = module.binaries[name]
                 target = out_dir / name
                 if target.exists() and not force:
                     report.results.append(BinaryResult(name, package, 0.0, target.stat().st_size, cached=True))
                     log(f"  {name:<24} cached   {target}")
+                    continue
+                mismatch = mismatch or _check_resolved_pins(go, module.name, src, env)
+                if mismatch:
+                    report.results.append(BinaryResult(name, package, 0.0, error=mismatch))
+                    log(f"  {name:<24} FAILED: {mismatch}")
                     continue
                 log(f"  {name:<24} building {package} ...")
                 t0 = time.monotonic()
@@ -345,7 +320,7 @@ def _build_toolset(
                         "build",
                         "-trimpath",
                         *tags,
-                        f"-ldflags={_ldflags(module.name)}",
+                        f"-ldflags={' '.join(versions.ldflags(module.name))}",
                         "-o",
                         str(tmp),
                         package,
@@ -371,6 +346,30 @@ def _build_toolset(
         if any(not r.cached for r in report.results):
             _update_manifest(root / "manifest.json", report)
     return report
+
+
+def _check_resolved_pins(go: Path, module: str, src: Path, env: dict[str, str]) -> str | None:
+    """None when every dependency `versions.RESOLVED_PINS` names for `module` resolves to its pin (the ldflags are
+    derived from those pins); otherwise what differs and which pin to update."""
+    for path, pinned in versions.RESOLVED_PINS.get(module, {}).items():
+        proc = subprocess.run(
+            [str(go), "list", "-m", "-f", "{{.Version}}", path],
+            cwd=src,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            return f"`go list -m {path}` for {module} failed: {proc.stderr.strip()[-800:]}"
+        resolved = proc.stdout.strip()
+        if resolved != pinned():
+            return (
+                f"{module} builds with {path} {resolved}, but its version stamps are derived from the pin "
+                f"{pinned()} (pdserve_dev/cluster/versions.py): update the pin"
+            )
+    return None
 
 
 def _update_manifest(path: Path, report: ToolsetBuild) -> None:

@@ -5,9 +5,11 @@ with a `local` route on `lo` (see pod_network). pdserve never adds that route to
 the cluster runs in a private one that holds nothing but a loopback interface, so no address a test, a pod or
 the demo uses can lead anywhere outside this machine.
 
-- Tests and `pdserve dev demo` run in a fresh, anonymous namespace (`unshare --net`) that dies with them.
+- Tests and `pdserve dev demo` run in a fresh, anonymous namespace (`unshare --net`) that dies with them. The
+  demo always takes one of its own (even when started from a test's), and with `--keep` publishes what a user
+  needs on the loopback of the namespace it was started from (`pdserve_dev.demo_access`).
 - `pdserve dev cluster up` leaves the cluster running, so it uses a *named* namespace (`ip netns add`,
-  `pdserve-<workdir hash>`): `status`, `kubectl` and `demo --keep` re-enter it; other clients run with
+  `pdserve-<workdir hash>`): `status` and `kubectl` re-enter it; other clients run with
   `ip netns exec <name> ...`; `down` deletes it.
 
 Entering a namespace needs root (CAP_SYS_ADMIN); without it commands run where they are and the cluster falls
@@ -80,10 +82,16 @@ def run_in_named(name: str, argv: Sequence[str]) -> int:
     return subprocess.call(["ip", "netns", "exec", name, *argv])
 
 
+def fresh_command(argv: Sequence[str]) -> list[str]:
+    """The command line that runs argv inside a new anonymous namespace (loopback only) that ends with it. The
+    process keeps its PID through `unshare` and `bash` (both exec), so a signal sent to it reaches argv."""
+    script = 'ip link set lo up && exec "$@"'
+    return ["unshare", "--net", "--", "bash", "-c", script, "pdserve-netns", *argv]
+
+
 def run_in_fresh(argv: Sequence[str]) -> int:
     """Run argv inside a new anonymous namespace (loopback only) that ends with it; returns its exit code."""
-    script = 'ip link set lo up && exec "$@"'
-    return subprocess.call(["unshare", "--net", "--", "bash", "-c", script, "pdserve-netns", *argv])
+    return subprocess.call(fresh_command(argv))
 
 
 def exec_in_fresh(argv: Sequence[str]) -> None:

@@ -12,8 +12,9 @@ Prometheus that found the pods through the Kubernetes API, never a hand-made lis
   will give a Prometheus, no more. Role `pod` rather than `endpointslice` because an engine that is not Ready
   (starting, or failing its probe) still serves `/metrics`, and the autoscaler must see it.
 - **What is scraped** (job `pdserve-pods`): pods carrying `pdserve.io/role` (everything the renderer makes:
-  prefill and decode engines, routers), on their container port named `http` (the renderer gives engines and
-  routers exactly one, and both serve `/metrics` there), unless the pod has finished (Succeeded/Failed).
+  prefill and decode engines, routers), engines on their container port named `http` (vLLM serves `/metrics`
+  there) and routers on their port named `metrics` (a router never serves metrics to its clients), unless the pod
+  has finished (Succeeded/Failed).
 - **Target labels** (`TARGET_LABELS`): `namespace`, `pod`, `pool` (the pod's `pdserve.io/role`: prefill, decode,
   router) and `pdservice` (its `app.kubernetes.io/instance`, the PDService's name). Not `role`: the router's own
   per-endpoint metrics already carry a `role` label (the engine's role), which a target label of that name would
@@ -65,8 +66,9 @@ TARGET_LABELS: dict[str, str] = {
 }
 """Label on every series of a pdserve pod -> the discovery meta label it is copied from."""
 
-METRICS_PORT_NAME = "http"
-"""The container port scraped: the renderer names the engines' and routers' serving port `http`."""
+METRICS_PORT_NAMES: dict[str, str] = {"prefill": "http", "decode": "http", "router": "metrics"}
+"""The container port scraped, by the pod's role: the engines' serving port, the router's own metrics port (the
+names the renderer gives them)."""
 
 IDENTITY = next(client.user for client in CLIENTS if client.file_stem == COMPONENT)
 """The user name in Prometheus' client certificate (`certs.CLIENTS`), bound to `CLUSTER_ROLE`."""
@@ -85,7 +87,12 @@ def pod_relabel_configs() -> list[dict[str, Any]]:
     """The relabelling of the `pdserve-pods` job (see the module docstring); the chart's PodMonitor mirrors it."""
     keep: list[dict[str, Any]] = [
         {"source_labels": [TARGET_LABELS["pool"]], "regex": ".+", "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": METRICS_PORT_NAME, "action": "keep"},
+        {
+            "source_labels": [TARGET_LABELS["pool"], "__meta_kubernetes_pod_container_port_name"],
+            "separator": ";",
+            "regex": "|".join(f"{role};{port}" for role, port in METRICS_PORT_NAMES.items()),
+            "action": "keep",
+        },
         {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "Succeeded|Failed", "action": "drop"},
     ]
     copy = [{"source_labels": [meta], "target_label": label} for label, meta in TARGET_LABELS.items()]

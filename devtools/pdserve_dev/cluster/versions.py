@@ -30,6 +30,12 @@ KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 """helm, for rendering and installing the pdserve chart (module helm.sh/helm/v3)."""
 
+HELM_CLIENT_GO_VERSION = "v0.37.0"
+"""The k8s.io/client-go that helm's go.mod requires. helm's release build (its Makefile) stamps the Kubernetes version
+helm assumes without a cluster (`helm template`'s `.Capabilities.KubeVersion`, which charts' `kubeVersion` is checked
+against, and `helm lint`'s deprecation checks) from it: v0.37 -> v1.37. Unstamped, helm assumes v1.20. The build
+checks this pin against what `go list -m` resolves for helm, and a test checks it against helm's go.sum."""
+
 PROMETHEUS_VERSION = "v3.16.0"
 """prometheus and promtool (module github.com/prometheus/prometheus, published as v0.316.0)."""
 
@@ -127,6 +133,67 @@ PROMETHEUS_MODULES: tuple[GoModule, ...] = (
 )
 
 
+def _kubernetes_of_client_go(client_go_version: str) -> tuple[str, str]:
+    """(major, minor) of the Kubernetes release a client-go version belongs to, as helm's Makefile derives them:
+    v0.37.0 -> ("1", "37")."""
+    parts = client_go_version.lstrip("v").split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"Expected a client-go version like v0.37.0, got {client_go_version!r}")
+    return str(int(parts[0]) + 1), parts[1]
+
+
+def ldflags(module: str) -> tuple[str, ...]:
+    """The linker flags each project's release build passes (part of every cache key: a change rebuilds).
+
+    `-s -w` strips symbols (binaries shrink by about a third); each `-X` stamps what the project's own release
+    tooling stamps, so the binaries report and assume what a user's do:
+    - Kubernetes (hack/lib/version.sh): gitVersion/gitMajor/gitMinor/gitTreeState in component-base and client-go.
+      Unstamped, kube-apiserver reports v0.0.0-master at /version, which kubectl flags as version skew.
+    - kwok (hack/releases.sh): its version.
+    - helm (Makefile): its version and tree state, and the default Kubernetes version of `helm template` and `helm
+      lint` from the client-go it is built with (`HELM_CLIENT_GO_VERSION`).
+    - Prometheus (.promu.yml): version, branch and build user of `prometheus_build_info` and `--version`.
+    Left out: git commits and build dates (the module proxy carries neither); etcd's version is a constant in its
+    source (its release stamps only the commit).
+    """
+    flags = ["-s", "-w"]
+    if module == "kubernetes":
+        major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
+        for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+            flags += [
+                f"-X {pkg}.gitVersion={KUBERNETES_VERSION}",
+                f"-X {pkg}.gitMajor={major}",
+                f"-X {pkg}.gitMinor={minor}",
+                f"-X {pkg}.gitTreeState=clean",
+            ]
+    elif module == "kwok":
+        flags.append(f"-X sigs.k8s.io/kwok/pkg/consts.Version={KWOK_VERSION}")
+    elif module == "helm":
+        major, minor = _kubernetes_of_client_go(HELM_CLIENT_GO_VERSION)
+        flags += [
+            f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+            "-X helm.sh/helm/v3/internal/version.gitTreeState=clean",
+        ]
+        for pkg in ("helm.sh/helm/v3/pkg/chartutil", "helm.sh/helm/v3/pkg/lint/rules"):
+            flags += [f"-X {pkg}.k8sVersionMajor={major}", f"-X {pkg}.k8sVersionMinor={minor}"]
+    elif module == "prometheus":
+        stamp = "github.com/prometheus/common/version"
+        flags += [
+            f"-X {stamp}.Version={PROMETHEUS_VERSION.lstrip('v')}",
+            f"-X {stamp}.Branch=v{PROMETHEUS_VERSION.lstrip('v')}",
+            f"-X {stamp}.BuildUser=pdserve-dev",
+        ]
+    return tuple(flags)
+
+
+RESOLVED_PINS: dict[str, dict[str, Callable[[], str]]] = {
+    "helm": {"k8s.io/client-go": lambda: HELM_CLIENT_GO_VERSION},
+}
+"""Per Go module directory: dependency versions the ldflags are derived from, which the build checks against what
+`go list -m` resolves before building (a bump of helm that changes its client-go fails with the pin to update,
+instead of stamping a wrong Kubernetes version)."""
+
+
 def staging_version(kubernetes_version: str = KUBERNETES_VERSION) -> str:
     """Map v1.<minor>.<patch> to the staging modules' v0.<minor>.<patch>."""
     major, _, rest = kubernetes_version.lstrip("v").partition(".")
@@ -212,7 +279,7 @@ def read_go_sum(module: str) -> str:
 
 
 def cache_key(toolset: Toolset = KUBERNETES) -> str:
-    """A directory name that changes exactly when a pin or a template of `toolset` changes.
+    """A directory name that changes exactly when a pin, a template or the build recipe of `toolset` changes.
 
     Readable prefix (the toolset's version) for humans, then a short hash over every pin and template so two
     checkouts with different pins never share a binary directory.
@@ -227,4 +294,6 @@ def cache_key(toolset: Toolset = KUBERNETES) -> str:
         # Hashed only when set, so the toolsets without tags keep the key they had before tags existed.
         if module.tags:
             digest.update(f"tags={','.join(module.tags)}\n".encode())
+        # The linker flags stamp versions into the binaries: binaries built with other stamps are other binaries.
+        digest.update(f"ldflags={' '.join(ldflags(module.name))}\n".encode())
     return f"{toolset.version()}-{digest.hexdigest()[:12]}"

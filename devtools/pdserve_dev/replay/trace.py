@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import gzip
 import math
 import random
 from collections.abc import Sequence
@@ -39,9 +40,12 @@ class Request:
 
 
 def load_azure(path: str | Path) -> list[Request]:
-    """Read an Azure LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens), times from its start."""
+    """Read an Azure LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens), times from its start.
+
+    A path ending in `.gz` is read through gzip (the repository ships the traces compressed, `bench/traces`)."""
     rows: list[tuple[float, int, int]] = []
-    with open(path, newline="") as handle:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", newline="") as handle:
         for row in csv.DictReader(handle):
             stamp = datetime.strptime(row["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
             rows.append((stamp, max(1, int(row["ContextTokens"])), max(1, int(row["GeneratedTokens"]))))

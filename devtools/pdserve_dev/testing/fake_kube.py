@@ -31,8 +31,7 @@ from typing import Any
 
 from pdserve_operator.kinds import PDSERVICE, Kind
 from pdserve_operator.kube import ApiError, NotLeaderError
-
-ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
+from pdserve_operator.observed import ObjectKey
 
 _REASONS = {0: "ConnectionError", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError"}
 

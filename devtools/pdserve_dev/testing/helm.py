@@ -1,8 +1,8 @@
 """Render and lint a Helm chart with the helm binary the local cluster build makes (`pdserve dev cluster build`).
 
-`helm template` and `helm lint` work offline, so the chart's tests need no cluster; `--kube-version` is always
-the local cluster's Kubernetes version (an unstamped helm build would otherwise assume v1.20 and refuse the chart's
-kubeVersion constraint).
+`helm template` and `helm lint` work offline, so the chart's tests need no cluster. They run as a user's would:
+helm is stamped the way its release stamps it (`versions.ldflags`), so without a cluster it assumes the Kubernetes
+version of the client-go it was built with, as a released helm does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from pdserve_dev.cluster import build, versions
+from pdserve_dev.cluster import build
 
 
 class HelmError(AssertionError):
@@ -56,7 +56,7 @@ def template_text(
     show_only: Sequence[str] = (),
 ) -> str:
     """`helm template` output as text (a multi-document YAML stream)."""
-    args = ["template", release, str(chart), "--namespace", namespace, "--kube-version", versions.KUBERNETES_VERSION]
+    args = ["template", release, str(chart), "--namespace", namespace]
     for template in show_only:
         args += ["--show-only", template]
     return helm(*args, *_value_args(values_files, values)).stdout
@@ -79,5 +79,5 @@ def lint(
     chart: Path, *, values_files: Sequence[Path | str] = (), values: Mapping[str, Any] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`helm lint --strict` (warnings fail too); the caller checks returncode and output."""
-    args = ["lint", "--strict", str(chart), "--kube-version", versions.KUBERNETES_VERSION]
+    args = ["lint", "--strict", str(chart)]
     return helm(*args, *_value_args(values_files, values), check=False)

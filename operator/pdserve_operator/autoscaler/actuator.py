@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from pdserve_operator.autoscaler.signals import PodPhase, PodState, Role
 from pdserve_operator.kinds import STATEFUL_SET
 from pdserve_operator.kube import KubeIO
-from pdserve_operator.render.names import ROLE_LABEL, child_name
+from pdserve_operator.names import ROLE_LABEL, child_name
 
 
 class Actuator(Protocol):

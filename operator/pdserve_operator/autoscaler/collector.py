@@ -46,8 +46,9 @@ class PromQL(Protocol):
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]: ...
 
 
-def connect(url: str, timeout_s: float = 5.0) -> PrometheusConnect:
-    """A client for the collector: no retries of its own (the next tick is the retry), POST queries."""
+def connect(url: str, timeout_s: float) -> PrometheusConnect:
+    """A client for the collector: no retries of its own (the next tick is the retry), POST queries, `timeout_s`
+    per query (`--prometheus-timeout`)."""
     return PrometheusConnect(
         url=url.rstrip("/"),
         retry=Retry(total=0, connect=0, read=0, status=0),
@@ -70,11 +71,16 @@ class SeriesLabels:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """The PDService to observe: where it is, its SLO percentile, and the replicas each pool is asked for."""
+    """The PDService to observe and how: where it is, its SLO percentile, the window of its rates and quantiles,
+    its warm-up, and the replicas each pool is asked for (the service's `AutoscalerConfig` and its StatefulSets)."""
 
     namespace: str
     name: str
     percentile: int
+    #: The rate and quantile window of every query (seconds).
+    window_s: float
+    #: Pods ready for less than this (seconds) are not settled: they teach the capacity model nothing.
+    warmup_s: float
     #: Each pool's StatefulSet spec.replicas.
     desired: Mapping[Role, int] = field(default_factory=dict)
 
@@ -85,6 +91,7 @@ class _Tick:
 
     now: float
     quantile: float
+    window_s: float
     errors: list[str]
     failed: list[str] = field(default_factory=list)
     #: Set by the first query that could not reach Prometheus: the rest of the tick is not sent.
@@ -148,25 +155,21 @@ class Collector:
         client: PromQL,
         *,
         labels: SeriesLabels | None = None,
-        window_s: float = 15.0,
-        warmup_s: float = 60.0,
     ) -> None:
         self.client = client
         self.labels = labels or SeriesLabels()
-        self.window_s = window_s
-        self.warmup_s = warmup_s
 
     def collect(
         self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
     ) -> ServiceSignals:
         """The signals of `target` at `now` (Unix seconds), counting only the series of the engine `pods` and
         the router pods named in `routers` that exist now."""
-        tick = _Tick(now, target.percentile / 100.0, [])
+        tick = _Tick(now, target.percentile / 100.0, target.window_s, [])
         pools = {role: self._pool(target, role, pods, tick) for role in ROLES}
         router = self._router(target, routers, tick)
         return ServiceSignals(
             at=now,
-            window_s=self.window_s,
+            window_s=target.window_s,
             percentile=target.percentile,
             prefill=pools["prefill"],
             decode=pools["decode"],
@@ -193,7 +196,7 @@ class Collector:
             tick.failed.append(query.name)
             if tick.unreachable is not None:
                 continue  # reported once, by the query that found Prometheus unreachable
-            promql = render(query, selector=selector, window_s=self.window_s, quantile=tick.quantile)
+            promql = render(query, selector=selector, window_s=tick.window_s, quantile=tick.quantile)
             try:
                 answers.values[query.name] = self.client.custom_query(promql, params={"time": tick.now})
             except Exception as exc:  # a failing dependency is reported, never raised: the policy holds
@@ -240,7 +243,7 @@ class Collector:
                     waiting=None if waiting is None else waiting.get(pod.name),
                     kv_usage=None if kv is None else kv.get(pod.name),
                     sample_age_s=age,
-                    settled=pod.ready_for_s is not None and pod.ready_for_s >= self.warmup_s,
+                    settled=pod.ready_for_s is not None and pod.ready_for_s >= target.warmup_s,
                 )
             )
         reasons = answers.by_label("waiting_by_reason", "reason")

@@ -1,16 +1,17 @@
 """The autoscaler of one PDService: model and policy with the state they carry from tick to tick.
 
-`Autoscaler.step(signals) -> Decision` is the whole brain; it does no IO, so the operator's loop (phase 2),
-the tests and the benchmark drive the same object. `config_from_spec` reads its configuration from a PDService.
+`Autoscaler.step(signals) -> Decision` is the whole brain; it does no IO, so the operator's loop, the tests and
+the benchmark drive the same object. `config_from_spec` reads its configuration from a PDService's effective spec
+and the operator's timing flags (`--autoscaler-interval-seconds`, `--autoscaler-window-seconds`), which it is
+handed: nothing here has a default of its own for either.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdserve.api.defaults import EffectivePool, effective
-from pdserve.api.v1alpha1 import PDService
+from pdserve.api.defaults import EffectivePool, EffectiveSpec
 from pdserve_operator.autoscaler.decision import Decision, Reason
 from pdserve_operator.autoscaler.model import H200_8B, EngineProfile, ModelConfig, ModelState, Slo, estimate
 from pdserve_operator.autoscaler.policy import PolicyConfig, PolicyState, PoolBounds, decide
@@ -21,15 +22,16 @@ from pdserve_operator.autoscaler.signals import ServiceSignals
 class AutoscalerConfig:
     """Everything one service's autoscaler is configured with."""
 
+    #: The capacity model's configuration; its `interval_s` is the time between ticks.
     model: ModelConfig
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    #: Pods ready for less than this teach the capacity model nothing (the collector marks them unsettled).
-    warmup_s: float = 60.0
-    #: Seconds between ticks.
-    interval_s: float = 15.0
-    #: The Prometheus rate/quantile window: one interval, so a jump in load shows in full at the next tick
-    #: (a longer window hides half of it). Needs a scrape interval of at most a third of it (5 s).
-    window_s: float = 15.0
+    policy: PolicyConfig
+    #: Pods ready for less than this teach the capacity model nothing (the collector marks them unsettled):
+    #: `spec.autoscaling.warmupSeconds`.
+    warmup_s: float
+    #: The Prometheus rate/quantile window (`--autoscaler-window-seconds`; by default one interval, so a jump in
+    #: load shows in full at the next tick: a longer window hides half of it). Needs a scrape interval of at most
+    #: a third of it.
+    window_s: float
 
 
 class Autoscaler:
@@ -60,12 +62,15 @@ class NoSloTargetError(ValueError):
 
 
 def config_from_spec(
-    pds: PDService,
+    spec: EffectiveSpec,
+    *,
+    interval_s: float,
+    window_s: float,
     prefill_profile: EngineProfile = H200_8B,
     decode_profile: EngineProfile = H200_8B,
 ) -> AutoscalerConfig:
-    """The autoscaler configuration a PDService asks for, read from its effective view (defaults applied)."""
-    spec = effective(pds.spec)
+    """The autoscaler configuration a PDService asks for, from its effective spec (the validation result's) and
+    the operator's tick (`interval_s`) and query window (`window_s`)."""
     for role, name in (("prefill", "ttftMilliseconds"), ("decode", "itlMilliseconds")):
         pool = spec.pool(role)  # type: ignore[arg-type]
         if _bounds(pool).managed and pool.autoscaling.target_milliseconds is None:
@@ -80,6 +85,7 @@ def config_from_spec(
             itl_s=_seconds(spec.decode.autoscaling.target_milliseconds),
             percentile=spec.slo.percentile,
         ),
+        interval_s=interval_s,
         prefill_profile=prefill_profile,
         decode_profile=decode_profile,
         disaggregation_threshold=spec.router.routing.disaggregation_threshold,
@@ -92,7 +98,9 @@ def config_from_spec(
         max_gpus=spec.autoscaling.max_gpus,
         scale_down_window_s=float(spec.autoscaling.scale_down_stabilization_seconds),
     )
-    return AutoscalerConfig(model=model, policy=policy, warmup_s=float(spec.autoscaling.warmup_seconds))
+    return AutoscalerConfig(
+        model=model, policy=policy, warmup_s=float(spec.autoscaling.warmup_seconds), window_s=window_s
+    )
 
 
 def _seconds(milliseconds: float | None) -> float:

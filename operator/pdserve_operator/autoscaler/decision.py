@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pdserve_operator.autoscaler.model import Cause, PoolEstimate
 from pdserve_operator.autoscaler.signals import Role
+from pdserve_operator.conditions import Condition
 
 
 class Reason(enum.StrEnum):
@@ -70,16 +71,6 @@ class PoolDecision:
         if not self.changed:
             return None
         return f"Scaled {self.role} {self.current} -> {self.desired}: {self.message}"
-
-
-@dataclass(frozen=True, slots=True)
-class Condition:
-    """A condition in metav1.Condition terms (the operator adds times and generations)."""
-
-    type: str
-    status: str
-    reason: str
-    message: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,19 +5,22 @@ every PDService in the informer cache with a pool whose autoscaling is enabled i
 replica is the leader and has a Prometheus (`--prometheus-url`). A PDService deleted, its autoscaling turned off
 or handed to an external scaler, leadership lost: its loop is cancelled, its metrics removed, its report dropped.
 
-A `ServiceLoop` ticks every `interval_s` on its own task, never blocking the event loop or the reconciles:
+A `ServiceLoop` ticks every `interval_s` on its own task, never blocking the event loop or the reconciles. A tick
+reads its service from the cache, then runs collect -> decide -> actuate -> report, each a method of its own:
 
-1. The spec from the cache, validated as the reconcile validates it (an invalid spec: hold, the reconcile reports
-   it), `config_from_spec` (the spec may have changed; what the model learned is kept).
-2. The pools' StatefulSets (spec.replicas = what each pool is asked for now) and pods from the cache:
-   `pod_states` (ready, starting, pending, terminating, ready for how long) and the router pods that exist.
-3. `collector.collect` in the autoscaler's own thread pool (the Prometheus client is synchronous; a hung
-   Prometheus holds a thread of that pool, never a reconcile worker's).
-4. `Autoscaler.step` -> `Decision`; for each pool it changes, the actuator writes the StatefulSet's /scale, the
-   cache adopts the new replicas at once (so the next reconcile's apply re-asserts the new value, not the old
-   one), and an Event says why ("Scaled prefill 1 -> 2: TTFT p90 1.2 s > 800 ms target; ...").
-5. Metrics (`metrics.py`) and the `ScalingReport` on the board; when the report changed, the PDService is queued
-   for a reconcile, which writes it into status (the one status writer).
+0. read (pure, `read_service`): the spec's validation result from the operator's shared `SpecViews` (the one the
+   reconcile reads: validated once per stored version; an invalid spec holds, the reconcile reports it), the
+   pools' StatefulSets (spec.replicas = what each pool is asked for now), the engine pods and the router pods
+   that exist; then `config_from_spec` (the spec may have changed; what the model learned is kept).
+1. collect: `pod_states` (ready, starting, pending, terminating, ready for how long) and `collector.collect` in the
+   autoscaler's own thread pool (the Prometheus client is synchronous; a hung Prometheus holds a thread of that
+   pool, never a reconcile worker's).
+2. decide: `Autoscaler.step` -> `Decision` (pure).
+3. actuate: for each pool the decision changes, the actuator writes the StatefulSet's /scale, the cache adopts
+   the new replicas at once (so the next reconcile's apply re-asserts the new value, not the old one), and an
+   Event says why ("Scaled prefill 1 -> 2: TTFT p90 1.2 s > 800 ms target; ...").
+4. report: metrics (`metrics.py`) and the `ScalingReport` on the board; when the report changed, the PDService is
+   queued for a reconcile, which writes it into status (the one status writer).
 
 Failures never crash anything and are retried with backoff: a tick that raised (a bug), a /scale the API server
 refused, or Prometheus answering with errors makes the next tick come later (interval x 2^failures, at most
@@ -35,33 +38,35 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from pdserve.api.defaults import effective
-from pdserve.api.policy import DEFAULT_POLICY, Policy
-from pdserve.api.validation import validate
+from pdserve.api.defaults import EffectiveSpec
 from pdserve_operator.autoscaler.actuator import Actuator, StatefulSetScaler, pod_states
 from pdserve_operator.autoscaler.collector import Target
 from pdserve_operator.autoscaler.core import Autoscaler, AutoscalerConfig, NoSloTargetError, config_from_spec
+from pdserve_operator.autoscaler.decision import Decision
 from pdserve_operator.autoscaler.metrics import AutoscalerMetrics
-from pdserve_operator.autoscaler.report import ScalingBoard, from_decision, holding
+from pdserve_operator.autoscaler.report import ScalingBoard, ScalingReport, from_decision, holding
 from pdserve_operator.autoscaler.signals import ROLES, PodState, Role, ServiceSignals
 from pdserve_operator.kube import ApiError, KubeIO, NotLeaderError
-from pdserve_operator.render.names import ROLE_LABEL, child_name
-from pdserve_operator.store import OwnerKey, Store
+from pdserve_operator.names import ROLE_LABEL, child_name
+from pdserve_operator.observed import OwnerKey, Snapshot
+from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews
 
 log = logging.getLogger("pdserve.operator.autoscaler")
 
 NO_SLO_TARGET = "NoSloTarget"
+#: How often `Autoscalers` checks the set of loops against the cache and the leadership (seconds).
+CHECK_S = 1.0
+#: Backoff after failed ticks stops growing at this many intervals.
+MAX_BACKOFF = 4.0
 
 
 class SignalSource(Protocol):
     """What the loop reads signals from: `collector.Collector` (Prometheus), or a fake in unit tests."""
-
-    window_s: float
-    warmup_s: float
 
     def collect(
         self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
@@ -70,20 +75,53 @@ class SignalSource(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class LoopSettings:
-    """Timing of every loop (the operator's flags)."""
+    """Timing of every loop: the operator's flags, and the loop machinery's own pace (`CHECK_S`, `MAX_BACKOFF`)."""
 
     #: Seconds between ticks (`--autoscaler-interval-seconds`).
-    interval_s: float = 15.0
+    interval_s: float
     #: Rate and quantile window (`--autoscaler-window-seconds`); None: the interval.
-    window_s: float | None = None
+    window_s: float | None
     #: How often the set of loops is checked against the cache and the leadership.
-    check_s: float = 1.0
+    check_s: float
     #: Backoff after failed ticks stops growing at this many intervals.
-    max_backoff: float = 4.0
+    max_backoff: float
 
     @property
     def window(self) -> float:
         return self.window_s if self.window_s is not None else self.interval_s
+
+
+@dataclass(frozen=True)
+class ServiceView:
+    """What one tick reads of its PDService from the cache: the effective spec, each pool's StatefulSet and the
+    replicas it asks for now, the engine pods and the names of the router pods that exist."""
+
+    namespace: str
+    name: str
+    spec: EffectiveSpec
+    statefulsets: Mapping[Role, dict[str, Any]]
+    desired: Mapping[Role, int]
+    engine_pods: Sequence[dict[str, Any]]
+    routers: Sequence[str]
+
+
+def read_service(key: OwnerKey, spec: EffectiveSpec, snapshot: Snapshot) -> ServiceView | None:
+    """The tick's view of a valid PDService (pure), or None while a pool's StatefulSet does not exist yet (the
+    reconcile creates it first)."""
+    namespace, name = key
+    found = {role: snapshot.child("StatefulSet", namespace, child_name(name, role)) for role in ROLES}
+    statefulsets = {role: sts for role, sts in found.items() if sts is not None}
+    if len(statefulsets) < len(ROLES):
+        return None
+    desired: dict[Role, int] = {role: int(sts.get("spec", {}).get("replicas", 0)) for role, sts in statefulsets.items()}
+    engine_pods = [p for p in snapshot.pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in ROLES]
+    routers = sorted(
+        p["metadata"]["name"]
+        for p in snapshot.pods
+        if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "router"
+        and not p["metadata"].get("deletionTimestamp")
+    )
+    return ServiceView(namespace, name, spec, statefulsets, desired, engine_pods, routers)
 
 
 def wants_loop(body: Mapping[str, Any] | None) -> bool:
@@ -113,20 +151,20 @@ class Autoscalers:
         board: ScalingBoard,
         sources: Callable[[], SignalSource],
         *,
+        views: SpecViews,
         metrics: AutoscalerMetrics,
+        settings: LoopSettings,
         executor: Executor | None = None,
-        settings: LoopSettings | None = None,
         is_leader: Callable[[], bool] = lambda: True,
         enqueue: Callable[[OwnerKey], None] = lambda key: None,
-        policy: Policy = DEFAULT_POLICY,
         actuator: Actuator | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        """`views`: each PDService's validation result, shared with the reconcile (`view.SpecViews`)."""
         self.store, self.api, self.board, self.sources = store, api, board, sources
-        self.metrics, self.executor = metrics, executor
-        self.settings = settings or LoopSettings()
-        self.is_leader, self.enqueue, self.policy, self.clock, self.sleep = is_leader, enqueue, policy, clock, sleep
+        self.views, self.metrics, self.executor, self.settings = views, metrics, executor, settings
+        self.is_leader, self.enqueue, self.clock, self.sleep = is_leader, enqueue, clock, sleep
         self.actuator = actuator or StatefulSetScaler(api, executor)
         self.loops: dict[OwnerKey, ServiceLoop] = {}
         self._tasks: dict[OwnerKey, asyncio.Task[None]] = {}
@@ -215,55 +253,71 @@ class ServiceLoop:
 
     async def tick(self) -> bool:
         """One tick (module docstring); True when it was clean (no query error, no refused write)."""
-        owner, (namespace, name) = self.owner, self.key
-        body = owner.store.owner(namespace, name)
+        owner = self.owner
+        body = owner.store.owner(*self.key)
         if not wants_loop(body):
             return True  # deleted or no longer scaled by pdserve: the next sync stops this loop
         assert body is not None
-        checked = validate({k: v for k, v in body.items() if k != "status"}, owner.policy)
+        checked = owner.views.checked(body)
         if not checked.ok:
             return True  # the reconcile reports InvalidSpec; nothing is scaled until the spec is fixed
-        pds, _ = checked.require()
-        snapshot = owner.store.snapshot(namespace, name)
-        statefulsets = {role: snapshot.child("StatefulSet", namespace, child_name(name, role)) for role in ROLES}
-        if any(sts is None for sts in statefulsets.values()):
-            return True  # the reconcile creates them first
-        desired: dict[Role, int] = {
-            role: int((sts or {}).get("spec", {}).get("replicas", 0)) for role, sts in statefulsets.items()
-        }
+        service = read_service(self.key, checked.require()[1], owner.store.snapshot(*self.key))
+        if service is None:
+            return True  # the reconcile creates the StatefulSets first
+        settings = owner.settings
         try:
-            config = self._config(config_from_spec(pds))
+            config = config_from_spec(service.spec, interval_s=settings.interval_s, window_s=settings.window)
         except NoSloTargetError as exc:
-            self._report(holding(effective(pds.spec), desired, NO_SLO_TARGET, str(exc)))
+            self.report(holding(service.spec, service.desired, NO_SLO_TARGET, str(exc)))
             return True
+        now = owner.clock()
+        signals = await self.collect(service, config, now)
+        decision = self.decide(config, signals)
+        failed = await self.actuate(body, service, decision, now)
+        self.report(self.explain(decision, signals, config, failed, now), decision, signals)
+        return not signals.errors and not failed
+
+    # ------------------------------------------------------------------------------------------------ steps
+
+    async def collect(self, service: ServiceView, config: AutoscalerConfig, now: float) -> ServiceSignals:
+        """Step 1: the service's signals at `now`, read in the autoscaler's thread pool."""
+        target = Target(
+            service.namespace,
+            service.name,
+            config.model.slo.percentile,
+            window_s=config.window_s,
+            warmup_s=config.warmup_s,
+            desired=service.desired,
+        )
+        pods = pod_states(service.engine_pods, datetime.fromtimestamp(now, UTC))
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self.owner.executor, self.source.collect, target, pods, now, service.routers
+            )
+        except Exception:
+            self.owner.metrics.error(*self.key, "collect")
+            raise
+
+    def decide(self, config: AutoscalerConfig, signals: ServiceSignals) -> Decision:
+        """Step 2: model and policy (pure) on this tick's signals, with what they learned before (the spec may
+        have changed: the configuration is taken anew, the learned state kept)."""
         if self.autoscaler is None:
             self.autoscaler = Autoscaler(config)
         else:
             self.autoscaler.reconfigure(config)
-        self.source.window_s, self.source.warmup_s = config.window_s, config.warmup_s
-
-        now = owner.clock()
-        engine_pods = [p for p in snapshot.pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in ROLES]
-        routers = sorted(
-            p["metadata"]["name"]
-            for p in snapshot.pods
-            if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "router"
-            and not p["metadata"].get("deletionTimestamp")
-        )
-        target = Target(namespace, name, config.model.slo.percentile, desired)
-        pods = pod_states(engine_pods, datetime.fromtimestamp(now, UTC))
-        loop = asyncio.get_running_loop()
         try:
-            signals = await loop.run_in_executor(owner.executor, self.source.collect, target, pods, now, routers)
+            return self.autoscaler.step(signals)
         except Exception:
-            owner.metrics.error(namespace, name, "collect")
-            raise
-        try:
-            decision = self.autoscaler.step(signals)
-        except Exception:
-            owner.metrics.error(namespace, name, "decide")
+            self.owner.metrics.error(*self.key, "decide")
             raise
 
+    async def actuate(
+        self, body: dict[str, Any], service: ServiceView, decision: Decision, now: float
+    ) -> dict[Role, str]:
+        """Step 3: write each changed pool's /scale, adopt the new size in the cache, and say so in an Event.
+        Returns the pools whose write the API server refused, with its message."""
+        owner, (namespace, name) = self.owner, self.key
         failed: dict[Role, str] = {}
         for pool in decision.actions():
             try:
@@ -283,7 +337,7 @@ class ServiceLoop:
                 message = f"Failed to scale {pool.role} {pool.current} -> {pool.desired}: {exc}"
                 await self._event(body, "Warning", "FailedUpdateScale", message, now)
                 continue
-            self._adopt(statefulsets[pool.role], pool.desired, scale)
+            self._adopt(service.statefulsets[pool.role], pool.desired, scale)
             log.info(
                 "Scaled pdservice=%s/%s pool=%s from=%d to=%d reason=%s message=%s",
                 namespace,
@@ -295,44 +349,49 @@ class ServiceLoop:
                 pool.message,
             )
             await self._event(body, "Normal", "Scaled", pool.event() or "", now)
-        owner.metrics.record(namespace, name, decision, signals)
+        return failed
+
+    def explain(
+        self,
+        decision: Decision,
+        signals: ServiceSignals,
+        config: AutoscalerConfig,
+        failed: Mapping[Role, str],
+        now: float,
+    ) -> ScalingReport:
+        """Step 4, pure part: the tick's report (what status will say), remembering when each pool last scaled."""
         report = from_decision(
-            decision,
-            signals,
-            config.model.slo,
-            now=_iso(now),
-            last_scale_time=self.last_scale_time,
-            failed=failed,
+            decision, signals, config.model.slo, now=_iso(now), last_scale_time=self.last_scale_time, failed=failed
         )
         for role, line in report.pools.items():
             self.last_scale_time[role] = line.last_scale_time
-        self._report(report)
-        return not signals.errors and not failed
+        return report
 
-    # ---------------------------------------------------------------------------------------------- helpers
-
-    def _config(self, config: AutoscalerConfig) -> AutoscalerConfig:
-        settings = self.owner.settings
-        model = replace(config.model, interval_s=settings.interval_s)
-        return replace(config, model=model, interval_s=settings.interval_s, window_s=settings.window)
-
-    def _report(self, report: Any) -> None:
+    def report(
+        self, report: ScalingReport, decision: Decision | None = None, signals: ServiceSignals | None = None
+    ) -> None:
+        """Step 4: the tick's metrics, and its report on the board; a changed report queues the PDService for the
+        reconcile that writes it into status."""
+        if decision is not None and signals is not None:
+            self.owner.metrics.record(*self.key, decision, signals)
         if self.owner.board.put(self.key, report):
             self.owner.enqueue(self.key)
 
-    def _adopt(self, sts: Mapping[str, Any] | None, replicas: int, scale: Mapping[str, Any]) -> None:
+    # ---------------------------------------------------------------------------------------------- helpers
+
+    def _adopt(self, sts: Mapping[str, Any], replicas: int, scale: Mapping[str, Any]) -> None:
         """Put the scaled StatefulSet into the cache at the version the /scale write produced, so that a reconcile
         running before its watch event re-applies the new replicas rather than the old ones (the watch event,
         of the same or a later version, replaces this copy)."""
         version = (scale.get("metadata") or {}).get("resourceVersion")
-        if sts is None or not version:
+        if not version:
             return
         updated = copy.deepcopy(dict(sts))
         updated.setdefault("spec", {})["replicas"] = replicas
         updated["metadata"]["resourceVersion"] = version
         self.owner.store.put(updated)
 
-    async def _event(self, body: Mapping[str, Any], type_: str, reason: str, message: str, now: float) -> None:
+    async def _event(self, body: dict[str, Any], type_: str, reason: str, message: str, now: float) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(
             self.owner.executor, self.owner.api.post_event, dict(body), type_, reason, message, _iso(now)

@@ -175,10 +175,10 @@ class ModelConfig:
     """Everything the model needs besides the signals."""
 
     slo: Slo
+    #: Seconds between decisions (`--autoscaler-interval-seconds`): a prefill backlog should drain within one.
+    interval_s: float
     prefill_profile: EngineProfile = H200_8B
     decode_profile: EngineProfile = H200_8B
-    #: Seconds between decisions: a prefill backlog should drain within one.
-    interval_s: float = 15.0
     #: How far ahead demand is predicted: the time a new replica needs to become ready, plus one interval.
     horizon_s: float = 75.0
     #: Replicas are sized to hold latency at this fraction of the target (headroom for bursts in the window)...

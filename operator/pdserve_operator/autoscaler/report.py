@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api.defaults import EffectiveSpec
-from pdserve_operator.autoscaler.decision import Condition, Decision, PoolDecision, Reason
+from pdserve_operator.autoscaler.decision import Decision, PoolDecision, Reason
 from pdserve_operator.autoscaler.model import Slo
 from pdserve_operator.autoscaler.signals import ROLES, Role, ServiceSignals
+from pdserve_operator.conditions import Condition
+from pdserve_operator.observed import OwnerKey
 
 SCALING_ACTIVE = "ScalingActive"
 ABLE_TO_SCALE = "AbleToScale"
@@ -44,8 +46,6 @@ FAILED_UPDATE_SCALE = "FailedUpdateScale"
 
 METRIC: dict[Role, str] = {"prefill": "TTFT", "decode": "ITL"}
 LOAD_UNIT: dict[Role, str] = {"prefill": "uncached prompt tokens/s", "decode": "generated tokens/s"}
-
-OwnerKey = tuple[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +302,24 @@ def status_view(
         return fields, kept_conditions
     waiting = "the autoscaler has not decided yet"
     return fields, [Condition(type_, "Unknown", WAITING_FOR_METRICS, waiting) for type_ in SCALING_CONDITION_TYPES]
+
+
+def kept_view(old_status: Mapping[str, Any] | None) -> tuple[dict[Role, dict[str, Any]], list[Condition]]:
+    """What the status said of the autoscaler, unchanged: while the spec is invalid its children and the autoscaler
+    stay as they were, and so does what status says of them (`status.<pool>.autoscaling` and the scaling
+    conditions, as `status_view` returns them)."""
+    old_status = old_status or {}
+    fields: dict[Role, dict[str, Any]] = {}
+    for role in ROLES:
+        kept = (old_status.get(role) or {}).get("autoscaling")
+        if kept:
+            fields[role] = kept
+    conditions = [
+        Condition(c["type"], c["status"], c["reason"], c.get("message", ""))
+        for c in old_status.get("conditions") or []
+        if c.get("type") in SCALING_CONDITION_TYPES
+    ]
+    return fields, conditions
 
 
 def _old_pool(old_status: Mapping[str, Any], role: Role) -> dict[str, Any] | None:

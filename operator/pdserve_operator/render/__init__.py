@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api.validation import InvalidSpecError, Validated
+from pdserve_operator.names import ENGINE_ROLES
 from pdserve_operator.render import discovery, engine, router
 from pdserve_operator.render.discovery import NOTHING_OBSERVED, Observed
-from pdserve_operator.render.names import ENGINE_ROLES
 
 __all__ = ["NOTHING_OBSERVED", "InvalidSpecError", "Observed", "render"]
 

@@ -49,7 +49,7 @@ from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, is_kv_compat_hash, kv_compat_hash
 from pdserve.api.router_config import NODE_TOPOLOGY_KEY, SLICE_TOPOLOGY_LABELS, ZONE_LABEL, NodeTopology
 from pdserve.api.v1alpha1 import PDService
-from pdserve_operator.render.names import INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
+from pdserve_operator.names import INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
 from pdserve_operator.render.objects import metadata
 
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})

@@ -48,8 +48,8 @@ from typing import Any
 from pdserve.api.defaults import EffectivePool, EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import EnvVar, PDService
+from pdserve_operator.names import EngineRole, child_name, labels, selector_labels
 from pdserve_operator.render import placement
-from pdserve_operator.render.names import EngineRole, child_name, labels, selector_labels
 from pdserve_operator.render.objects import metadata
 
 ENGINE_CONTAINER = "vllm"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api.v1alpha1 import API_VERSION, KIND, PDService
-from pdserve_operator.render.names import Role, labels
+from pdserve_operator.names import Role, labels
 
 
 def owner_reference(pds: PDService) -> dict[str, Any] | None:

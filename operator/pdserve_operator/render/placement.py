@@ -19,7 +19,7 @@ from typing import Any
 
 from pdserve.api.defaults import EffectivePool, EffectiveSpec
 from pdserve.api.v1alpha1 import PDService
-from pdserve_operator.render.names import INSTANCE_LABEL, ROLE_LABEL, Role, selector_labels
+from pdserve_operator.names import INSTANCE_LABEL, ROLE_LABEL, Role, selector_labels
 
 
 def node_selector(spec: EffectiveSpec, pool: EffectivePool) -> dict[str, str]:

@@ -5,6 +5,9 @@ The router discovers engines itself and reads nothing but what `render.discovery
 needs node labels, the one node topology ConfigMap. Its Role is exactly that: list and watch EndpointSlices in its
 namespace, and list and watch that ConfigMap by name; no Pods (their env would be readable by an internet-facing
 process), no Nodes, no Secrets. It never gets a single object (every read is a list + watch), so no `get`.
+The router serves Prometheus `/metrics` on a port of its own, named `metrics` on the container (the PodMonitor
+scrapes it there), never on the client port: the metrics name every engine and its load. The client Service
+publishes only the client port (a LoadBalancer Service would otherwise put the metrics on the internet).
 A hash of the rendered config is a pod annotation: changing routing settings rolls the router pods, which is
 simpler and more predictable than hot reload. The node topology ConfigMap changes as pods move and is watched,
 not mounted, so it never rolls the router.
@@ -20,8 +23,8 @@ import yaml
 from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.router_config import EndpointSelector, NodeTopologySource, RouterConfig, RoutingPolicyConfig
 from pdserve.api.v1alpha1 import PDService
+from pdserve_operator.names import child_name, labels, selector_labels
 from pdserve_operator.render import discovery
-from pdserve_operator.render.names import child_name, labels, selector_labels
 from pdserve_operator.render.objects import metadata
 
 CONFIG_KEY = "router.yaml"
@@ -30,6 +33,14 @@ CONFIG_HASH_ANNOTATION = "pdserve.io/config-hash"
 # Not user settings: the router drains in-flight streams within this, and its pods spread one per node.
 TERMINATION_GRACE_SECONDS = 30
 _SPREAD_KEY = "kubernetes.io/hostname"
+# The router's metrics port (the next one when the client port is this one), and its container port's name.
+METRICS_PORT = 9090
+METRICS_PORT_NAME = "metrics"
+
+
+def metrics_port(spec: EffectiveSpec) -> int:
+    """Where the router serves /metrics: METRICS_PORT, unless the client port is that (then the next one)."""
+    return METRICS_PORT if spec.router.port != METRICS_PORT else METRICS_PORT + 1
 
 
 def router_endpoint(pds: PDService, spec: EffectiveSpec) -> str:
@@ -47,6 +58,7 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
     return RouterConfig(
         served_model_name=spec.model.name,
         port=spec.router.port,
+        metrics_port=metrics_port(spec),
         discovery="kubernetes",
         prefill=EndpointSelector(namespace=namespace, label_selector=discovery.slice_selector(pds, "prefill")),
         decode=EndpointSelector(namespace=namespace, label_selector=discovery.slice_selector(pds, "decode")),
@@ -122,7 +134,10 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
         "command": ["pdserve", "router"],
         "args": ["--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
-        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": router.port, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": metrics_port(spec), "protocol": "TCP"},
+        ],
         "resources": router.resources.as_dict(),
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": probe_port},

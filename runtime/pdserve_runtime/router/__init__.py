@@ -10,8 +10,8 @@ Layers, each importable and testable on its own:
   profiles by `policy.scheduler`;
 - `validate` / `messages` / `retry`: pure checks of requests and prefill answers, the spliced PD bodies, and the
   retry and fallback decisions;
-- `httpserver` / `upstream`: HTTP/1.1 on asyncio protocols (the client-facing server with its limits, the pooled
-  engine client);
 - `proxy`: all request IO (the 3-step PD flow, streaming relay, retries, fallbacks);
 - `app` / `cli`: wiring and the `pdserve router` command.
+
+HTTP itself (the client-facing server with its limits, the pooled engine client) is `pdserve_runtime.transport`.
 """

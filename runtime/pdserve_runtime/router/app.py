@@ -2,8 +2,10 @@
 
 `RouterApp` owns every long-lived object of a router (no module-level state), so tests can run several routers
 in one process. Besides the generation endpoints it serves `/health` (the process is alive), `/ready` (at least
-one decode engine can take traffic: Kubernetes should only send traffic to a router that can serve it),
-`/v1/models` and `/metrics`, and runs the prober that brings ejected engines back.
+one decode engine can take traffic: Kubernetes should only send traffic to a router that can serve it) and
+`/v1/models`; `/metrics` is served on a port of its own (`metricsPort`), because it names every engine and its
+load, which the clients of the router must not read. It runs the prober that brings ejected engines back, and
+learns each decode engine's context length from its `/v1/models` (`engine_models`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from pdserve_runtime.router.discovery import Discovery
 from pdserve_runtime.router.discovery.static import StaticDiscovery
 from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable
 from pdserve_runtime.router.engine_metrics import EngineMetricsScraper
-from pdserve_runtime.router.httpserver import HttpServer, Request, Responder, ServerLimits
+from pdserve_runtime.router.engine_models import ContextLengthLearner
+from pdserve_runtime.router.errors import error_body
 from pdserve_runtime.router.metrics import RouterMetrics
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
 from pdserve_runtime.router.proxy import Proxy
-from pdserve_runtime.router.upstream import EngineClient, UpstreamError
+from pdserve_runtime.transport.client import EngineClient, UpstreamError
+from pdserve_runtime.transport.server import HttpServer, Request, Responder, ServerLimits
 
 log = logging.getLogger("pdserve.router")
 
@@ -73,13 +77,16 @@ def server_limits(config: RouterConfig) -> ServerLimits:
         keep_alive_timeout=config.keep_alive_timeout_seconds,
         max_buffered_bytes=config.max_buffered_body_bytes,
         max_buffered_bytes_per_client=config.max_buffered_body_bytes_per_client,
+        min_body_rate=config.min_body_bytes_per_second,
+        max_chunk_metadata_bytes=config.max_chunk_metadata_bytes,
+        write_timeout=config.client_write_timeout_seconds,
     )
 
 
 class RouterApp:
     """One router: its state, its background tasks and its HTTP routes."""
 
-    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool = False) -> None:
+    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool) -> None:
         self.config = config
         policy = config.policy
         self.tracker = PrefixTracker(
@@ -100,40 +107,65 @@ class RouterApp:
         self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
         self.proxy = Proxy(config, self.scheduler, self.tracker, self.metrics, self.client)
         self.discovery = discovery or default_discovery(config, self.table, self.client)
-        self.server = HttpServer(server_limits(config), access_log=access_log)
+        limits = server_limits(config)
+        self.server = HttpServer(limits, error_body=error_body, access_log=access_log)
         self.server.route("POST", "/v1/completions", self.proxy.completions)
         self.server.route("POST", "/v1/chat/completions", self.proxy.chat_completions)
         self.server.route("GET", "/v1/models", self.models)
         self.server.route("GET", "/health", self.health)
         self.server.route("GET", "/ready", self.ready)
-        self.server.route("GET", "/metrics", self.prometheus)
+        self.metrics_server = HttpServer(limits, error_body=error_body, access_log=False)
+        self.metrics_server.route("GET", "/metrics", self.prometheus)
         self._tasks: list[asyncio.Task[None]] = []
         interval = config.engine_metrics_interval_seconds
         self._scraper = EngineMetricsScraper(self.table, interval) if interval else None
+        self.context_lengths = ContextLengthLearner(
+            self.table, config.served_model_name, config.connect_timeout_seconds
+        )
         self._created = int(time.time())
+        self.host = ""
         self.port = 0
+        self.metrics_port = 0
 
     def _forget(self, url: str) -> None:
         """An engine left discovery: a replacement at the same address starts cold and with new connections."""
         self.tracker.forget(url)
         self.client.forget(url)
 
-    async def start(self, host: str | None = None, port: int | None = None, *, reuse_port: bool = False) -> int:
-        """Discover engines, start the background tasks and listen; returns the bound port."""
+    async def start(
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        metrics_port: int | None = None,
+        reuse_port: bool = False,
+    ) -> int:
+        """Discover engines, start the background tasks and listen (clients on `port`, Prometheus on
+        `metrics_port`; 0: any free port, then `self.port` / `self.metrics_port` say which); returns the client
+        port."""
         await self.discovery.start()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="pdserve-router-prober"))
         if self._scraper is not None:
             self._scraper.start(self.client)
-        self.port = await self.server.start(
-            host if host is not None else self.config.host,
-            port if port is not None else self.config.port,
-            reuse_port=reuse_port,
+        self.context_lengths.start(self.client)
+        host = self.host = host if host is not None else self.config.host
+        self.metrics_port = await self.metrics_server.start(
+            host, metrics_port if metrics_port is not None else self.config.metrics_port
         )
+        self.port = await self.server.start(host, port if port is not None else self.config.port, reuse_port=reuse_port)
         return self.port
+
+    @property
+    def metrics_url(self) -> str:
+        """Where Prometheus reads this router (base URL; the path is /metrics)."""
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
+        return f"http://{host}:{self.metrics_port}"
 
     async def stop(self, grace: float = 0.0) -> None:
         """Stop listening, let answers under way finish for up to `grace` seconds, stop everything."""
         await self.server.stop(grace)
+        await self.metrics_server.stop(0.0)
+        await self.context_lengths.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

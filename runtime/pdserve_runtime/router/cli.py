@@ -3,8 +3,9 @@
     pdserve router --port 8080 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
     pdserve router --config /etc/pdserve/router.yaml
 
-Flags given together with --config override the file. The env variable PDSERVE_BIND_HOST, when set, is the
-listen address whatever else says (the local test cluster runs each pod as a process on its own loopback IP).
+Every option is a row of `pdserve.api.settings.RouterSettings` (default, flag and help are written there). Flags
+given together with --config override the file. The env variable PDSERVE_BIND_HOST, when set, is the listen address
+whatever else says (the local test cluster runs each pod as a process on its own loopback IP).
 """
 
 from __future__ import annotations
@@ -20,54 +21,41 @@ from typing import Any
 import click
 import yaml
 from pydantic import ValidationError
+from pydantic.alias_generators import to_camel
 
+from pdserve.api.optioning import click_options, settings_of
 from pdserve.api.router_config import RouterConfig
+from pdserve.api.settings import BIND_HOST_ENV, RouterSettings, shown_default
+
+ROWS = settings_of(RouterSettings)
 
 
-def load_config(
-    config_path: str | None,
-    *,
-    host: str | None = None,
-    port: int | None = None,
-    prefill: tuple[str, ...] = (),
-    decode: tuple[str, ...] = (),
-    served_model_name: str | None = None,
-    threshold: int | None = None,
-    fallback: bool | None = None,
-    engine_metrics_interval: float | None = None,
-) -> RouterConfig:
-    """The effective configuration: file, then flags, then PDSERVE_BIND_HOST. Raises click errors."""
+def load_config(settings: RouterSettings) -> RouterConfig:
+    """The effective configuration: the file (`--config`), then the flags that override one of its fields (a
+    `RouterSettings` row with `config=`), then $PDSERVE_BIND_HOST. Raises click errors."""
     data: dict[str, Any] = {}
-    if config_path is not None:
+    if settings.config_path is not None:
         try:
-            loaded = yaml.safe_load(Path(config_path).read_text())
+            loaded = yaml.safe_load(Path(settings.config_path).read_text())
         except (OSError, yaml.YAMLError) as exc:
-            raise click.ClickException(f"cannot read router config {config_path}: {exc}") from None
+            raise click.ClickException(f"cannot read router config {settings.config_path}: {exc}") from None
         if not isinstance(loaded, dict):
-            raise click.ClickException(f"router config {config_path} must be a YAML mapping")
+            raise click.ClickException(f"router config {settings.config_path} must be a YAML mapping")
         data = loaded
-    elif not decode:
+    elif not settings.decode:
         raise click.UsageError("give --config FILE, or at least one --decode URL (static mode)")
-    if prefill or decode:
+    if settings.prefill or settings.decode:
         data["discovery"] = "static"
-        data["staticPrefill"] = list(prefill)
-        data["staticDecode"] = list(decode)
-    data.setdefault("servedModelName", served_model_name or "")
-    if served_model_name is not None:
-        data["servedModelName"] = served_model_name
-    if host is not None:
-        data["host"] = host
-    if port is not None:
-        data["port"] = port
-    policy = dict(data.get("policy") or {})
-    if threshold is not None:
-        policy["disaggregationThresholdTokens"] = threshold
-    if fallback is not None:
-        policy["fallbackToDecode"] = fallback
-    data["policy"] = policy
-    if engine_metrics_interval is not None:
-        data["engineMetricsIntervalSeconds"] = engine_metrics_interval
-    bind = os.environ.get("PDSERVE_BIND_HOST")
+        data["staticPrefill"] = list(settings.prefill)
+        data["staticDecode"] = list(settings.decode)
+    data.setdefault("servedModelName", settings.served_model_name or "")
+    if settings.served_model_name is not None:
+        data["servedModelName"] = settings.served_model_name
+    for row in ROWS:
+        value = getattr(settings, row.name)
+        if row.config is not None and value is not None:
+            _put(data, row.config, value)
+    bind = os.environ.get(BIND_HOST_ENV)
     if bind:
         data["host"] = bind
     try:
@@ -76,61 +64,27 @@ def load_config(
         raise click.ClickException(f"invalid router config:\n{exc}") from None
 
 
+def _put(data: dict[str, Any], path: str, value: object) -> None:
+    """Set the configuration file field at `path` (dotted, snake_case) to `value`, under the file's own spelling
+    (camelCase), so that a flag replaces the file's value rather than standing beside it."""
+    *parents, last = [to_camel(part) for part in path.split(".")]
+    for part in parents:
+        data[part] = dict(data.get(part) or {})
+        data = data[part]
+    data[last] = value
+
+
 @click.command("router")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="RouterConfig YAML (Kubernetes mode).")
-@click.option("--host", default=None, help="Listen address (default 0.0.0.0; PDSERVE_BIND_HOST wins).")
-@click.option("--port", type=int, default=None, help="Listen port (default 8080).")
-@click.option("--prefill", multiple=True, help="Prefill engine base URL (static mode, repeatable).")
-@click.option("--decode", multiple=True, help="Decode engine base URL (static mode, repeatable).")
-@click.option("--served-model-name", default=None, help="Model name for /v1/models (default: ask a decode engine).")
-@click.option(
-    "--disaggregation-threshold",
-    "threshold",
-    type=int,
-    default=None,
-    help="Uncached prompt tokens at or above which a request goes through prefill (0: always).",
-)
-@click.option("--fallback/--no-fallback", default=None, help="Let decode prefill locally when prefill fails.")
-@click.option(
-    "--engine-metrics-interval",
-    type=float,
-    default=None,
-    help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off) [default: 2].",
-)
-@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--access-log/--no-access-log", default=False, help="Log every request line (costs CPU).")
-def router(  # noqa: PLR0917 (click passes every option as an argument)
-    config_path: str | None,
-    host: str | None,
-    port: int | None,
-    prefill: tuple[str, ...],
-    decode: tuple[str, ...],
-    served_model_name: str | None,
-    threshold: int | None,
-    fallback: bool | None,
-    engine_metrics_interval: float | None,
-    log_level: str,
-    access_log: bool,
-) -> None:
+@click_options(ROWS, shown=shown_default)
+def router(**values: Any) -> None:
     """Run the PD router (OpenAI-compatible endpoint)."""
-    if engine_metrics_interval is not None and engine_metrics_interval < 0:
-        raise click.BadParameter("must be >= 0", param_hint="--engine-metrics-interval")
-    config = load_config(
-        config_path,
-        host=host,
-        port=port,
-        prefill=prefill,
-        decode=decode,
-        served_model_name=served_model_name,
-        threshold=threshold,
-        fallback=fallback,
-        engine_metrics_interval=engine_metrics_interval,
-    )
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    serve(config, access_log=access_log)
+    settings = RouterSettings(**values)
+    config = load_config(settings)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    serve(config, access_log=settings.access_log)
 
 
-def serve(config: RouterConfig, *, access_log: bool = False) -> None:
+def serve(config: RouterConfig, *, access_log: bool) -> None:
     """Run the router until SIGINT/SIGTERM, on uvloop."""
     import uvloop
 
@@ -151,8 +105,8 @@ async def _serve(config: RouterConfig, access_log: bool) -> None:
     # collections on the request path only walk request-scoped objects (shorter GC pauses, lower p99).
     gc.collect()
     gc.freeze()
-    log.info("Started router host=%s port=%d discovery=%s threshold=%d", config.host, port, config.discovery,
-             config.policy.disaggregation_threshold_tokens)  # fmt: skip
+    log.info("Started router host=%s port=%d metrics_port=%d discovery=%s threshold=%d", config.host, port,
+             router.metrics_port, config.discovery, config.policy.disaggregation_threshold_tokens)  # fmt: skip
     await stop.wait()
     log.info("Stopping router grace=%.0fs", config.shutdown_grace_seconds)
     await router.stop(config.shutdown_grace_seconds)

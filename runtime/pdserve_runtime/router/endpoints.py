@@ -57,6 +57,8 @@ class EndpointState:
     # From the engine's own /metrics (decode engines; see engine_metrics): usage in [0, 1] and when it was read.
     kv_cache_usage: float | None = None
     kv_cache_usage_at: float = 0.0
+    # The engine's context length (its /v1/models `max_model_len`; see engine_models), None until read.
+    max_model_len: int | None = None
 
     @property
     def url(self) -> str:

@@ -13,17 +13,14 @@ endpoint is not the serving path.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import math
 import re
 from time import monotonic
 
 from pdserve_runtime.router.endpoints import EndpointState, EndpointTable
-from pdserve_runtime.router.upstream import EngineClient, UpstreamError
-
-log = logging.getLogger("pdserve.router")
+from pdserve_runtime.router.engine_poller import EnginePoller
+from pdserve_runtime.transport.client import EngineClient
 
 # Largest exposition read from an engine (vLLM's is tens of kilobytes).
 _EXPOSITION_LIMIT = 4 * 1024 * 1024
@@ -41,41 +38,26 @@ def parse_kv_usage(exposition: bytes) -> float | None:
     return max(values) if values else None
 
 
-class EngineMetricsScraper:
+class EngineMetricsScraper(EnginePoller):
     """Background task keeping `EndpointState.kv_cache_usage` of decode engines fresh."""
 
+    name = "pdserve-router-engine-metrics"
+
     def __init__(self, table: EndpointTable, interval: float, timeout: float = 1.0) -> None:
+        super().__init__(interval)
         self._table = table
-        self._interval = interval
         self._timeout = timeout
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self, client: EngineClient) -> None:
-        self._task = asyncio.create_task(self._run(client), name="pdserve-router-engine-metrics")
+    def due(self) -> list[EndpointState]:
+        return self._table.usable("decode")
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self, client: EngineClient) -> None:
-        while True:
-            states = self._table.usable("decode")
-            if states:
-                await asyncio.gather(*(self.scrape(client, state) for state in states))
-            await asyncio.sleep(self._interval)
+    async def poll(self, client: EngineClient, state: EndpointState) -> None:
+        await self.scrape(client, state)
 
     async def scrape(self, client: EngineClient, state: EndpointState) -> None:
         """Read one engine's KV-cache usage into its state (errors keep the old value)."""
-        try:
-            status, body, _ = await client.get(state.url, "/metrics", limit=_EXPOSITION_LIMIT, within=self._timeout)
-        except (UpstreamError, TimeoutError) as exc:
-            log.debug("Failed scraping metrics endpoint=%s error=%s", state.endpoint.label, exc)
-            return
-        if status != 200:
-            return
-        usage = parse_kv_usage(body)
+        body = await self.get(client, state, "/metrics", _EXPOSITION_LIMIT, self._timeout)
+        usage = parse_kv_usage(body) if body is not None else None
         if usage is not None:
             state.kv_cache_usage = usage
             state.kv_cache_usage_at = monotonic()

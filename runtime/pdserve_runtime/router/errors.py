@@ -34,3 +34,8 @@ def error_payload(status: int, message: str, *, param: str | None = None) -> dic
 def stream_error_event(status: int, message: str) -> bytes:
     """The bytes that end a broken SSE stream: an error event, then `[DONE]` (what vLLM itself sends)."""
     return b"data: " + orjson.dumps(error_payload(status, message)) + b"\n\ndata: [DONE]\n\n"
+
+
+def error_body(status: int, message: str) -> bytes:
+    """The bytes of an OpenAI-style error answer (what the transport answers its own refusals with)."""
+    return orjson.dumps(error_payload(status, message))

@@ -5,7 +5,8 @@ Per request:
 1. Parse the body (400), check it (`validate`: 400 before any engine works on it), strip engine-internal fields,
    keep the client's request id for logs and the answer; engines get ids the router makes, one per attempt, so
    two clients' requests can never collide inside an engine.
-2. Describe the prompt and plan (`policy.scheduler`): decode engine, route, prefill engine.
+2. Describe the prompt and plan (`policy.scheduler`): decode engine, route, prefill engine. On the PD route,
+   refuse (400) what cannot fit the decode engine's context (`context`), before prefill works on it.
 3. PD: prefill with the client's bytes spliced (`messages.prefill_body`), then check the answer's
    `kv_transfer_params` (size, remote host and port) before a decode engine acts on them.
 4. Decode: the client's bytes plus those params; wait for the first chunk before answering the client, so that
@@ -26,7 +27,6 @@ tracker learns that an engine holds a prompt only when the engine served it.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -36,9 +36,9 @@ from typing import Any
 import orjson
 
 from pdserve.api.router_config import RouterConfig
+from pdserve_runtime.router import context
 from pdserve_runtime.router.endpoints import EndpointState, EndpointTable, Role
 from pdserve_runtime.router.errors import error_payload, stream_error_event
-from pdserve_runtime.router.httpserver import Request, Responder
 from pdserve_runtime.router.messages import (
     Body,
     decode_body,
@@ -62,8 +62,9 @@ from pdserve_runtime.router.retry import (
     give_up_status,
 )
 from pdserve_runtime.router.tokens import Held, PromptInfo, describe_prompt
-from pdserve_runtime.router.upstream import PROTOCOL, STATUS, STREAM, EngineClient, Exchange, UpstreamError
 from pdserve_runtime.router.validate import problem
+from pdserve_runtime.transport.client import PROTOCOL, STATUS, STREAM, EngineClient, Exchange, UpstreamError
+from pdserve_runtime.transport.server import Request, Responder
 
 log = logging.getLogger("pdserve.router")
 
@@ -76,13 +77,13 @@ _PASSED_DOWN = {"content-type": "Content-Type", "content-encoding": "Content-Enc
 _EVENT_END = b"\n\n"
 _EVENT_END_CRLF = b"\r\n\r\n"
 _EVENT_ENDS = (_EVENT_END, _EVENT_END_CRLF)
-# Ids the router gives engines: a per-process random prefix and a counter (unique, and cheap to make).
-_ID_PREFIX = os.urandom(6).hex()
-_ids = itertools.count(1)
+# Largest /tokenize answer read (it lists every token id) per token of context.
+_TOKENIZE_BYTES_PER_TOKEN = 16
 
 
 def engine_request_id() -> str:
-    return f"pdr-{_ID_PREFIX}-{next(_ids):x}"
+    """A new request id: 96 random bits, so no id says anything about other requests (how many, or whose)."""
+    return f"pdr-{os.urandom(12).hex()}"
 
 
 @dataclass(slots=True)
@@ -197,13 +198,14 @@ class Proxy:
         await self._generate(request, responder, chat=True)
 
     async def _generate(self, request: Request, responder: Responder, chat: bool) -> None:
+        engine_rid = engine_request_id()
         flow = _Flow(
             request=request,
             responder=responder,
             chat=chat,
             started=perf_counter(),
-            rid=request_id(request.headers.get("x-request-id"), engine_request_id),
-            engine_rid=engine_request_id(),
+            rid=request_id(request.headers.get("x-request-id"), lambda: engine_rid),
+            engine_rid=engine_rid,
         )
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
@@ -276,6 +278,8 @@ class Proxy:
             return
         flow.route = plan.route.value
         kv: tuple[dict[str, Any], EndpointState] | None = None
+        if plan.route is not Route.DECODE_ONLY and not await self._fits_context(flow, plan.decode, plan.prefill):
+            return
         if plan.route is not Route.DECODE_ONLY:
             outcome = await self._prefill(flow, plan.decode, plan.prefill)
             if outcome is None:
@@ -285,6 +289,48 @@ class Proxy:
             else:
                 kv = outcome
         await self._decode(flow, plan.decode, kv)
+
+    # -- the context length ---------------------------------------------------------------------------------
+
+    async def _fits_context(self, flow: _Flow, decode: EndpointState, prefill: EndpointState | None) -> bool:
+        """False (and the client answered 400) when prompt plus output budget cannot fit the decode engine's
+        context. Only the PD route needs it: on decode-only the engine refuses before it works."""
+        limit = decode.max_model_len
+        if limit is None:
+            return True  # not known (yet): the engines check, as they always do
+        need = context.budget(flow.payload, flow.chat, len(flow.raw))
+        found = context.verdict(need, limit)
+        counted = need.exact
+        if found is context.Verdict.ASK:
+            assert need.tokenize is not None
+            counted = await self._count_tokens(flow, prefill or decode, need.tokenize, limit)
+            found = context.Verdict.FITS if counted is None else context.counted_verdict(need, limit, counted)
+        if found is not context.Verdict.REFUSE:
+            return True
+        flow.outcome = "client_error"
+        self._error(flow, 400, context.refusal(need, limit, counted), param=need.param)
+        return False
+
+    async def _count_tokens(self, flow: _Flow, state: EndpointState, body: dict[str, Any], limit: int) -> int | None:
+        """The prompt's tokens as the engine counts them (its /tokenize), or None when it cannot tell."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.config.first_byte_timeout_seconds, 10.0)
+        waited = perf_counter()
+        exchange: Exchange | None = None
+        try:
+            exchange = await self.client.send(state.url, "POST", "/tokenize", flow.headers, [orjson.dumps(body)])
+            data = await exchange.read_all(_TOKENIZE_BYTES_PER_TOKEN * limit + 65536, deadline)
+            answer = orjson.loads(data) if exchange.status == 200 else None
+        except (UpstreamError, orjson.JSONDecodeError) as exc:
+            log.info("Failed counting prompt tokens endpoint=%s request_id=%s error=%s", state.endpoint.label,
+                     flow.rid, exc)  # fmt: skip
+            return None
+        finally:
+            if exchange is not None:
+                exchange.close()
+            flow.upstream_wait += perf_counter() - waited
+        count = answer.get("count") if isinstance(answer, dict) else None
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
 
     # -- prefill --------------------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 
 from pdserve.api.router_config import RouterConfig
+from pdserve.api.settings import OperatorSettings
 from pdserve_dev.cluster.prometheus import TARGET_LABELS
 from pdserve_dev.testing.net import free_port
 from pdserve_dev.testing.prometheus import PrometheusHelper
@@ -37,6 +38,8 @@ from pdserve_operator.autoscaler.signals import PodPhase, PodState, ServiceSigna
 from pdserve_sim.config import SimConfig
 from pdserve_sim.presets import CPU_TINY
 
+# One Prometheus query may take this long (the operator's --prometheus-timeout).
+TIMEOUT_S = OperatorSettings.prometheus_timeout
 SERVICE = "chat"
 LONG = "The history of the river valley settlements began with small farms. " * 30  # ~360 tokens: pd route
 SHORT = "Say hi."  # decode-only route
@@ -64,7 +67,8 @@ def _targets(prometheus: PrometheusHelper, namespace: str, targets: dict[str, tu
 
 
 @contextlib.asynccontextmanager
-async def _router(prefill: list[SimHandle], decode: list[SimHandle]) -> AsyncIterator[str]:
+async def _router(prefill: list[SimHandle], decode: list[SimHandle]) -> AsyncIterator[tuple[str, str]]:
+    """(client URL, metrics URL) of a router in front of the engines."""
     from pdserve_runtime.router.app import RouterApp
 
     config = RouterConfig(
@@ -73,10 +77,10 @@ async def _router(prefill: list[SimHandle], decode: list[SimHandle]) -> AsyncIte
         static_prefill=[s.url for s in prefill],
         static_decode=[s.url for s in decode],
     )
-    app = RouterApp(config)
-    port = await app.start("127.0.0.1", 0)
+    app = RouterApp(config, access_log=False)
+    port = await app.start("127.0.0.1", 0, metrics_port=0)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", app.metrics_url
     finally:
         await app.stop()
 
@@ -116,11 +120,11 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: Prom
         }
         ghost = "chat-decode-2"
         roles = {name: ("prefill" if "prefill" in name else "decode") for name in sims}
-        router = await stack.enter_async_context(
+        router, router_metrics = await stack.enter_async_context(
             _router([sims["chat-prefill-0"], sims["chat-prefill-1"]], [sims["chat-decode-0"], sims["chat-decode-1"]])
         )
         targets = {name: (roles[name], sim.url.removeprefix("http://")) for name, sim in sims.items()}
-        targets["chat-router-0"] = ("router", router.removeprefix("http://"))
+        targets["chat-router-0"] = ("router", router_metrics.removeprefix("http://"))
         stack.enter_context(_targets(prometheus, namespace, targets))
         await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', len(targets))
 
@@ -153,8 +157,10 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: Prom
         # The rate window spans the whole load however long a busy machine took to settle: a window that starts
         # after the last PD request leaves no increase to read.
         window_s = max(30.0, time.monotonic() - load_started + 15.0)
-        collector = Collector(connect(prometheus.url), window_s=window_s, warmup_s=60.0)
-        target = Target(namespace, SERVICE, percentile=90, desired={"prefill": 2, "decode": 2})
+        collector = Collector(connect(prometheus.url, TIMEOUT_S))
+        target = Target(
+            namespace, SERVICE, percentile=90, window_s=window_s, warmup_s=60.0, desired={"prefill": 2, "decode": 2}
+        )
         live = {name: role for name, role in roles.items() if name != ghost}
         now = time.time()
         signals: ServiceSignals = await asyncio.to_thread(
@@ -201,9 +207,10 @@ async def test_a_ready_pod_prometheus_has_not_scraped_lowers_completeness(promet
     async with sim_in_process(role="prefill", engine_id="chat-prefill-0") as sim:
         with _targets(prometheus, namespace, {"chat-prefill-0": ("prefill", sim.url.removeprefix("http://"))}):
             await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', 1)
-            collector = Collector(connect(prometheus.url), window_s=15.0)
+            collector = Collector(connect(prometheus.url, TIMEOUT_S))
             pods = _pods({"chat-prefill-0": "prefill", "chat-prefill-1": "prefill"}, ready_for_s=5.0)
-            signals = await asyncio.to_thread(collector.collect, Target(namespace, SERVICE, 90), pods, time.time())
+            target = Target(namespace, SERVICE, 90, window_s=15.0, warmup_s=60.0)
+            signals = await asyncio.to_thread(collector.collect, target, pods, time.time())
     assert signals.prefill.completeness == 0.5
     assert [p.sample_age_s is None for p in signals.prefill.pods] == [False, True]
     assert not any(p.settled for p in signals.prefill.pods), "ready 5 s < 60 s warm-up"
@@ -214,14 +221,16 @@ async def test_prometheus_down_holds_every_pool_and_says_why() -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     collector = Collector(connect(url, timeout_s=1.0))
     pods = _pods({"chat-prefill-0": "prefill", "chat-decode-0": "decode"})
-    target = Target("team-a", SERVICE, 90, desired={"prefill": 3, "decode": 4})
+    target = Target("team-a", SERVICE, 90, window_s=15.0, warmup_s=60.0, desired={"prefill": 3, "decode": 4})
     signals = await asyncio.to_thread(collector.collect, target, pods, time.time(), ("chat-router-0",))
     assert signals.errors and all("ConnectionError" in e for e in signals.errors)
     assert signals.prefill.uncached_tokens_rate is None and signals.decode.generated_tokens_rate is None
     assert signals.router.ttft_s is None
     config = AutoscalerConfig(
-        model=ModelConfig(slo=Slo(0.8, 0.04)),
+        model=ModelConfig(slo=Slo(0.8, 0.04), interval_s=15.0),
         policy=PolicyConfig(prefill=PoolBounds(1, 10), decode=PoolBounds(1, 10)),
+        warmup_s=60.0,
+        window_s=15.0,
     )
     decision = Autoscaler(config).step(signals)
     assert (decision.prefill.desired, decision.decode.desired) == (3, 4)

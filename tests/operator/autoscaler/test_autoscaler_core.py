@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
+from pdserve.api.defaults import effective
+from pdserve.api.settings import OperatorSettings
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.autoscaler.actuator import pod_states
-from pdserve_operator.autoscaler.core import Autoscaler, NoSloTargetError, config_from_spec
+from pdserve_operator.autoscaler.core import Autoscaler, AutoscalerConfig, NoSloTargetError, config_from_spec
 from pdserve_operator.autoscaler.decision import Reason
 from pdserve_operator.autoscaler.signals import PodPhase, PodState, PoolSignals, ServiceSignals, count_pods
 
@@ -22,6 +24,14 @@ def service(**spec: Any) -> PDService:
     }
     body.update(spec)
     return PDService.model_validate({"metadata": {"name": "svc"}, "spec": body})
+
+
+INTERVAL_S = OperatorSettings.autoscaler_interval_seconds
+
+
+def configure(pds: PDService, window_s: float = INTERVAL_S) -> AutoscalerConfig:
+    """The configuration the operator's loop gives `pds`'s autoscaler, at the default tick."""
+    return config_from_spec(effective(pds.spec), interval_s=INTERVAL_S, window_s=window_s)
 
 
 def test_config_reads_bounds_targets_and_service_settings() -> None:
@@ -39,7 +49,7 @@ def test_config_reads_bounds_targets_and_service_settings() -> None:
             "scaleDownStabilizationSeconds": 240,
         },
     )
-    config = config_from_spec(pds)
+    config = configure(pds)
     assert (config.model.slo.ttft_s, config.model.slo.itl_s, config.model.slo.percentile) == (0.6, 0.03, 95)
     assert (config.policy.prefill.min_replicas, config.policy.prefill.max_replicas) == (2, 9)
     assert (config.policy.decode.min_replicas, config.policy.decode.max_replicas) == (1, 12)
@@ -48,12 +58,19 @@ def test_config_reads_bounds_targets_and_service_settings() -> None:
     assert (config.warmup_s, config.policy.scale_down_window_s) == (90.0, 240.0)
 
 
+def test_config_takes_the_tick_and_the_window_it_is_given() -> None:
+    config = config_from_spec(
+        effective(service(prefill={"autoscaling": {"enabled": True}}).spec), interval_s=7.0, window_s=21.0
+    )
+    assert (config.model.interval_s, config.window_s) == (7.0, 21.0)
+
+
 def test_defaults_and_owners() -> None:
     pds = service(
         prefill={"autoscaling": {"enabled": True, "mode": "external"}},
         decode={"autoscaling": {"enabled": False}},
     )
-    config = config_from_spec(pds)
+    config = configure(pds)
     assert not config.policy.prefill.managed and config.policy.prefill.unmanaged_reason is Reason.EXTERNAL
     assert not config.policy.decode.managed and config.policy.decode.unmanaged_reason is Reason.DISABLED
     assert config.policy.scale_down_window_s == 180.0 and config.warmup_s == 60.0
@@ -63,12 +80,12 @@ def test_defaults_and_owners() -> None:
 def test_autoscaling_without_a_target_is_refused_with_the_fix() -> None:
     pds = service(slo=None, decode={"autoscaling": {"enabled": True}})
     with pytest.raises(NoSloTargetError, match=r"spec\.slo\.itlMilliseconds or spec\.decode\.autoscaling"):
-        config_from_spec(pds)
+        configure(pds)
 
 
 def test_autoscaler_carries_state_between_ticks() -> None:
     pds = service(prefill={"autoscaling": {"enabled": True, "maxReplicas": 10}})
-    autoscaler = Autoscaler(config_from_spec(pds))
+    autoscaler = Autoscaler(configure(pds))
 
     def tick(at: float, load: float, desired: int) -> ServiceSignals:
         pool = PoolSignals(

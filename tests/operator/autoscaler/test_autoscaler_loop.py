@@ -15,7 +15,7 @@ import asyncio
 import copy
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,15 +23,29 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_dev.testing.metrics import samples
 from pdserve_operator.autoscaler.collector import Target
-from pdserve_operator.autoscaler.loop import Autoscalers, LoopSettings, ServiceLoop, wants_loop
+from pdserve_operator.autoscaler.core import AutoscalerConfig, config_from_spec
+from pdserve_operator.autoscaler.loop import (
+    CHECK_S,
+    MAX_BACKOFF,
+    Autoscalers,
+    LoopSettings,
+    ServiceLoop,
+    ServiceView,
+    read_service,
+    wants_loop,
+)
 from pdserve_operator.autoscaler.metrics import AutoscalerMetrics
 from pdserve_operator.autoscaler.report import ScalingBoard
 from pdserve_operator.autoscaler.signals import ROLES, PodState, PoolSignals, RouterSignals, ServiceSignals
+from pdserve_operator.observed import Snapshot
 from pdserve_operator.reconcile import reconcile
 from pdserve_operator.store import Store
+from pdserve_operator.view import SpecViews
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama-8b"
@@ -56,8 +70,6 @@ class Scripted:
     ttft_s: float = 0.2
     broken: bool = False
     crash: bool = False
-    window_s: float = 15.0
-    warmup_s: float = 60.0
     seen: list[tuple[Target, list[PodState], list[str]]] = field(default_factory=list)
 
     def collect(
@@ -69,7 +81,7 @@ class Scripted:
         if self.broken:
             pools = {role: PoolSignals(role, target.desired[role]) for role in ROLES}
             return ServiceSignals(
-                now, self.window_s, target.percentile, pools["prefill"], pools["decode"],
+                now, target.window_s, target.percentile, pools["prefill"], pools["decode"],
                 errors=("prefill uncached_tokens: ConnectionError: refused",), failed_queries=("uncached_tokens",),
             )  # fmt: skip
         prefill = PoolSignals(
@@ -87,7 +99,19 @@ class Scripted:
         )
         decode = PoolSignals("decode", target.desired["decode"], ready=target.desired["decode"])
         router = RouterSignals(ttft_s=self.ttft_s, ttft_pd_s=self.ttft_s, itl_s=0.02, freshness_s=1.0)
-        return ServiceSignals(now, self.window_s, target.percentile, prefill, decode, router)
+        return ServiceSignals(now, target.window_s, target.percentile, prefill, decode, router)
+
+
+def loop_settings(
+    interval_s: float = OperatorSettings.autoscaler_interval_seconds, check_s: float = CHECK_S
+) -> LoopSettings:
+    """The loops' timing as the operator sets it by default, with a shorter tick or check where a test asks."""
+    return LoopSettings(
+        interval_s=interval_s,
+        window_s=OperatorSettings.autoscaler_window_seconds,
+        check_s=check_s,
+        max_backoff=MAX_BACKOFF,
+    )
 
 
 class World:
@@ -104,13 +128,15 @@ class World:
         self._clock = itertools.count(1_800_000_000, 15)
         self.delays: list[float] = []
         self.budget = 1_000_000
+        self.views = SpecViews(DEFAULT_POLICY)
         self.scalers = Autoscalers(
             self.store,
             self.kube,
             self.board,
             lambda: self.source,
+            views=self.views,
             metrics=AutoscalerMetrics(self.registry),
-            settings=settings or LoopSettings(),
+            settings=settings or loop_settings(),
             is_leader=lambda: self.leader,
             enqueue=self.queued.append,
             clock=lambda: float(next(self._clock)),
@@ -136,7 +162,19 @@ class World:
         self.store.put_owner(self.kube.add_owner(doc))
 
     def reconcile(self) -> None:
-        reconcile(NAMESPACE, NAME, self.store, self.kube, lambda: "2026-01-01T00:00:00Z", scaling=self.board)
+        reconcile(
+            NAMESPACE,
+            NAME,
+            self.store,
+            self.kube,
+            lambda: "2026-01-01T00:00:00Z",
+            views=self.views,
+            crash_window=OperatorSettings.crash_recovery_seconds,
+            scaling=self.board,
+        )
+
+    def snapshot(self) -> Snapshot:
+        return self.store.snapshot(NAMESPACE, NAME)
 
     def sts(self, role: str) -> dict[str, Any]:
         return self.kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-{role}")]
@@ -252,7 +290,7 @@ async def test_loops_run_on_the_leader_for_scaled_services_and_stop_when_that_en
 
 
 async def test_run_stops_every_loop_when_the_operator_stops() -> None:
-    world = World(settings=LoopSettings(interval_s=0.01, check_s=0.01))
+    world = World(settings=loop_settings(interval_s=0.01, check_s=0.01))
     stop = asyncio.Event()
     runner = asyncio.create_task(world.scalers.run(stop))
     await wait_until(lambda: len(world.source.seen) >= 3)
@@ -387,6 +425,87 @@ async def test_an_external_pool_is_never_scaled_by_the_loop() -> None:
     assert report is not None and report.pools["decode"].reason == "ExternallyScaled"
 
 
+# ------------------------------------------------------------------------------------------ a tick's steps
+
+
+def service_view(world: World) -> ServiceView:
+    view = read_service(KEY, world.views.checked(world.store.owner(*KEY) or {}).require()[1], world.snapshot())
+    assert view is not None
+    return view
+
+
+def configured(world: World) -> AutoscalerConfig:
+    settings = world.scalers.settings
+    return config_from_spec(service_view(world).spec, interval_s=settings.interval_s, window_s=settings.window)
+
+
+def test_read_service_reads_the_pools_and_the_live_pods_from_the_cache() -> None:
+    world = World()
+    terminating = pod(f"{NAME}-router-old", "router")
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    world.store.put(terminating)
+    view = service_view(world)
+    assert view.desired == {"prefill": 1, "decode": 4}
+    assert {role: sts["metadata"]["name"] for role, sts in view.statefulsets.items()} == {
+        "prefill": f"{NAME}-prefill",
+        "decode": f"{NAME}-decode",
+    }
+    assert sorted(p["metadata"]["name"] for p in view.engine_pods) == sorted(
+        [f"{NAME}-prefill-0", *(f"{NAME}-decode-{i}" for i in range(4))]
+    )
+    assert view.routers == [f"{NAME}-router-abc"]  # the terminating one serves no new request
+    # A pool without its StatefulSet yet: nothing to read (the reconcile creates it first).
+    world.store.delete(world.sts("decode"))
+    spec = world.views.checked(world.store.owner(*KEY) or {}).require()[1]
+    assert read_service(KEY, spec, world.snapshot()) is None
+
+
+async def test_collect_asks_for_the_window_and_warm_up_the_service_is_configured_with() -> None:
+    world = World(settings=LoopSettings(interval_s=20.0, window_s=45.0, check_s=CHECK_S, max_backoff=MAX_BACKOFF))
+    loop, config = world.loop(), configured(world)
+    signals = await loop.collect(service_view(world), config, 1_800_000_000.0)
+    target, pods, routers = world.source.seen[-1]
+    assert (target.window_s, target.warmup_s, target.percentile) == (45.0, 60.0, 90)
+    assert target.desired == {"prefill": 1, "decode": 4} and signals.window_s == 45.0
+    assert config.model.interval_s == 20.0
+    assert {p.role for p in pods} == {"prefill", "decode"} and routers == [f"{NAME}-router-abc"]
+
+
+async def test_decide_keeps_what_the_model_learned_when_the_spec_changes() -> None:
+    world = World()
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    loop, config = world.loop(), configured(world)
+    signals = await loop.collect(service_view(world), config, 1_800_000_000.0)
+    first = loop.decide(config, signals)
+    autoscaler = loop.autoscaler
+    assert first.prefill.desired > 1 and autoscaler is not None
+    narrower = replace(config, policy=replace(config.policy, prefill=replace(config.policy.prefill, max_replicas=2)))
+    again = loop.decide(narrower, signals)
+    assert loop.autoscaler is autoscaler and autoscaler.config is narrower
+    assert again.prefill.desired == 2
+
+
+async def test_actuate_writes_scale_adopts_it_and_explain_remembers_when() -> None:
+    world = World()
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    loop, config, view = world.loop(), configured(world), service_view(world)
+    signals = await loop.collect(view, config, 1_800_000_000.0)
+    decision = loop.decide(config, signals)
+    body = world.store.owner(*KEY)
+    assert body is not None
+    assert await loop.actuate(body, view, decision, 1_800_000_000.0) == {}
+    assert [(c.verb, c.name) for c in world.kube.calls if c.verb == "scale"] == [("scale", f"{NAME}-prefill")]
+    cached = world.snapshot().child("StatefulSet", NAMESPACE, f"{NAME}-prefill")
+    assert cached is not None and cached["spec"]["replicas"] == decision.prefill.desired
+    assert [e["reason"] for e in world.kube.events if e["reason"] == "Scaled"] == ["Scaled"]
+    report = loop.explain(decision, signals, config, {}, 1_800_000_000.0)
+    assert report.pools["prefill"].last_scale_time == "2027-01-15T08:00:00Z"
+    assert loop.last_scale_time == {"prefill": "2027-01-15T08:00:00Z", "decode": None}
+    # A refused write is not a scale: the time stays what it was.
+    later = loop.explain(decision, signals, config, {"prefill": "refused"}, 1_800_000_100.0)
+    assert later.pools["prefill"].last_scale_time == "2027-01-15T08:00:00Z"
+
+
 # --------------------------------------------------------------------------------------------------- failures
 
 
@@ -415,7 +534,7 @@ async def test_metrics_unavailable_holds_and_says_why() -> None:
 
 
 async def test_a_refused_scale_is_reported_and_retried_with_backoff() -> None:
-    world = World(settings=LoopSettings(interval_s=0.01, max_backoff=4.0))
+    world = World(settings=loop_settings(interval_s=0.01))
     world.source.load, world.source.ttft_s = 100_000.0, 1.2
     world.kube.fail("scale", 422, "admission webhook denied the request", times=3)
     loop = world.loop()
@@ -438,7 +557,7 @@ async def test_a_refused_scale_is_reported_and_retried_with_backoff() -> None:
 
 
 async def test_a_crashing_collector_never_stops_the_loop() -> None:
-    world = World(settings=LoopSettings(interval_s=0.01, max_backoff=4.0))
+    world = World(settings=loop_settings(interval_s=0.01))
     world.source.crash = True
     loop = world.loop()
     delays = await run_ticks(world, loop, 4)
@@ -450,7 +569,7 @@ async def test_a_crashing_collector_never_stops_the_loop() -> None:
 
 
 async def test_leadership_lost_mid_tick_ends_the_loop() -> None:
-    world = World(settings=LoopSettings(interval_s=0.01))
+    world = World(settings=loop_settings(interval_s=0.01))
     world.source.load, world.source.ttft_s = 100_000.0, 1.2
     world.kube.leader = False
     await asyncio.wait_for(world.loop().run(), 5)  # returns instead of retrying

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.api.settings import OperatorSettings
 from pdserve_dev.replay.cluster import ReplayCluster, ReplayConfig
 from pdserve_dev.replay.engines import DecodeEngine
 from pdserve_dev.replay.observe import Observation
@@ -30,7 +31,9 @@ from pdserve_sim.presets import H200_8B as H200_8B_TIMING
 from pdserve_sim.presets import TimingParams
 
 SLO = Slo(ttft_s=0.8, itl_s=0.04, percentile=90)
-CONFIG = ModelConfig(slo=SLO, horizon_s=45.0)
+# A tick of the operator's default interval (the model's backlog deadline is one tick).
+INTERVAL_S = OperatorSettings.autoscaler_interval_seconds
+CONFIG = ModelConfig(slo=SLO, interval_s=INTERVAL_S, horizon_s=45.0)
 
 
 def prefill(**changes: Any) -> PoolSignals:
@@ -404,7 +407,7 @@ def test_decode_capacity_holds_with_long_outputs_and_few_completions_per_window(
         at += rng.expovariate(0.3)
         requests.append(Request(at, 1000, int(rng.uniform(8_000, 24_000))))
     profile = profile_from_timing(H200_8B_TIMING)
-    config = ModelConfig(slo=SLO, prefill_profile=profile, decode_profile=profile)
+    config = ModelConfig(slo=SLO, interval_s=INTERVAL_S, prefill_profile=profile, decode_profile=profile)
     probe = _DecodeProbe("probe", (2, 2), config)
     replay = ReplayCluster(ReplayConfig(H200_8B_TIMING, H200_8B_TIMING, SLO, (2, 2)), requests, probe)
     probe.replay = replay

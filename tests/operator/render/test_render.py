@@ -243,6 +243,22 @@ def test_router_objects() -> None:
     )
 
 
+@pytest.mark.parametrize(("port", "metrics_port"), [(8080, 9090), (9090, 9091)])
+def test_the_router_serves_metrics_on_a_port_of_its_own_that_clients_are_not_given(
+    port: int, metrics_port: int
+) -> None:
+    objects = render(validate(pds(router={"port": port})))
+    config = RouterConfig.model_validate(
+        yaml.safe_load(by_kind(objects, "ConfigMap", "svc-router")["data"]["router.yaml"])
+    )
+    assert (config.port, config.metrics_port) == (port, metrics_port)
+    [container] = by_kind(objects, "Deployment", "svc-router")["spec"]["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": port, "metrics": metrics_port}
+    # The Service (a LoadBalancer, when asked) publishes only the client port.
+    service = by_kind(objects, "Service", "svc-router")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+
+
 def test_autoscaling_clamps_replicas() -> None:
     objects = render(
         validate(pds(decode={"replicas": 20, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}))

@@ -1,5 +1,5 @@
-"""Containers run with the most restrictive security context their workload accepts, and the README's Pod Security
-Standard levels are what a real API server's PodSecurity admission says.
+"""Containers run with the most restrictive security context their workload accepts, and the Pod Security
+Standard levels in docs/security-model.md are what a real API server's PodSecurity admission says.
 
 Engines: no privilege escalation, the runtime's default seccomp profile, every capability dropped; IPC_LOCK added
 back only where RDMA memory registration may happen (placement.rdma required or preferred). vLLM's official image

@@ -50,9 +50,9 @@ async def running_router(config: RouterConfig, **config_updates: Any) -> AsyncIt
 
     if config_updates:
         config = config.model_copy(update=config_updates)
-    router = RouterApp(config)
+    router = RouterApp(config, access_log=False)
     try:
-        port = await router.start("127.0.0.1", 0)
+        port = await router.start("127.0.0.1", 0, metrics_port=0)
         yield f"http://127.0.0.1:{port}", router
     finally:
         await router.stop()

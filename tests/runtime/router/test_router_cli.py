@@ -13,6 +13,7 @@ import click
 import pytest
 import yaml
 
+from pdserve.api.settings import RouterSettings
 from pdserve_dev.testing.net import free_port
 from pdserve_dev.testing.sim import sim_in_process
 from pdserve_dev.testing.wait import wait_for_async
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_flags_build_a_static_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDSERVE_BIND_HOST", raising=False)
-    config = load_config(None, port=9000, prefill=("http://p:1/",), decode=("http://d:1",), threshold=0)
+    config = load_config(RouterSettings(port=9000, prefill=("http://p:1/",), decode=("http://d:1",), threshold=0))
     assert config.discovery == "static"
     assert config.static_prefill == ["http://p:1/"]
     assert config.port == 9000 and config.host == "0.0.0.0"
@@ -46,7 +47,7 @@ def test_flags_override_the_file_and_the_bind_env_overrides_everything(
         )
     )
     monkeypatch.setenv("PDSERVE_BIND_HOST", "127.0.3.4")
-    config = load_config(str(path), port=8181, fallback=False)
+    config = load_config(RouterSettings(config_path=str(path), port=8181, fallback=False))
     assert config.discovery == "kubernetes"
     assert (config.host, config.port) == ("127.0.3.4", 8181)
     assert config.policy.fallback_to_decode is False
@@ -67,7 +68,7 @@ def test_bad_invocations_say_why(tmp_path: Path, path_text: str | None, message:
         (tmp_path / "c.yaml").write_text(path_text)
         path = str(tmp_path / "c.yaml")
     with pytest.raises(click.ClickException, match=message):
-        load_config(path)
+        load_config(RouterSettings(config_path=path))
 
 
 async def test_the_command_serves_on_the_bind_host_and_stops_on_sigterm() -> None:
@@ -76,6 +77,7 @@ async def test_the_command_serves_on_the_bind_host_and_stops_on_sigterm() -> Non
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
         env = {**os.environ, "PDSERVE_BIND_HOST": host}
         args = ["-m", "pdserve.cli", "router", "--port", str(port), "--prefill", p.url, "--decode", d.url]
+        args += ["--metrics-port", str(free_port(host))]
         args += ["--disaggregation-threshold", "0", "--served-model-name", "sim-model"]
         process = await asyncio.create_subprocess_exec(sys.executable, *args, env=env)
         try:
@@ -108,7 +110,31 @@ def test_the_engine_metrics_interval_comes_from_the_file_unless_the_flag_says(
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump({"servedModelName": "m", "decode": {"namespace": "n", "labelSelector": "pool=d"},
                                     "engineMetricsIntervalSeconds": 7}))  # fmt: skip
-    assert load_config(str(path)).engine_metrics_interval_seconds == 7
-    off = load_config(str(path), engine_metrics_interval=0)
+    assert load_config(RouterSettings(config_path=str(path))).engine_metrics_interval_seconds == 7
+    off = load_config(RouterSettings(config_path=str(path), engine_metrics_interval=0))
     assert off.engine_metrics_interval_seconds == 0
-    assert RouterApp(off.model_copy(update={"discovery": "static", "static_decode": ["http://d:1"]}))._scraper is None
+    static = off.model_copy(update={"discovery": "static", "static_decode": ["http://d:1"]})
+    assert RouterApp(static, access_log=False)._scraper is None
+
+
+def test_the_transport_settings_come_from_the_file_unless_the_flags_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PDSERVE_BIND_HOST", raising=False)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({"servedModelName": "m", "decode": {"namespace": "n", "labelSelector": "pool=d"},
+                                    "metricsPort": 9100, "clientWriteTimeoutSeconds": 5}))  # fmt: skip
+    from_file = load_config(RouterSettings(config_path=str(path)))
+    assert (from_file.metrics_port, from_file.client_write_timeout_seconds) == (9100, 5)
+    assert (from_file.min_body_bytes_per_second, from_file.max_chunk_metadata_bytes) == (65536, 4096)
+    flagged = load_config(
+        RouterSettings(
+            config_path=str(path), metrics_port=9200, min_body_rate=1000, max_chunk_metadata_bytes=64,
+            client_write_timeout=2,
+        )
+    )  # fmt: skip
+    assert (flagged.metrics_port, flagged.min_body_bytes_per_second) == (9200, 1000)
+    assert (flagged.max_chunk_metadata_bytes, flagged.client_write_timeout_seconds) == (64, 2)
+    # Metrics are never served on the client port.
+    with pytest.raises(click.ClickException, match="metricsPort must differ from port"):
+        load_config(RouterSettings(config_path=str(path), port=9100))

@@ -71,14 +71,14 @@ async def test_a_compressed_request_body_is_refused_before_any_engine_sees_it(
     router_server: Any, make_config: Callable[..., RouterConfig], coding: str, body: str
 ) -> None:
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
-        async with router_server(make_config([p.url], [d.url])) as (url, _), aiohttp.ClientSession() as session:
+        async with router_server(make_config([p.url], [d.url])) as (url, router), aiohttp.ClientSession() as session:
             plain = orjson.dumps({"model": "sim-model", "prompt": LONG, "max_tokens": 2})
             raw = gzip.compress(plain) if body == "valid" else plain
             headers = {"Content-Encoding": coding, "Content-Type": "application/json"}
             async with session.post(url + "/v1/completions", data=raw, headers=headers) as response:
                 assert response.status == 415
                 error = (await response.json())["error"]
-            async with session.get(url + "/metrics") as response:
+            async with session.get(router.metrics_url + "/metrics") as response:
                 exposition = await response.text()
         assert error["type"] == "UnsupportedMediaTypeError"
         assert "identity" in error["message"]

@@ -68,7 +68,7 @@ async def test_a_draining_static_engine_takes_no_new_requests_and_finishes_its_s
                     async with session.post(url + "/v1/completions", json=short) as answer:
                         assert answer.status == 200, await answer.text()
                 raw += await stream.read()
-            exposition = await wait_for_metric(url, "pdserve_router_requests_total", 6)
+            exposition = await wait_for_metric(router.metrics_url, "pdserve_router_requests_total", 6)
         events = [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]

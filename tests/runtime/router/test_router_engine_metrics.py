@@ -12,7 +12,7 @@ from pdserve_runtime.router.engine_metrics import EngineMetricsScraper, parse_kv
 from pdserve_runtime.router.policy.base import PickContext
 from pdserve_runtime.router.policy.scorer_kv_usage import KvCacheHeadroomScorer
 from pdserve_runtime.router.tokens import PromptInfo
-from pdserve_runtime.router.upstream import EngineClient
+from pdserve_runtime.transport.client import EngineClient
 
 StateFactory = Callable[..., EndpointState]
 

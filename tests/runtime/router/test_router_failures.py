@@ -48,9 +48,9 @@ async def post(url: str, body: dict[str, Any], within: float = 20) -> tuple[int,
         return response.status, response.headers.copy(), await response.read()
 
 
-async def finished(url: str, count: int = 1) -> str:
+async def finished(router: RouterApp, count: int = 1) -> str:
     """The router's exposition once it has counted `count` finished requests (any route and outcome)."""
-    return await wait_for_metric(url, "pdserve_router_requests_total", count)
+    return await wait_for_metric(router.metrics_url, "pdserve_router_requests_total", count)
 
 
 @pytest.mark.parametrize("kind", ["status", "connect", "timeout"])
@@ -71,7 +71,7 @@ async def test_a_failed_prefill_is_retried_on_another_engine(
         async with router_server(config) as (url, router):
             prefer(router, "prefill", bad_url)
             status, headers, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
-            exposition = await finished(url)
+            exposition = await finished(router)
         assert status == 200
         assert headers["X-Pdserve-Route"] == "pd"
         assert await requests_seen(good.url) == 1
@@ -86,9 +86,9 @@ async def test_when_every_prefill_fails_decode_prefills_locally_or_the_router_re
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
         await set_faults(p.url, fail_next=10, fail_status=503)
         config = make_config([p.url, DEAD], [d.url], fallback_to_decode=fallback)
-        async with router_server(config) as (url, _):
+        async with router_server(config) as (url, router):
             status, headers, body = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
-            exposition = await finished(url)
+            exposition = await finished(router)
         if fallback:
             assert status == 200
             assert headers["X-Pdserve-Route"] == "fallback"
@@ -130,9 +130,9 @@ async def test_decode_failing_everywhere_with_the_kv_gets_a_fresh_prefill(
 ) -> None:
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
         await set_faults(d.url, fail_next=1, fail_status=500)
-        async with router_server(make_config([p.url], [d.url])) as (url, _):
+        async with router_server(make_config([p.url], [d.url])) as (url, router):
             status, _, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
-            exposition = await finished(url)
+            exposition = await finished(router)
         assert status == 200
         assert await requests_seen(p.url) == 2
         assert metric_value(exposition, "pdserve_router_retries_total", stage="reprefill") == 1
@@ -152,7 +152,7 @@ async def test_kv_that_cannot_be_pulled_is_prefilled_again_elsewhere(
         async with router_server(make_config([p1.url, p2.url], [d.url])) as (url, router):
             prefer(router, "prefill", p1.url)
             status, headers, body = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})
-            exposition = await finished(url)
+            exposition = await finished(router)
         assert status == 200, body
         assert headers["X-Pdserve-Route"] == "pd"
         assert (await requests_seen(p1.url), await requests_seen(p2.url)) == (1, 1)
@@ -190,7 +190,7 @@ async def test_a_decode_failure_mid_stream_ends_the_stream_with_an_error_event(
 ) -> None:
     async with sim_process(role="decode", fast=True, fault_stall_after=3) as d:
         config = make_config([], [d.url], read_timeout_seconds=0.5 if how == "stall" else 30)
-        async with router_server(config) as (url, _), aiohttp.ClientSession() as session:
+        async with router_server(config) as (url, router), aiohttp.ClientSession() as session:
             body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 10, "stream": True}
             async with session.post(url + "/v1/completions", json=body) as response:
                 assert response.status == 200
@@ -200,7 +200,7 @@ async def test_a_decode_failure_mid_stream_ends_the_stream_with_an_error_event(
                 if how == "kill":
                     d.kill()
                 received += await response.read()
-            exposition = await finished(url)
+            exposition = await finished(router)
     events = [line for line in received.split(b"\n\n") if line]
     assert len(events) == 5  # three tokens, the error, [DONE]; nothing repeated
     assert events[3].startswith(b'data: {"error":{"message":"decode engine failed mid-stream')
@@ -214,7 +214,7 @@ async def test_a_client_disconnect_cancels_the_engine_request(
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
         await set_faults(d.url, stall_after_tokens=2)
         config = make_config([p.url], [d.url], disaggregation_threshold_tokens=0)
-        async with router_server(config) as (url, _):
+        async with router_server(config) as (url, router):
             async with aiohttp.ClientSession() as session:
                 body = {"model": "sim-model", "prompt": SHORT, "max_tokens": 50, "stream": True}
                 async with session.post(url + "/v1/completions", json=body) as response:
@@ -223,7 +223,7 @@ async def test_a_client_disconnect_cancels_the_engine_request(
             # The client is gone; the stalled engine request must be aborted: the engine counts it as such.
             await wait_for_metric(d.url, "vllm:request_success_total", 1, finished_reason="abort")
             assert (await sim_state(d.url))["running"] == 0
-            exposition = await finished(url)
+            exposition = await finished(router)
         assert metric_value(exposition, "pdserve_router_requests_total", outcome="cancelled") == 1
         assert metric_value(exposition, "pdserve_router_endpoint_in_flight_requests") == 0
 
@@ -250,7 +250,7 @@ async def test_a_client_disconnect_before_the_first_byte_releases_the_engine(
             with contextlib.suppress(asyncio.CancelledError):
                 await client
             # The router counts the abandoned request once its handler has wound up: then nothing is held.
-            exposition = await finished(url)
+            exposition = await finished(router)
             engine = router.table.states(stage)[0]
             assert (engine.in_flight, engine.in_flight_tokens) == (0, 0)
         assert metric_value(exposition, "pdserve_router_requests_total", outcome="cancelled") == 1
@@ -274,7 +274,7 @@ async def test_failing_engines_are_ejected_and_probed_back_in(
                 assert status == 200  # failures on d1 are retried on d2
             d1_state = next(state for state in router.table.states("decode") if state.url == d1.url)
             assert not d1_state.usable
-            exposition = await finished(url, 3)
+            exposition = await finished(router, 3)
             assert metric_value(exposition, "pdserve_router_endpoint_ejections_total") == 1
             seen = await requests_seen(d1.url)
             for _ in range(4):

@@ -6,15 +6,16 @@ Every refusal is an OpenAI-shaped JSON error that never quotes the input, and co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 import pytest
 
 from pdserve.api.router_config import RouterConfig
+from pdserve_dev.testing.rawhttp import closed_by_server, connection, read_response, send
 from pdserve_dev.testing.sim import sim_in_process
 from pdserve_dev.testing.wait import wait_for_async
 
@@ -22,59 +23,6 @@ pytestmark = pytest.mark.timeout(60)
 
 DEAD = "http://127.0.0.1:9"
 SECRET = "s3cr3t-input-marker"
-
-
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP/1.1 response (Content-Length or chunked body)."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {}
-    for line in lines[1:]:
-        if line:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-    if "content-length" in headers:
-        body = await reader.readexactly(int(headers["content-length"]))
-    elif headers.get("transfer-encoding") == "chunked":
-        body = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            chunk = await reader.readexactly(size + 2)
-            if size == 0:
-                break
-            body += chunk[:-2]
-    else:
-        body = await reader.read()
-    return status, headers, body
-
-
-@asynccontextmanager
-async def connection(url: str, local_host: str | None = None) -> AsyncIterator[tuple[Any, Any]]:
-    host, port = url.removeprefix("http://").split(":")
-    local = (local_host, 0) if local_host else None
-    reader, writer = await asyncio.open_connection(host, int(port), local_addr=local)
-    try:
-        yield reader, writer
-    finally:
-        writer.close()
-
-
-async def send(url: str, raw: bytes) -> tuple[int, dict[str, str], bytes]:
-    async with connection(url) as (reader, writer):
-        writer.write(raw)
-        await writer.drain()
-        return await asyncio.wait_for(read_response(reader), 10)
-
-
-async def closed_by_server(reader: asyncio.StreamReader) -> bool:
-    """Whether the server closed the connection (reads until EOF, bounded by the test's timeout)."""
-    try:
-        while await reader.read(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    return True
 
 
 def assert_openai_error(status: int, headers: dict[str, str], body: bytes, expected: int) -> dict[str, Any]:
@@ -120,11 +68,11 @@ async def test_parser_level_refusals_are_openai_errors_without_echo_and_one_log_
     status: int,
 ) -> None:
     async with router_server(make_config([], [DEAD])) as (url, _):
-        with caplog.at_level(logging.INFO, logger="pdserve.router"):
+        with caplog.at_level(logging.INFO, logger="pdserve.transport"):
             got, headers, body = await send(url, raw)
     assert_openai_error(got, headers, body, status)
     assert headers["connection"] == "close"
-    records = [record for record in caplog.records if record.name.startswith("pdserve.router.http")]
+    records = [record for record in caplog.records if record.name.startswith("pdserve.transport.server")]
     assert len(records) == 1
     assert records[0].exc_info is None and "\n" not in records[0].getMessage()
     assert SECRET not in records[0].getMessage()
@@ -196,7 +144,7 @@ async def test_the_connection_limit_answers_503(router_server: Any, make_config:
 async def test_request_memory_is_bounded_per_client_address(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
-    """Slow uploads from one client address take its share of the body budget, not everyone's."""
+    """Uploads from one client address take its share of the body budget, not everyone's."""
     config = make_config(
         [],
         [DEAD],
@@ -206,21 +154,51 @@ async def test_request_memory_is_bounded_per_client_address(
     )
     async with router_server(config) as (url, router):
         async with connection(url, "127.0.0.1") as (r1, w1), connection(url, "127.0.0.1") as (r2, w2):
-            w1.write(POST + b"Content-Length: 80000\r\n\r\n" + b"{")  # a slow upload holds 80 kB
+            w1.write(POST + b"Content-Length: 90000\r\n\r\n" + b"{" * 70_000)  # an upload holding 70 kB, stalled
             await w1.drain()
-            await wait_for_async(lambda: asyncio.sleep(0, router.server.budget.total >= 80_000), within=10)
-            w2.write(POST + b"Content-Length: 80000\r\n\r\n{")
-            status, headers, body = await asyncio.wait_for(read_response(r2), 10)
-            assert_openai_error(status, headers, body, 429)
+            await wait_for_async(lambda: asyncio.sleep(0, router.server.budget.total >= 70_000), within=10)
             # Another client address is not affected by the first one's uploads.
             async with connection(url, "127.0.0.2") as (r3, w3):
                 w3.write(POST + b"Content-Length: 80000\r\n\r\n" + b"{" * 80000)
                 await w3.drain()
                 status, _, body = await asyncio.wait_for(read_response(r3), 10)
             assert status == 400  # read in full and parsed (it is not JSON): not refused for memory
-            del r1
-        # Closing the slow upload gives its reservation back.
+            # On the same address, a request within its share (half the bound, beside the stalled upload) takes
+            # memory from the upload above its share, which is refused: it cannot lock the address out.
+            w2.write(POST + b"Content-Length: 40000\r\n\r\n" + b"{" * 40_000)
+            status, headers, body = await asyncio.wait_for(read_response(r1), 10)
+            assert_openai_error(status, headers, body, 429)
+            status, _, body = await asyncio.wait_for(read_response(r2), 10)
+            assert status == 400  # read in full
+        # Closing the uploads gives their bytes back.
         assert await wait_for_async(lambda: asyncio.sleep(0, router.server.budget.total == 0), within=10)
+
+
+async def test_header_only_uploads_do_not_lock_their_address_out(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    """Issue 18.6: eight uploads announcing 8 MiB and sending nothing gave every other request from their address a
+    429 for the 30 s body timeout. Announced bytes cost nothing now; behind a proxy everyone shares that address."""
+    async with (
+        sim_in_process(role="decode") as d,
+        router_server(make_config([], [d.url])) as (url, router),
+        contextlib.AsyncExitStack() as stack,
+    ):
+        for _ in range(8):
+            _reader, writer = await stack.enter_async_context(connection(url, "127.0.0.2"))
+            writer.write(POST + b"Content-Length: 8388608\r\n\r\n")
+            await writer.drain()
+
+        def announced() -> bool:
+            return sum(1 for conn in router.server.connections if conn.headers_done) == 8
+
+        await wait_for_async(lambda: asyncio.sleep(0, announced()), within=10, message="eight uploads read")
+        body = orjson.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 2})
+        async with connection(url, "127.0.0.2") as (reader, writer):
+            writer.write(POST + b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            status, _, answer = await asyncio.wait_for(read_response(reader), 10)
+        assert status == 200, answer
+        assert router.server.budget.total == 0
 
 
 async def test_keep_alive_pipelining_expect_head_and_http10(
@@ -277,3 +255,41 @@ async def test_header_names_are_written_in_their_usual_spelling(
     for line in (b"X-Pdserve-Route: decode-only", b"Content-Type: text/event-stream", b"Transfer-Encoding: chunked"):
         assert b"\r\n" + line in head, head
     assert b"\r\nX-Request-Id: " in head
+
+
+async def test_metrics_are_served_on_their_own_port_only(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    """Issue 18.9: `/metrics` on the client port listed every engine URL to anonymous clients."""
+    async with sim_in_process(role="decode") as d, router_server(make_config([], [d.url])) as (url, router):
+        status, headers, body = await send(url, b"GET /metrics HTTP/1.1\r\nHost: r\r\n\r\n")
+        assert_openai_error(status, headers, body, 404)
+        assert d.url.encode() not in body
+        status, headers, body = await send(router.metrics_url, b"GET /metrics HTTP/1.1\r\nHost: r\r\n\r\n")
+        assert status == 200 and headers["content-type"].startswith("text/plain")
+        assert b"pdserve_router_endpoint_up{" in body
+        # The metrics port serves nothing else.
+        status, _, _ = await send(router.metrics_url, b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        assert status == 404
+    assert router.metrics_port not in (0, router.port)
+
+
+async def test_request_ids_say_nothing_about_other_requests(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    """Issue 18.9: the id the router made was a per-process prefix and a router-wide counter."""
+    async with sim_in_process(role="decode") as d, router_server(make_config([], [d.url])) as (url, _):
+        body = orjson.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 1})
+        ids, engine_ids = [], []
+        async with connection(url) as (reader, writer):
+            for _ in range(20):
+                writer.write(POST + b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+                status, headers, answer = await asyncio.wait_for(read_response(reader), 10)
+                assert status == 200
+                ids.append(headers["x-request-id"])
+                engine_ids.append(orjson.loads(answer)["id"])  # vLLM (and the simulator) name it after the engine's id
+    tokens = [rid.removeprefix("pdr-") for rid in ids]
+    assert all(len(token) == 24 and int(token, 16) >= 0 for token in tokens)
+    # 96 random bits each: no shared prefix, no order.
+    assert len({token[:6] for token in tokens}) == len(tokens)
+    assert all(token in engine_id for token, engine_id in zip(tokens, engine_ids, strict=True))

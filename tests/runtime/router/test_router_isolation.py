@@ -15,8 +15,9 @@ import pytest
 from aiohttp import web
 
 from pdserve.api.router_config import RouterConfig
-from pdserve_dev.testing.metrics import metric_value, scrape
+from pdserve_dev.testing.metrics import metric_value, scrape, wait_for_metric
 from pdserve_dev.testing.sim import sim_in_process
+from pdserve_runtime.router.app import RouterApp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,9 +42,8 @@ async def post(
         return response.status, response.headers.copy(), await response.read()
 
 
-async def router_metrics(url: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
-        return await response.text()
+async def router_metrics(router: RouterApp) -> str:
+    return await scrape(router.metrics_url)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -87,7 +87,7 @@ async def test_concurrent_requests_with_one_client_id_never_collide_inside_the_e
 ) -> None:
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
         config = make_config([p.url], [d.url], disaggregation_threshold_tokens=0)
-        async with router_server(config) as (url, _):
+        async with router_server(config) as (url, router):
 
             async def one(index: int) -> tuple[int, str, bytes]:
                 body = {"model": "sim-model", "prompt": f"{index} {LONG}", "max_tokens": 4, "stream": True}
@@ -95,7 +95,10 @@ async def test_concurrent_requests_with_one_client_id_never_collide_inside_the_e
                 return status, headers["X-Request-Id"], data
 
             answers = await asyncio.gather(*(one(index) for index in range(12)))
-            exposition = await router_metrics(url)
+            # Counted as each handler ends, which may be just after its client read the last byte.
+            exposition = await wait_for_metric(
+                router.metrics_url, "pdserve_router_requests_total", 12, route="pd", outcome="success"
+            )
     assert [status for status, _, _ in answers] == [200] * 12
     assert {rid for _, rid, _ in answers} == {"same-id"}  # the client's id comes back to the client
     assert all(data.count(b"data: {") == 4 for _, _, data in answers)
@@ -117,7 +120,7 @@ async def test_failures_a_client_causes_never_count_against_an_engine(
                 for _ in range(2):
                     status, _, _ = await post(url, body)
                     assert 400 <= status < 500
-            exposition = await router_metrics(url)
+            exposition = await router_metrics(router)
             usable = [state.usable for role in ("prefill", "decode") for state in router.table.states(role)]
     assert metric_value(exposition, "pdserve_router_endpoint_errors_total") == 0
     assert usable == [True, True]
@@ -133,9 +136,9 @@ async def test_a_slow_non_streaming_answer_is_not_an_engine_failure(
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
         await set_faults(d.url, latency_s=1.0)
         config = make_config([p.url], [d.url], read_timeout_seconds=0.2, first_byte_timeout_seconds=0.2)
-        async with router_server(config) as (url, _):
+        async with router_server(config) as (url, router):
             status, headers, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 3})
-            exposition = await router_metrics(url)
+            exposition = await router_metrics(router)
         assert await requests_seen(p.url) == 1  # prefill ran once: no retry repeated it
     assert (status, headers["X-Pdserve-Route"]) == (200, "pd")
     assert metric_value(exposition, "pdserve_router_endpoint_errors_total") == 0
@@ -147,9 +150,9 @@ async def test_a_stream_stalled_before_its_first_byte_ends_after_the_first_byte_
     async with sim_in_process(role="decode") as d:
         await set_faults(d.url, latency_s=3600)
         config = make_config([], [d.url], first_byte_timeout_seconds=0.3, read_timeout_seconds=3600)
-        async with router_server(config) as (url, _):
+        async with router_server(config) as (url, router):
             status, _, body = await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 3, "stream": True})
-            exposition = await router_metrics(url)
+            exposition = await router_metrics(router)
     assert status == 502, body
     assert metric_value(exposition, "pdserve_router_endpoint_errors_total", kind="timeout") == 2  # two attempts
 
@@ -159,9 +162,9 @@ async def test_the_request_deadline_is_a_504_and_no_engine_is_charged(
 ) -> None:
     async with sim_in_process(role="decode") as d:
         await set_faults(d.url, latency_s=3600)
-        async with router_server(make_config([], [d.url], request_timeout_seconds=0.5)) as (url, _):
+        async with router_server(make_config([], [d.url], request_timeout_seconds=0.5)) as (url, router):
             status, _, body = await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 3})
-            exposition = await router_metrics(url)
+            exposition = await router_metrics(router)
     assert status == 504
     assert orjson.loads(body)["error"]["type"] == "GatewayTimeoutError"
     assert metric_value(exposition, "pdserve_router_endpoint_errors_total") == 0
@@ -180,7 +183,7 @@ async def test_errors_never_eject_the_last_engine_of_a_pool(
             statuses = [
                 (await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 1}))[0] for _ in range(3)
             ]
-            exposition = await router_metrics(url)
+            exposition = await router_metrics(router)
             assert router.table.states("decode")[0].usable
     # Two requests of two failing attempts each, then the engine is fine again and serves at once: no 503 for
     # the breaker's open_seconds, as there would be had errors ejected the only engine.
@@ -196,7 +199,7 @@ async def test_ejection_keeps_part_of_the_pool(router_server: Any, make_config: 
         async with router_server(make_config([], [d1.url, d2.url], breaker=breaker)) as (url, router):
             status, _, _ = await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 1})
             usable = [state.usable for state in router.table.states("decode")]
-            exposition = await router_metrics(url)
+            exposition = await router_metrics(router)
     assert status == 502
     assert sorted(usable) == [False, True]  # half the pool at most
     assert metric_value(exposition, "pdserve_router_endpoint_ejections_total") == 1
@@ -207,9 +210,9 @@ async def test_a_single_transient_failure_is_retried_on_the_only_engine(
 ) -> None:
     async with sim_in_process(role="decode") as d:
         await set_faults(d.url, fail_next=1, fail_status=500)
-        async with router_server(make_config([], [d.url])) as (url, _):
+        async with router_server(make_config([], [d.url])) as (url, router):
             status, _, _ = await post(url, {"model": "sim-model", "prompt": SHORT, "max_tokens": 1})
-            exposition = await router_metrics(url)
+            exposition = await router_metrics(router)
     assert status == 200
     assert metric_value(exposition, "pdserve_router_retries_total", stage="decode") == 1
 
@@ -264,7 +267,10 @@ async def test_kv_transfer_params_inside_vllm_xargs_are_stripped(
 ) -> None:
     seen: list[dict[str, Any]] = []
     hostile = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80}
-    async with scripted_engine(recording_decode(seen)) as decode, router_server(make_config([], [decode])) as (url, _):
+    async with (
+        scripted_engine(recording_decode(seen)) as decode,
+        router_server(make_config([], [decode])) as (url, _),
+    ):
         body = {"model": "m", "prompt": SHORT, "vllm_xargs": {"kv_transfer_params": hostile, "tag": 1}}
         status, _, _ = await post(url, body)
     assert status == 200
@@ -306,10 +312,10 @@ async def test_prefill_answers_a_decode_engine_must_not_act_on_never_reach_it(
     async with (
         scripted_engine(hostile_prefill(params)) as prefill,
         scripted_engine(recording_decode(seen)) as decode,
-        router_server(make_config([prefill], [decode], max_prefill_attempts=1)) as (url, _),
+        router_server(make_config([prefill], [decode], max_prefill_attempts=1)) as (url, router),
     ):
         status, headers, _ = await post(url, {"model": "m", "prompt": LONG, "max_tokens": 2})
-        exposition = await router_metrics(url)
+        exposition = await router_metrics(router)
     assert (status, headers["X-Pdserve-Route"]) == (200, "fallback")
     assert "kv_transfer_params" not in seen[0]["body"]
     assert metric_value(exposition, "pdserve_router_endpoint_errors_total", role="prefill", kind="protocol") == 1

@@ -124,9 +124,9 @@ def _get(url: str) -> tuple[int, str]:
         return 0, str(exc)
 
 
-def _usable(router: str, role: str) -> int:
-    """Usable endpoints of a pool, from the router's own metrics."""
-    status, text = _get(router + "/metrics")
+def _usable(metrics: str, role: str) -> int:
+    """Usable endpoints of a pool, from the router's own metrics (`metrics`: its metrics port's base URL)."""
+    status, text = _get(metrics + "/metrics")
     if status != 200:
         return -1
     return int(metric_value(text, "pdserve_router_endpoint_up", role=role))
@@ -184,11 +184,12 @@ def test_router_discovers_engine_pods_and_serves_through_scaling_and_replacement
     http_port, nixl_port = free_port("0.0.0.0"), free_port("0.0.0.0")
     pools = [*engine_pool("prefill", 2, http_port, nixl_port), *engine_pool("decode", 1, http_port, nixl_port)]
     cluster.apply(pools, namespace=namespace)
-    port = free_port("0.0.0.0")
+    port, metrics_port = free_port("0.0.0.0"), free_port("0.0.0.0")
     config = {
         "servedModelName": "sim-model",
         "host": "127.0.0.1",
         "port": port,
+        "metricsPort": metrics_port,
         "discovery": "kubernetes",
         "prefill": {"namespace": namespace, "labelSelector": SLICES.format(role="prefill")},
         "decode": {"namespace": namespace, "labelSelector": SLICES.format(role="decode")},
@@ -206,10 +207,11 @@ def test_router_discovers_engine_pods_and_serves_through_scaling_and_replacement
         stderr=subprocess.STDOUT,
     )
     router = f"http://127.0.0.1:{port}"
+    metrics = f"http://127.0.0.1:{metrics_port}"
     load: Load | None = None
     try:
         wait_for(
-            lambda: _usable(router, "prefill") == 2 and _usable(router, "decode") == 1,
+            lambda: _usable(metrics, "prefill") == 2 and _usable(metrics, "decode") == 1,
             timeout=120,
             message=lambda: f"router sees 2+1 engines, log: {(tmp_path / 'router.log').read_text()[-2000:]}",
         )
@@ -222,7 +224,7 @@ def test_router_discovers_engine_pods_and_serves_through_scaling_and_replacement
 
         # Scale decode up: the new engine joins the table once its pod is ready.
         cluster.kubectl("scale", "statefulset/llm-decode", "--replicas=2", f"--namespace={namespace}")
-        wait_for(lambda: _usable(router, "decode") == 2, timeout=90, message="router sees 2 decode engines")
+        wait_for(lambda: _usable(metrics, "decode") == 2, timeout=90, message="router sees 2 decode engines")
 
         # Replace a prefill pod and a decode pod (new processes, new incarnations).
         for pod, role, count in (("llm-prefill-0", "prefill", 2), ("llm-decode-0", "decode", 2)):
@@ -236,13 +238,13 @@ def test_router_discovers_engine_pods_and_serves_through_scaling_and_replacement
             before = sum(load.outcomes.values())
 
             def recovered(role: str = role, count: int = count, before: int = before) -> bool:
-                return _usable(router, role) == count and sum(load.outcomes.values()) > before + 5
+                return _usable(metrics, role) == count and sum(load.outcomes.values()) > before + 5
 
             wait_for(recovered, timeout=120, message=f"router serving with {count} {role} engines after {pod}")
 
         # Scale decode down again.
         cluster.kubectl("scale", "statefulset/llm-decode", "--replicas=1", f"--namespace={namespace}")
-        wait_for(lambda: _usable(router, "decode") == 1, timeout=90, message="router sees 1 decode engine")
+        wait_for(lambda: _usable(metrics, "decode") == 1, timeout=90, message="router sees 1 decode engine")
         settled = sum(load.outcomes.values())
         wait_for(lambda: sum(load.outcomes.values()) > settled + 10, timeout=60, message="traffic after scale-down")
     finally:

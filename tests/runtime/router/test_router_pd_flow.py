@@ -50,7 +50,7 @@ async def test_selective_disaggregation_sends_short_and_cached_prompts_straight_
     engine_latency = 0.1  # every decode request waits this long in the engine before its first byte
     async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
         await set_faults(d.url, latency_s=engine_latency)
-        async with router_server(make_config([p.url], [d.url])) as (url, _), aiohttp.ClientSession() as session:
+        async with router_server(make_config([p.url], [d.url])) as (url, router), aiohttp.ClientSession() as session:
             routes = []
             for prompt in (SHORT, LONG, LONG + " And then?"):
                 body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
@@ -59,7 +59,7 @@ async def test_selective_disaggregation_sends_short_and_cached_prompts_straight_
                     routes.append(response.headers["X-Pdserve-Route"])
             # The third prompt extends the second, which the decode engine now holds: only a few tokens are new.
             assert routes == ["decode-only", "pd", "decode-only"]
-            exposition = await wait_for_metric(url, "pdserve_router_requests_total", 3)
+            exposition = await wait_for_metric(router.metrics_url, "pdserve_router_requests_total", 3)
         assert await requests_seen(p.url) == 1
         assert metric_value(exposition, "pdserve_router_requests_total", route="pd", outcome="success") == 1
         assert metric_value(exposition, "pdserve_router_requests_total", route="decode-only", outcome="success") == 2

@@ -1,14 +1,21 @@
 -- Argo CD health check for pdserve.io/PDService (argocd-cm key resource.customizations.health.pdserve.io_PDService).
 --
--- It reads the conditions the pdserve operator writes and follows kstatus, the rules Flux and kpt use, so every
--- GitOps tool reaches the same verdict:
---   Healthy      Ready=True (serving, every child up to date), for the generation Argo CD applied
---   Degraded     Stalled=True: the operator cannot progress without a human (invalid spec, a child the API server
---                refused, crash-looping engines, a router Deployment that gave up); the message says which
---   Progressing  anything else: no status yet, a status for an older generation, Reconciling=True (children
---                rolling out, pods pending or pulling images, endpoints not ready)
--- Statuses written by an operator older than the Ready/Reconciling/Stalled conditions fall back to Available,
--- Progressing and Degraded.
+-- It gives kstatus' verdict (sigs.k8s.io/cli-utils pkg/kstatus, what Flux and kpt use), step for step, so every
+-- GitOps tool agrees on a PDService:
+--   1. being deleted (metadata.deletionTimestamp)         -> Progressing (kstatus: Terminating)
+--   2. status.observedGeneration differs from the object's metadata.generation (both present)
+--                                                          -> Progressing (InProgress)
+--   3. the first condition, in list order, that is Reconciling=True or Stalled=True
+--                                                          -> Progressing (InProgress) or Degraded (Failed)
+--   4. otherwise Ready=True                                -> Healthy (Current)
+-- Ready=True never outweighs Reconciling=True or Stalled=True, whatever else the status says.
+-- Only where kstatus finds nothing to go on (no status, or no Ready=True and none of the above) does this script
+-- differ: kstatus answers Current there, its rule for kinds it does not know; this script waits for Ready=True
+-- (Progressing), as the Flux healthCheckExprs in gitops/README.md do. The pdserve operator always writes exactly
+-- one of Ready, Reconciling and Stalled True, so only "no status yet" reaches that case in practice.
+-- Statuses from an operator older than the Ready/Reconciling/Stalled conditions fall back to Available,
+-- Progressing and Degraded (again only where kstatus has no verdict of its own).
+-- tests/gitops/test_argocd_health.py checks all of this against the real kstatus, every combination.
 local hs = {}
 
 local function find(conditions, wanted)
@@ -31,38 +38,50 @@ local function describe(condition)
   return reason
 end
 
+-- 1. Argo CD reports an object being deleted as Progressing before it runs a health script; kstatus does the same.
+if obj.metadata ~= nil and obj.metadata.deletionTimestamp ~= nil and obj.metadata.deletionTimestamp ~= "" then
+  hs.status = "Progressing"
+  hs.message = "Pending deletion"
+  return hs
+end
+
 if obj.status == nil then
   hs.status = "Progressing"
   hs.message = "Waiting for the pdserve operator to report status"
   return hs
 end
 
-local generation = obj.metadata.generation
+-- 2. A status written for another generation says nothing about this one (kstatus compares only when both exist).
+local generation = obj.metadata and obj.metadata.generation
 local observed = obj.status.observedGeneration
-if generation ~= nil and (observed == nil or observed < generation) then
+if generation ~= nil and observed ~= nil and observed ~= generation then
   hs.status = "Progressing"
   hs.message = "Waiting for the pdserve operator to act on generation " .. generation
   return hs
 end
 
+-- 3. Reconciling and Stalled, in the order the status lists them: the first True one decides.
 local conditions = obj.status.conditions
-local stalled = find(conditions, "Stalled")
-local ready = find(conditions, "Ready")
-local reconciling = find(conditions, "Reconciling")
-
-if stalled ~= nil and stalled.status == "True" then
-  hs.status = "Degraded"
-  hs.message = describe(stalled)
-  return hs
+if conditions ~= nil then
+  for _, condition in ipairs(conditions) do
+    if condition.status == "True" and condition.type == "Reconciling" then
+      hs.status = "Progressing"
+      hs.message = describe(condition)
+      return hs
+    end
+    if condition.status == "True" and condition.type == "Stalled" then
+      hs.status = "Degraded"
+      hs.message = describe(condition)
+      return hs
+    end
+  end
 end
+
+-- 4. Nothing in progress and nothing stalled.
+local ready = find(conditions, "Ready")
 if ready ~= nil and ready.status == "True" then
   hs.status = "Healthy"
   hs.message = describe(ready)
-  return hs
-end
-if reconciling ~= nil and reconciling.status == "True" then
-  hs.status = "Progressing"
-  hs.message = describe(reconciling)
   return hs
 end
 

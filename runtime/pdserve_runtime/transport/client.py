@@ -1,15 +1,17 @@
-"""The router's HTTP/1.1 client to engines: pooled keep-alive connections, asyncio protocols over llhttp.
+"""An HTTP/1.1 client to upstream servers (engines): pooled keep-alive connections, asyncio protocols over llhttp.
 
-One `Exchange` is one request to one engine. The proxy sends, then waits for what it needs and no more:
+One `Exchange` is one request to one engine. The caller sends, then waits for what it needs and no more:
 
 - `head()`: the status line and headers;
 - `first_chunk()`: the first piece of the body (a stream's first event, a prefill answer's first bytes);
 - `read_all(limit)`: the rest, refusing an answer larger than `limit` (a prefill answer is parsed; an engine must
   not be able to make the router buffer without bound);
 - `relay(sink)`: every further piece handed to `sink` from the protocol callback itself, so a relayed stream costs
-  no task switch and no intermediate buffer per chunk; it completes when the body ends.
+  no task switch and no intermediate buffer per chunk; it completes when the body ends. While the sink's own
+  reader is slow, the caller pauses the exchange (`pause_reading`): the engine's silence then is the router's
+  doing, so the idle timeout does not run until `resume_reading`.
 
-Timeouts are deadlines the proxy passes in (first byte, silence between chunks); connect has its own. Failures
+Timeouts are deadlines the caller passes in (first byte, silence between chunks); connect has its own. Failures
 raise `UpstreamError` with a kind: connect, timeout, protocol (unparseable answer, too large), stream (the engine
 closed the connection mid-answer). `close()` either returns a finished connection to the pool or, when the answer
 is unfinished (client gone, relay failed), closes it, which is how an engine learns to abort the request.
@@ -80,6 +82,7 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.idle_since = 0.0
         self.reused = False
+        self.paused = False  # reading paused by the caller (its own reader is slow)
         self._reset()
 
     def _reset(self) -> None:
@@ -263,8 +266,8 @@ class Exchange:
             while not conn.complete:
                 if conn.error is not None:
                     raise conn.error
-                if idle_timeout is None:
-                    await conn.wait(None, _DONE)
+                if idle_timeout is None or conn.paused:
+                    await conn.wait(None, _DONE)  # the end, an error, or (when paused) reading resumed
                     continue
                 quiet_until = conn.last_activity + idle_timeout
                 if conn.loop.time() >= quiet_until:
@@ -277,20 +280,31 @@ class Exchange:
             conn.sink = None
 
     def pause_reading(self) -> None:
-        transport = self._conn.transport
-        if transport is not None and not self._conn.lost:
+        """Stop reading the answer (whoever it is relayed to does not keep up); the idle timeout stops too."""
+        conn = self._conn
+        transport = conn.transport
+        if transport is not None and not conn.lost and not conn.paused:
+            conn.paused = True
             transport.pause_reading()
 
     def resume_reading(self) -> None:
-        transport = self._conn.transport
-        if transport is not None and not self._conn.lost:
+        """Read again; the idle timeout counts afresh from now."""
+        conn = self._conn
+        transport = conn.transport
+        if transport is not None and not conn.lost and conn.paused:
+            conn.paused = False
+            conn.last_activity = conn.loop.time()
             transport.resume_reading()
+            conn._wake(_DONE)
 
     def close(self) -> None:
         """Give the connection back to the pool when the answer is complete, else close it (aborting the
         engine's request)."""
         conn = self._conn
         if conn.complete and conn.keep_alive and conn.error is None and not conn.lost:
+            if conn.paused and conn.transport is not None:
+                conn.paused = False
+                conn.transport.resume_reading()  # a pooled connection reads (the engine may close it)
             self._client.release(self._origin, conn)
         elif conn.transport is not None:
             conn.transport.close()

@@ -1,4 +1,8 @@
-"""Deterministic names and labels of everything rendered for a PDService.
+"""Deterministic names and labels of everything rendered for a PDService: the bottom of the operator's layers.
+
+The renderer writes these names and labels, and everything above it finds children by them (the informer cache,
+status, the planner, the autoscaler's actuator, the controller's watch selector), so they live below all of them
+and import nothing of the operator.
 
 Selector labels are a strict subset of the object labels and never include anything that changes over the life of
 a PDService (a StatefulSet's selector is immutable): the kv-compat hash is a pod label, never a selector label

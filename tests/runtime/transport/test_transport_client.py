@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from pdserve_runtime.router.upstream import EngineClient, UpstreamError
+from pdserve_runtime.transport.client import EngineClient, UpstreamError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -129,6 +129,36 @@ async def test_deadlines_first_byte_and_silence_between_chunks() -> None:
             await stalled.relay(relayed.append, idle_timeout=0.2)
         assert caught.value.kind == "timeout"
         stalled.close()
+    await client.close()
+
+
+async def test_silence_while_the_caller_has_paused_reading_is_not_a_timeout() -> None:
+    """The relay's reader being slow is not the engine's fault: paused, the idle timeout does not run (issue 18.7);
+    resumed, it counts afresh."""
+    go_on = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await go_on.wait()  # silent for as long as the test likes
+        writer.write(b"4\r\nrest\r\n0\r\n\r\n")
+        await writer.drain()
+
+    client = EngineClient(connect_timeout=1.0)
+    async with raw_engine(script) as (url, _):
+        exchange = await client.send(url, "POST", "/", b"", [b"{}"])
+        assert await exchange.first_chunk(deadline(5)) == b"first"
+        exchange.pause_reading()
+        relayed: list[bytes] = []
+        relay = asyncio.create_task(exchange.relay(relayed.append, idle_timeout=0.2))
+        await asyncio.sleep(1.0)  # five idle timeouts: paused, there is no deadline at all
+        assert not relay.done()
+        exchange.resume_reading()
+        go_on.set()
+        await asyncio.wait_for(relay, 5)
+        assert relayed == [b"rest"]
+        exchange.close()
     await client.close()
 
 
