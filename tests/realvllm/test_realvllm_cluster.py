@@ -340,7 +340,7 @@ NEEDS_STREAMS = {"router_itl", "engine_itl", "engine_itl_by_pod"}
 def _selector(deployment: Deployment, pool: str, prometheus: PrometheusHelper) -> str:
     """The pool's selector exactly as the autoscaler's collector writes it (its live pods by name)."""
     pods = [p["metadata"]["name"] for p in deployment.pods(pool)]
-    target = Target(deployment.namespace, NAME, 90)
+    target = Target(deployment.namespace, NAME, 90, window_s=10.0, warmup_s=5.0)
     return Collector(prometheus.client).selector(target, pool, pods)
 
 
