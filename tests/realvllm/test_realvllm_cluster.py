@@ -55,7 +55,8 @@ NAME = "real"
 pytestmark = [pytest.mark.cluster, pytest.mark.realvllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 #: The operator's autoscaler timing: a decision every 2 s over a 10 s window (defaults 15 s / 15 s).
-AUTOSCALER_FLAGS = ["--autoscaler-interval-seconds=2", "--autoscaler-window-seconds=10"]
+AUTOSCALER_WINDOW_S = 10.0
+AUTOSCALER_FLAGS = ["--autoscaler-interval-seconds=2", f"--autoscaler-window-seconds={AUTOSCALER_WINDOW_S:g}"]
 #: Every request of the tier's loads asks for exactly max_tokens tokens (a random model may emit EOS early).
 EXACT = {"ignore_eos": True}
 RUN_AS_USER = 2000
@@ -425,14 +426,16 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     assert stated, events[0]
     event_ms = float(stated.group(1)) * (1 if stated.group(2) == "ms" else 1000)
     assert engine_p90_ms / 2 <= event_ms <= engine_p90_ms * 2, (events[0], engine_p90_ms)
-    # ... and its demand in uncached prompt tokens per second: at least half what the engine computed meanwhile,
-    # at most twice what the clients sent.
+    # ... and its demand in uncached prompt tokens per second: the prompt tokens the engine computed over the same
+    # window, per second of the window, within x3 (the window's ends are skewed by the scrape and the tick), and at
+    # most twice what the clients sent.
     demand = re.search(r"prefill demand ([\d.]+)(k?) uncached prompt tok/s", events[0])
     assert demand, events[0]
     stated_demand = float(demand.group(1)) * (1000 if demand.group(2) else 1)
     computed = metric_value(after, by_source, source="local_compute") - metric_value(
-        before, by_source, source="local_compute"
+        window_start, by_source, source="local_compute"
     )
+    window_rate = computed / AUTOSCALER_WINDOW_S
     prompts = metric_value(after, "vllm:request_prompt_tokens_count") - metric_value(
         before, "vllm:request_prompt_tokens_count"
     )
@@ -440,7 +443,7 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
         before, "vllm:request_prompt_tokens_sum"
     )
     offered = sent * (tokens / max(prompts, 1.0)) / seconds
-    assert computed / seconds / 2 <= stated_demand <= offered * 2, (events[0], computed / seconds, offered)
+    assert window_rate / 3 <= stated_demand <= max(window_rate * 3, offered * 2), (events[0], window_rate, offered)
     assert status["observedMilliseconds"] > BREACH_SLO["ttftMilliseconds"], status
     # Back to a target no idle engine breaches; the scale-down window (600 s) holds prefill at 2 meanwhile.
     deployment.patch({"spec": {"slo": CALM_SLO}})
