@@ -11,6 +11,7 @@ this order (`pdserve_dev.chaos.scenarios`):
 - ``scale-down-decode``: decode 4 -> 1 while long streams run on the engines removed;
 - ``prefill-killed``: a prefill pod killed (SIGKILL, then force-deleted) while KV it produced waits to be pulled;
 - ``scale-down-prefill``: prefill 2 -> 1 while KV the removed engine produced waits to be pulled;
+- ``decode-scale-and-replace``: decode 1 -> 2, one decode pod deleted and replaced, then 2 -> 1;
 - ``decode-killed``: a decode pod killed mid-stream;
 - ``rolling-update``: the engine image changes, and with it the kv-compat value;
 - ``operator-restart``: the operator SIGKILLed mid-rollout and started again;
@@ -20,12 +21,12 @@ this order (`pdserve_dev.chaos.scenarios`):
 Per scenario: requests sent, succeeded, failed with an error the client was told, lost (no complete answer and no
 error), answers with duplicated or missing tokens, and the worst TTFT, with its ratio to the same load's
 steady-state p50 TTFT before the fault. Floors (exit status 1, naming each one missed): lost == 0 and
-duplicated_tokens == 0 everywhere; failed_told == 0 for the scale-downs, the rolling update (where also no P/D
-pair of different kv-compat values ever served a request: the simulators' mismatch counters), the restarts and
-the surviving router replica; for the killed pods, failures only among the streams on that pod, each told with
-an error event after its first tokens (everything the protocol lets the router retry elsewhere succeeds); after
-the operator restart the rollout completes with the same children as before (no duplicates); after the
-kube-apiserver restart the operator acts again.
+duplicated_tokens == 0 everywhere; failed_told == 0 for the scale-downs, the decode scale-up / replacement /
+scale-down, the rolling update (where also no P/D pair of different kv-compat values ever served a request: the
+simulators' mismatch counters), the restarts and the surviving router replica; for the killed pods, failures only
+among the streams on that pod, each told with an error event after its first tokens (everything the protocol lets
+the router retry elsewhere succeeds); after the operator restart the rollout completes with the same children as
+before (no duplicates); after the kube-apiserver restart the operator acts again.
 
 ``--quick`` (CI) runs every scenario with a few seconds of load each; the full run keeps each phase several
 times longer, with longer streams and deeper queues. ``--json FILE`` writes ``{"scenarios": [{name, sent,

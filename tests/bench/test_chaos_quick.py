@@ -23,6 +23,7 @@ SCENARIOS = [
     "scale-down-decode",
     "prefill-killed",
     "scale-down-prefill",
+    "decode-scale-and-replace",
     "decode-killed",
     "rolling-update",
     "operator-restart",

@@ -193,6 +193,58 @@ async def scale_down_prefill(service: ChaosService, tuning: Tuning) -> Outcome:
     return outcome
 
 
+async def decode_scale_and_replace(service: ChaosService, tuning: Tuning) -> Outcome:
+    """Decode 1 -> 2, one decode pod deleted and replaced by a new incarnation, then 2 -> 1, the load running all
+    along: the router's decode pool grows, turns over and shrinks while requests run, and it must use every Ready
+    engine throughout. Before the replacement the other decode engine fails requests until the router ejects it (as
+    decode engines do when their KV pulls hit a prefill pod that was replaced), then is healthy again: issue 23's
+    order, where the ejected engine was the only Ready one left once the replaced pod started terminating, and
+    clients got 503 until the router's own memory let it back. Floor: 0 failed."""
+    await asyncio.to_thread(service.shape, 1, 1)
+
+    async def strike(load: MixedLoad, outcome: Outcome) -> None:
+        steps: list[str] = []
+        began = time.monotonic()
+
+        def step(what: str) -> None:
+            nonlocal began
+            steps.append(f"{what} {time.monotonic() - began:.0f} s")
+            began = time.monotonic()
+
+        await asyncio.to_thread(service.scale, "decode", 2)
+        await asyncio.to_thread(service.wait_pool, "decode", 2)
+        step("scale-up")
+        decodes = await asyncio.to_thread(service.pods, "pdserve.io/role=decode")
+        [victim] = [pod for pod in decodes if pod["metadata"]["name"].endswith("-0")]
+        [failing] = [pod for pod in decodes if pod is not victim]
+        name = failing["metadata"]["name"]
+        # Every request it gets fails before a byte is sent (the router retries it on the other engine) until the
+        # router ejects it; then it is healthy again, and only the router's memory keeps it out.
+        await asyncio.to_thread(service.engine_faults, failing, {"fail_next": 1_000_000, "fail_status": 500})
+        try:
+            await asyncio.to_thread(
+                wait_for, lambda: not service.router_uses("decode", failing), 60, 0.1, f"the router ejects {name}"
+            )
+        finally:
+            await asyncio.to_thread(service.engine_faults, failing, None)
+        step(f"{name} failing until ejected")
+        await asyncio.to_thread(service.replace_pod, victim)
+        await asyncio.to_thread(service.wait_pool, "decode", 2)
+        step(f"replacing {victim['metadata']['name']}")
+        await asyncio.to_thread(service.scale, "decode", 1)
+        await asyncio.to_thread(service.wait_pool, "decode", 1)
+        step("scale-down")
+        outcome.notes.append(f"steps, each until the router used exactly the new engines: {', '.join(steps)}")
+
+    # Short outputs only: many requests start and end around each change of the pool, and the removed engines
+    # drain in seconds (the long streams' drain is scale-down-decode's).
+    outcome = await under_load(
+        "decode-scale-and-replace", service, tuning, strike, clients=tuning.clients, mix=default_mix(tuning.outputs)
+    )
+    outcome.require(outcome.failed_told == 0, f"failed_told == 0 ({outcome.failed_told})")
+    return outcome
+
+
 # -- pods killed ------------------------------------------------------------------------------------------------
 
 
@@ -391,6 +443,7 @@ ALL: dict[str, Callable[[ChaosService, Tuning], Awaitable[Outcome]]] = {
     "scale-down-decode": scale_down_decode,
     "prefill-killed": prefill_killed,
     "scale-down-prefill": scale_down_prefill,
+    "decode-scale-and-replace": decode_scale_and_replace,
     "decode-killed": decode_killed,
     "rolling-update": rolling_update,
     "operator-restart": operator_restart,

@@ -242,6 +242,19 @@ class ChaosService:
         except (OSError, ValueError):
             return {}
 
+    def engine_faults(self, pod: dict[str, Any], faults: dict[str, Any] | None) -> None:
+        """Set faults of the simulator in `pod` (its `/sim/faults`), or clear them all with None."""
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"{self.engine_url(pod)}/sim/faults",
+            data=None if faults is None else json.dumps(faults).encode(),
+            method="DELETE" if faults is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+
     def engine_metric(self, pod: dict[str, Any], name: str) -> float:
         return metric_value(scrape_sync(f"{self.engine_url(pod)}/metrics", timeout=3), name)
 
@@ -291,6 +304,18 @@ class ChaosService:
                 os.killpg(pid, signal.SIGKILL)
         self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--grace-period=0", "--force", "--wait=false")
 
+    def replace_pod(self, pod: dict[str, Any], timeout: float = 180.0) -> None:
+        """Delete a pod the way `kubectl delete pod` does (its grace period: preStop, the engine's drain) and wait
+        until its StatefulSet's new incarnation of the same name is Ready."""
+        name, old_uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+        self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--wait=false")
+
+        def replaced() -> bool:
+            found = [p for p in self.pods(ENGINES) if p["metadata"]["name"] == name]
+            return bool(found) and found[0]["metadata"]["uid"] != old_uid and ready(found[0])
+
+        wait_for(replaced, timeout=timeout, interval=0.5, message=f"{name} replaced by a Ready new incarnation")
+
     def restart_operator(self) -> None:
         """SIGKILL the operator (no lease release, no cleanup) and start a new one with the same identity."""
         self.operator.kill()
@@ -303,6 +328,12 @@ class ChaosService:
         """The router's Ready pods, oldest first."""
         pods = [pod for pod in self.pods("pdserve.io/role=router") if ready(pod) and pod["status"].get("podIP")]
         return sorted(pods, key=lambda pod: pod["metadata"]["creationTimestamp"])
+
+    def router_uses(self, role: str, pod: dict[str, Any]) -> bool:
+        """Whether the router takes the engine in `pod` for new requests (ready, not ejected)."""
+        exposition = scrape_sync(f"{self.router}/metrics", timeout=3)
+        up = metric_value(exposition, "pdserve_router_endpoint_up", role=role, endpoint=pod["metadata"]["name"])
+        return up == 1
 
     def use_router(self, pod: dict[str, Any]) -> None:
         self.router = f"http://{pod['status']['podIP']}:{ROUTER_PORT}"

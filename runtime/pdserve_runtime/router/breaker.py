@@ -52,6 +52,12 @@ class CircuitBreaker:
             return True
         return False
 
+    def restore(self) -> None:
+        """Close the breaker without a probe: the pool can no longer spare this endpoint (`EndpointTable`)."""
+        self.opened_at = None
+        self.consecutive_failures = 0
+        self.consecutive_probe_successes = 0
+
     def probe_due(self, now: float) -> bool:
         """Whether the prober should check this endpoint now."""
         return self.opened_at is not None and now - self.opened_at >= self.open_seconds

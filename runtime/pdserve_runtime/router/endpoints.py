@@ -8,6 +8,7 @@ correctly. Everything here runs on the event loop thread; discovery threads hand
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from pdserve_runtime.router.breaker import CircuitBreaker
+
+log = logging.getLogger("pdserve.router")
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
@@ -123,7 +126,31 @@ class EndpointTable:
             for url in old.keys() - new.keys():
                 self._on_removed(url)
         self._snapshots[role] = tuple(new.values())
+        self._keep_budget(role)
         self.version += 1
+
+    def _keep_budget(self, role: Role) -> None:
+        """Undo the ejections the pool's new shape no longer allows (see `record_failure` for the budget).
+
+        The budget is checked when an engine is ejected, but discovery changes the pool afterwards: the one usable
+        engine left beside an ejected one starts terminating (its slice says not ready), or a scale-down removes the
+        healthy engines and keeps the ejected ones. Left as they were, the ejections would then hold a pool of
+        Ready engines out of traffic until their open periods end, every request refused with 503 meanwhile
+        (issue 23: decode pods replaced under load). Ready engines come back without a probe, the longest ejected
+        first (the closest to its probe), until the pool has a usable engine and no more ejections than its
+        budget. Not-ready ones stay ejected: bringing them back would serve nothing.
+        """
+        pool = self._snapshots[role]
+        ejected = sorted(
+            (state for state in pool if state.endpoint.ready and not state.breaker.allows_traffic()),
+            key=lambda state: state.breaker.opened_at or 0.0,
+        )
+        for state in ejected:
+            if self._within_budget(pool):
+                return
+            state.breaker.restore()
+            log.info("Restored %s endpoint=%s: the pool can no longer spare it (pool=%d usable_now=%d)", role,
+                     state.endpoint.label, len(pool), sum(1 for other in pool if other.usable))  # fmt: skip
 
     def states(self, role: Role) -> tuple[EndpointState, ...]:
         """Every known endpoint of a pool, usable or not."""
@@ -140,17 +167,27 @@ class EndpointTable:
         `max_ejected_percent` of the pool (rounded down, at least one in a pool of two or more) at once, and never
         the last usable engine of the pool. Errors alone must not leave a pool empty: when every engine fails,
         requests keep being tried (and the client gets an error) rather than refused by the router's own memory.
+        `replace` keeps the budget when discovery changes the pool afterwards (`_keep_budget`).
         """
         return state.breaker.record_failure(now, may_open=self._may_eject(state))
 
     def _may_eject(self, state: EndpointState) -> bool:
         pool = self._snapshots[state.endpoint.role]
-        if len(pool) < 2:
-            return False
         ejected = sum(1 for other in pool if not other.breaker.allows_traffic())
-        budget = max(1, len(pool) * self._max_ejected_percent // 100) if self._max_ejected_percent else 0
         usable_others = sum(1 for other in pool if other is not state and other.usable)
-        return ejected < budget and usable_others > 0
+        return ejected < self._budget(len(pool)) and usable_others > 0
+
+    def _budget(self, size: int) -> int:
+        """How many engines of a pool of `size` may be ejected at once."""
+        if size < 2 or not self._max_ejected_percent:
+            return 0
+        return max(1, size * self._max_ejected_percent // 100)
+
+    def _within_budget(self, pool: tuple[EndpointState, ...]) -> bool:
+        """No more ejections than the budget, and a usable engine whenever some engine is ready."""
+        ejected = sum(1 for state in pool if not state.breaker.allows_traffic())
+        serving = any(state.usable for state in pool) or not any(state.endpoint.ready for state in pool)
+        return ejected <= self._budget(len(pool)) and serving
 
     def _new_breaker(self) -> CircuitBreaker:
         return CircuitBreaker(

@@ -97,6 +97,44 @@ def test_ejection_stays_within_the_pool_budget(size: int, percent: int, ejected:
     assert sum(1 for state in table.states("decode") if not state.usable) == ejected
 
 
+@pytest.mark.parametrize(
+    ("pool", "eject", "after", "usable", "still_ejected"),
+    [
+        # Issue 23's order: d1 ejected beside a usable d0, then d0's pod starts terminating (its slice says not
+        # ready). The budget allowed d1's ejection only because d0 was usable; the pool must not be left empty.
+        ((2, 50), [1], [(0, False), (1, True)], [1], []),
+        # A scale-down removes the healthy engines: one ejection of the two left fits the new budget, the other is
+        # undone (the longest ejected, closest to its probe, comes back first).
+        ((4, 50), [0, 1], [(0, True), (1, True)], [0], [1]),
+        ((4, 100), [0, 1, 2], [(0, True), (1, True), (2, True)], [0], [1, 2]),
+        # The pool of one left is never ejected for errors.
+        ((2, 50), [1], [(1, True)], [1], []),
+        # Still within budget after the change: nothing is undone.
+        ((3, 50), [2], [(1, True), (2, True)], [1], [2]),
+        ((2, 50), [1], [(0, True), (1, False)], [0], [1]),
+        # Restoring a not-ready engine would serve nothing: it stays ejected, the pool waits for discovery.
+        ((2, 50), [1], [(0, False), (1, False)], [], [1]),
+        # A new engine joining does not undo anything.
+        ((2, 50), [1], [(0, True), (1, True), (2, False)], [0], [1]),
+    ],
+)
+def test_the_ejection_budget_holds_as_the_pool_changes(
+    pool: tuple[int, int],
+    eject: list[int],
+    after: list[tuple[int, bool]],
+    usable: list[int],
+    still_ejected: list[int],
+) -> None:
+    table = _pool(*pool)  # size, max ejected percent
+    states = {state.url: state for state in table.states("decode")}
+    for order, index in enumerate(eject):
+        assert table.record_failure(states[f"http://d{index}"], now=float(order)), f"d{index} ejected"
+    table.replace("decode", [Endpoint(url=f"http://d{index}", role="decode", ready=ready) for index, ready in after])
+    assert [state.url for state in table.usable("decode")] == [f"http://d{index}" for index in usable]
+    ejected = [state.url for state in table.states("decode") if not state.breaker.allows_traffic()]
+    assert ejected == [f"http://d{index}" for index in still_ejected]
+
+
 def test_the_lease_releases_the_counts_whatever_ends_the_block() -> None:
     state = _pool(1).states("decode")[0]
     with state.lease(tokens=300):

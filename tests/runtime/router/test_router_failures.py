@@ -63,11 +63,20 @@ async def test_a_failed_prefill_is_retried_on_another_engine(
         sim_in_process(role="decode") as d,
     ):
         bad_url = DEAD if kind == "connect" else bad.url
+        # The test counts the retry; it must not time the good engine's attempt, which the router's deadlines
+        # would do: a pause of this whole process (a full garbage collection on a starved CPU paused its event
+        # loop for over 20 s here) lets a deadline expire although the good engine answered, and the request falls
+        # back to decode-only (issue 23: a 0.5 s first-byte deadline did that in a CI run). So every deadline is
+        # beyond the test's own timeout, except the one the timeout case is about.
+        deadlines: dict[str, float] = {"connect_timeout_seconds": 60.0, "first_byte_timeout_seconds": 60.0}
         if kind == "status":
             await set_faults(bad.url, fail_next=1, fail_status=500)
         if kind == "timeout":
-            await set_faults(bad.url, latency_s=5)
-        config = make_config([bad_url, good.url], [d.url], first_byte_timeout_seconds=0.5)
+            # The first-byte deadline is the bad engine's failure and also bounds the good engine's attempt: 5 s
+            # is the good engine's margin (its prefill takes milliseconds), and what the case costs.
+            await set_faults(bad.url, latency_s=3600)  # never answers: only the router's deadline ends the attempt
+            deadlines["first_byte_timeout_seconds"] = 5.0
+        config = make_config([bad_url, good.url], [d.url], **deadlines)
         async with router_server(config) as (url, router):
             prefer(router, "prefill", bad_url)
             status, headers, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})

@@ -262,8 +262,9 @@ def test_router_discovers_engine_pods_and_serves_through_scaling_and_replacement
     assert load is not None
     served = load.outcomes["pd"] + load.outcomes["decode-only"] + load.outcomes["fallback"]
     failed = sum(load.outcomes.values()) - served
-    # Engines are killed under live traffic; the router retries before the first byte, so a client sees
-    # at most a stray failure (a request in flight on a killed decode engine after its first byte).
+    # Engines go away under live traffic (their pods end without a drain here, finishing what they have); the
+    # router retries before the first byte and never leaves a pool of Ready engines unused, so no client sees a
+    # failure (issue 23: an ejected engine left alone beside a terminating one cost ~30 clients a 503).
     print(f"router outcomes under scaling and replacement: {dict(load.outcomes)}")
-    assert failed <= 2, (load.outcomes, load.failures[:5])
+    assert failed == 0, (load.outcomes, load.failures[:5])
     assert load.outcomes["pd"] > 20, load.outcomes

@@ -16,12 +16,17 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+import yaml
 from aiohttp import web
 
-from pdserve.api.router_config import EndpointSelector, NodeTopologySource, RouterConfig
+from pdserve.api.router_config import CircuitBreakerConfig, EndpointSelector, NodeTopologySource, RouterConfig
+from pdserve_dev.testing.metrics import metric_value, scrape
+from pdserve_dev.testing.sim import requests_seen, set_faults, sim_in_process
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_runtime.router.discovery.kubernetes import KubernetesDiscovery
 from pdserve_runtime.router.endpoints import EndpointTable
@@ -157,7 +162,9 @@ def selector(role: str) -> str:
     return f"{INSTANCE}=svc,{ROLE}={role},{KV}"
 
 
-def endpoint_slice(name: str, role: str, kv: str | None, *endpoints: tuple[str, str, bool]) -> dict[str, Any]:
+def endpoint_slice(
+    name: str, role: str, kv: str | None, *endpoints: tuple[str, str, bool], port: int = 8000
+) -> dict[str, Any]:
     """A slice of the pool's Service for kv-compat value `kv` (None: the pool's own headless Service)."""
     labels = {"kubernetes.io/service-name": f"svc-{role}" + (f"-{kv}" if kv else ""), INSTANCE: "svc", ROLE: role}
     if kv is not None:
@@ -167,7 +174,7 @@ def endpoint_slice(name: str, role: str, kv: str | None, *endpoints: tuple[str, 
         "kind": "EndpointSlice",
         "metadata": {"name": name, "namespace": NS, "labels": labels},
         "addressType": "IPv4",
-        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
         "endpoints": [
             {
                 "addresses": [ip],
@@ -239,8 +246,8 @@ def api_client_for(port: int) -> Callable[[], Any]:
 
 
 def config(**extra: Any) -> RouterConfig:
+    extra.setdefault("served_model_name", "m")
     return RouterConfig(
-        served_model_name="m",
         prefill=EndpointSelector(namespace=NS, label_selector=selector("prefill")),
         decode=EndpointSelector(namespace=NS, label_selector=selector("decode")),
         topology_labels=[RACK],
@@ -361,3 +368,85 @@ async def test_without_a_node_topology_the_router_reads_only_slices(fake_api: tu
     finally:
         await discovery.stop()
         api.close_watches()
+
+
+def kubeconfig_for(port: int, folder: Path) -> str:
+    """A kubeconfig naming the fake API server: what the router reads from $KUBECONFIG outside a pod."""
+    path = folder / "kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "users": [{"name": "router", "user": {}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "router"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    return str(path)
+
+
+LONG = "The history of the river valley settlements began with small farms. " * 30
+
+
+async def complete(url: str) -> tuple[int, str, str]:
+    """One PD-sized completion through the router: status, route header, body."""
+    body = {"model": "sim-model", "prompt": LONG, "max_tokens": 2}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(20)) as response,
+    ):
+        return response.status, response.headers.get("X-Pdserve-Route", ""), await response.text()
+
+
+async def test_an_ejected_engine_serves_when_the_last_usable_one_starts_terminating(
+    fake_api: tuple[FakeApi, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, router_server: Any
+) -> None:
+    """Issue 23, in the order the local cluster showed it (decode pods replaced under load): one decode engine
+    fails a request and is ejected, which the budget allows because the other one is usable; then the other one's
+    pod starts terminating (its slice says not ready). The ejected engine is Ready and the only one left: it must
+    take the traffic, not leave every client with 503 until its open period ends (an hour here)."""
+    api, port = fake_api
+    async with (
+        sim_in_process(role="prefill") as prefill,
+        sim_in_process(role="decode") as d0,
+        sim_in_process(role="decode") as d1,
+    ):
+        # Every engine listens on its own loopback port, so each has its own slice (a slice has one port).
+        api.put("endpointslices", endpoint_slice("pre", "prefill", "v1", ("127.0.0.1", "p-0", True),
+                                                 port=prefill.http_port))  # fmt: skip
+        for name, sim in (("d-0", d0), ("d-1", d1)):
+            api.put("endpointslices", endpoint_slice(name, "decode", "v1", ("127.0.0.1", name, True),
+                                                     port=sim.http_port))  # fmt: skip
+        monkeypatch.setenv("KUBECONFIG", kubeconfig_for(port, tmp_path))
+        breaker = CircuitBreakerConfig(failure_threshold=1, open_seconds=3600)
+        settings = config(served_model_name="sim-model", circuit_breaker=breaker, engine_metrics_interval_seconds=0.0)
+        async with router_server(settings) as (url, router):
+            table = router.table
+            await until(lambda: len(table.usable("decode")) == 2 and len(table.usable("prefill")) == 1, "3 engines")
+
+            # d-1 fails a request (a 500, as a failed KV pull answers): ejected, and the request retried on d-0.
+            await set_faults(d1.url, fail_next=1, fail_status=500)
+            [busy] = [state for state in table.states("decode") if state.url == d0.url]
+            busy.in_flight += 1000  # d-1 is the scheduler's first choice
+            status, route, text = await complete(url)
+            busy.in_flight -= 1000
+            assert (status, route) == (200, "pd"), text
+            exposition = await scrape(url)
+            assert metric_value(exposition, "pdserve_router_endpoint_ejections_total", role="decode") == 1
+            assert [state.url for state in table.usable("decode")] == [d0.url]
+
+            # d-0's pod is deleted: its endpoint turns terminating (not ready, still serving its requests).
+            version = table.version
+            terminating = endpoint_slice("d-0", "decode", "v1", ("127.0.0.1", "d-0", False), port=d0.http_port)
+            terminating["endpoints"][0]["conditions"] = {"ready": False, "serving": True, "terminating": True}
+            api.put("endpointslices", terminating)
+            await rebuilt(table, version)
+
+            status, route, text = await complete(url)
+            assert (status, route) == (200, "pd"), text
+            assert await requests_seen(d1.url) == 2  # the failed request, then this one
+            exposition = await scrape(url)
+            assert metric_value(exposition, "pdserve_router_endpoint_up", role="decode", endpoint="d-1") == 1
