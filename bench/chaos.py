@@ -16,7 +16,9 @@ this order (`pdserve_dev.chaos.scenarios`):
 - ``rolling-update``: the engine image changes, and with it the kv-compat value;
 - ``operator-restart``: the operator SIGKILLed mid-rollout and started again;
 - ``apiserver-restart``: kube-apiserver stopped under load, then started again;
-- ``router-replica-killed``: two router replicas, the load on one, the other killed.
+- ``router-replica-killed``: two router replicas, the load on one, the other killed;
+- ``prefill-killed-store``: ``prefill-killed`` with the KV store on (a real Mooncake master and store server the
+  engines are pointed at): decode loads what the killed engine computed from the store, nothing is prefilled twice.
 
 Per scenario: requests sent, succeeded, failed with an error the client was told, lost (no complete answer and no
 error), answers with duplicated or missing tokens, and the worst TTFT, with its ratio to the same load's
@@ -25,7 +27,9 @@ duplicated_tokens == 0 everywhere; failed_told == 0 for the scale-downs, the dec
 scale-down, the rolling update (where also no P/D pair of different kv-compat values ever served a request: the
 simulators' mismatch counters), the restarts and the surviving router replica; for the killed pods, failures only
 among the streams on that pod, each told with an error event after its first tokens (everything the protocol lets
-the router retry elsewhere succeeds); after the operator restart the rollout completes with the same children as
+the router retry elsewhere succeeds); with the store, failed_told == 0 and 0 requests re-prefilled after the prefill
+kill (the router's reprefill retries), the store path taken (decode retries from the store); after the operator
+restart the rollout completes with the same children as
 before (no duplicates); after the kube-apiserver restart the operator acts again.
 
 ``--quick`` (CI) runs every scenario with a few seconds of load each; the full run keeps each phase several

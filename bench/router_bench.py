@@ -4,8 +4,10 @@ Run: ``.venv/bin/python bench/router_bench.py [--seconds 4] [--rounds 2] [--leve
 
 Scenarios (``--scenario``): ``sim`` (this module, below; the default), ``pd-long`` (long unique prompts against
 fast mock engines, side by side with vllm-router, a 7 MB prompt against /health: ``router_pd_long.py``, issue 12)
-and ``prefix-accuracy`` (the router's selective-PD decisions against the simulator's real prefix cache:
-``router_prefix_accuracy.py``). Run the heavy ones under ``flock /tmp/pdserve-heavy.lock`` on a shared machine.
+``prefix-accuracy`` (the router's selective-PD decisions against the simulator's real prefix cache:
+``router_prefix_accuracy.py``) and ``gateway`` (Envoy + pdserve's picker + the PD sidecar against the router at
+64 streams of 4k-token unique prompts: ``router_gateway.py``, issue 22). Run the heavy ones under
+``flock /tmp/pdserve-heavy.lock`` on a shared machine.
 
 One prefill and one decode ``pdserve sim`` process are the backends, first with ``--fast`` (no modelled time: the
 machine saturates, which measures throughput and CPU cost), then with ``--preset h200-8b`` (streams paced like an
@@ -578,14 +580,26 @@ def main() -> None:
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument(
         "--scenario",
-        choices=("sim", "pd-long", "prefix-accuracy"),
+        choices=("sim", "pd-long", "prefix-accuracy", "gateway"),
         default="sim",
         help="sim: short prompts against simulators (issue 6); pd-long: long unique prompts against fast mocks, "
         "side by side with vllm-router (issue 12, see router_pd_long.py); prefix-accuracy: the router's prefix "
-        "predictions against the simulator's real prefix cache (router_prefix_accuracy.py)",
+        "predictions against the simulator's real prefix cache (router_prefix_accuracy.py); gateway: Envoy + "
+        "pdserve's picker + the PD sidecar against the router (router_gateway.py, issue 22)",
     )
+    parser.add_argument("--gateway-prompt-tokens", type=int, default=4096, help="gateway: unique prompt length")
+    parser.add_argument("--gateway-itl", type=float, default=0.02, help="gateway: the decode mock's inter-token gap")
     parser.add_argument("--cases", default="100,1k,4k,32k,4k-1,itl0", help="pd-long: which cases, comma-separated")
     parser.add_argument("--accuracy-requests", type=int, default=400, help="prefix-accuracy: requests to send")
+    parser.add_argument(
+        "--accuracy-routers",
+        type=int,
+        default=1,
+        help="prefix-accuracy: router replicas (requests spread at random)",
+    )
+    parser.add_argument(
+        "--no-kv-events", dest="kv_events", action="store_false", help="prefix-accuracy: engines publish no KV events"
+    )
     parser.add_argument("--no-big-prompt", dest="big_prompt", action="store_false", help="pd-long: skip the 7 MB one")
     parser.add_argument(
         "--baseline-tree",
@@ -601,6 +615,10 @@ def main() -> None:
         from bench.router_pd_long import run_pd_long
 
         sys.exit(run_pd_long(args))
+    if args.scenario == "gateway":
+        from bench.router_gateway import run_gateway
+
+        sys.exit(run_gateway(args))
     if args.scenario == "prefix-accuracy":
         from bench.router_prefix_accuracy import run_prefix_accuracy
 

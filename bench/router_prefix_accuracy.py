@@ -18,7 +18,12 @@ prefix cache, not against a second copy of the router's idea.
 
 The workload mixes what prefix caching is for: multi-turn chats over a few shared system prompts (each turn
 extends the last), completions sharing long documents with different questions, and unique prompts of 100-3000
-tokens, in a shuffled order. Each threshold (256, 1024) gets fresh engines and a fresh router.
+tokens, in a shuffled order. Each threshold (256, 1024) gets fresh engines and fresh routers.
+
+Several router replicas (issue 21): ``--accuracy-routers 3`` starts three router processes and sends each request
+to one picked at random. The engines publish their KV events (`--kv-events-config`) and every router follows them
+(``--kv-events``), so each knows what the decode engine holds whoever routed the earlier turns; with
+``--no-kv-events`` the routers fall back to their own tracking and each sees a third of the traffic.
 """
 
 from __future__ import annotations
@@ -90,7 +95,15 @@ class EngineCacheModel:
         self._seen.update(self._hashes(prompt_ids, block_size))
 
 
-async def _measure(threshold: int, size: int, seed: int) -> Tally:
+def _events() -> Any:
+    from pdserve_sim.kvevents import KvEventsConfig
+
+    return KvEventsConfig(
+        endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}", topic="kv"
+    )
+
+
+async def _measure(threshold: int, size: int, seed: int, routers: int = 1, kv_events: bool = True) -> Tally:
     import aiohttp
 
     from pdserve_dev.testing.sim import sim_in_process
@@ -99,17 +112,24 @@ async def _measure(threshold: int, size: int, seed: int) -> Tally:
     tally = Tally()
     model = EngineCacheModel()
     rng = random.Random(seed)
+    prefill_events, decode_events = (_events(), _events()) if kv_events else (None, None)
     async with (
-        sim_in_process(role="prefill") as prefill,
-        sim_in_process(role="decode", prompt_tokens_details=True) as decode,
+        sim_in_process(role="prefill", kv_events=prefill_events) as prefill,
+        sim_in_process(role="decode", prompt_tokens_details=True, kv_events=decode_events) as decode,
     ):
-        port = free_port()
         flags = ["--prefill", prefill.url, "--decode", decode.url, "--disaggregation-threshold", str(threshold),
                  "--served-model-name", "sim-model"]  # fmt: skip
-        router = Proc([*pdserve_router_command(port, free_port()), *flags], None)
-        url = f"http://127.0.0.1:{port}"
+        for engine, events in ((prefill, prefill_events), (decode, decode_events)):
+            if events is not None:
+                flags += ["--kv-events", f"{engine.url}={events.endpoint},{events.replay_endpoint}"]
+        procs, urls = [], []
+        for _ in range(routers):
+            port = free_port()
+            procs.append(Proc([*pdserve_router_command(port, free_port()), *flags], None))
+            urls.append(f"http://127.0.0.1:{port}")
         try:
-            await asyncio.to_thread(_wait_http, url, "/ready")
+            for url in urls:
+                await asyncio.to_thread(_wait_http, url, "/ready")
             histories: dict[int, list[dict[str, str]]] = {}
             async with aiohttp.ClientSession() as session:
                 for kind, spec in _workload(rng, size):
@@ -126,7 +146,7 @@ async def _measure(threshold: int, size: int, seed: int) -> Tally:
                         ids = tokenize(spec["prompt"])
                     expected_cached = model.cached_tokens(ids)
                     right = "pd" if len(ids) - expected_cached >= threshold else "decode-only"
-                    async with session.post(url + path, json=body) as response:
+                    async with session.post(rng.choice(urls) + path, json=body) as response:
                         answer = await response.json()
                         assert response.status == 200, answer
                         route = response.headers["X-Pdserve-Route"]
@@ -146,18 +166,21 @@ async def _measure(threshold: int, size: int, seed: int) -> Tally:
                         tally.real_cached += real
                         tally.decode_only_prompt_tokens += len(ids)
         finally:
-            router.stop()
+            for proc in procs:
+                proc.stop()
     return tally
 
 
 def run_prefix_accuracy(args: argparse.Namespace) -> int:
+    routers, kv_events = args.accuracy_routers, args.kv_events
+    print(f"# {routers} router replica(s), KV events {'on' if kv_events else 'off'}")
     print()
     print("| threshold | requests | route agrees with the engine's cache | PD (right / router) | engine model = "
           "engine's report (decode-only answers) | real cached share of decode-only prompts |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- |")
     ok = True
     for threshold in THRESHOLDS:
-        tally = asyncio.run(_measure(threshold, args.accuracy_requests, seed=3))
+        tally = asyncio.run(_measure(threshold, args.accuracy_requests, seed=3, routers=routers, kv_events=kv_events))
         print(f"| {threshold} | {tally.requests} | {100 * tally.agree / tally.requests:.1f} % | {tally.pd_right} / "
               f"{tally.pd_router} | {tally.model_exact} / {tally.checked} | "
               f"{100 * tally.real_cached / max(1, tally.decode_only_prompt_tokens):.1f} % |")  # fmt: skip

@@ -9,6 +9,13 @@ cd "$(dirname "$0")/.."
 export PDSERVE_CACHE_DIR="${PDSERVE_CACHE_DIR:-$HOME/.cache/pdserve}"
 mkdir -p "$PDSERVE_CACHE_DIR/pip"
 
+# Mooncake's binaries and Python client (the KV store tests) link Debian's libibverbs1 (RDMA verbs; on a machine
+# without RDMA it is only loaded). Installed once from Debian's registry when the library is missing.
+if ! ldconfig -p 2>/dev/null | grep 'libibverbs.so.1 ' >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
+fi
+
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi

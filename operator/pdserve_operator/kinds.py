@@ -49,6 +49,9 @@ ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings
 STATEFUL_SET = Kind("apps/v1", "StatefulSet", "statefulsets")
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+# Router mode gateway only (`render.gateway`); the CRD comes with a Gateway API Inference Extension install, so the
+# kind is applied and read by name when rendered, never watched or listed in every namespace (`MANAGED`).
+INFERENCE_POOL = Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools")
 
 # Read-only kinds the operator observes to compute status; it never writes them.
 POD = Kind("v1", "Pod", "pods")
@@ -71,7 +74,9 @@ MANAGED: tuple[Kind, ...] = (
 )
 OBSERVED: tuple[Kind, ...] = (*MANAGED, POD, ENDPOINT_SLICE)
 
-_BY_TYPE: dict[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in (*OBSERVED, PDSERVICE, EVENT, LEASE, NODE)}
+_BY_TYPE: dict[tuple[str, str], Kind] = {
+    (k.api_version, k.kind): k for k in (*OBSERVED, PDSERVICE, EVENT, LEASE, NODE, INFERENCE_POOL)
+}
 
 
 def kind_of(obj: dict[str, Any]) -> Kind:

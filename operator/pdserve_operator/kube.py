@@ -79,6 +79,8 @@ class KubeIO(Protocol):
 
     def scale(self, kind: Kind, namespace: str, name: str, replicas: int) -> dict[str, Any]: ...
 
+    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None: ...
+
 
 @dataclass
 class Response:
@@ -156,6 +158,17 @@ class KubeApi:
     @property
     def total_writes(self) -> int:
         return sum(self.writes.values())
+
+    # --------------------------------------------------------------------------------------------------- reads
+
+    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """GET one object of a kind the informers do not watch (the InferencePool); None when it does not exist."""
+        try:
+            return self._request("GET", kind.object_path(namespace, name), kind.kind).body
+        except ApiError as exc:
+            if exc.code == 404:
+                return None
+            raise
 
     # -------------------------------------------------------------------------------------------------- writes
 

@@ -16,7 +16,7 @@ from typing import Literal
 from pdserve.api.kvcompat import KV_COMPAT_LABEL
 from pdserve.api.v1alpha1 import PDService
 
-Role = Literal["prefill", "decode", "router"]
+Role = Literal["prefill", "decode", "router", "kvstore"]
 EngineRole = Literal["prefill", "decode"]
 ENGINE_ROLES: tuple[EngineRole, ...] = ("prefill", "decode")
 ROLE_LABEL = "pdserve.io/role"

@@ -40,17 +40,22 @@ from typing import Any
 
 from pdserve.api.defaults import EffectiveRouting, EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Validated
+from pdserve_operator import gateway_status
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
 from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard, ScalingReport, kept_view, status_view
 from pdserve_operator.executor import Executed, RetryLaterError, execute, post_event, write_status
-from pdserve_operator.kube import KubeIO
+from pdserve_operator.kinds import INFERENCE_POOL
+from pdserve_operator.kube import ApiError, KubeIO
 from pdserve_operator.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
 from pdserve_operator.nodes import NodeLabels
 from pdserve_operator.observed import Snapshot
 from pdserve_operator.render import Observed, render
+from pdserve_operator.render import gateway as gateway_render
 from pdserve_operator.render.discovery import node_topology_labels
+from pdserve_operator.render.kvcache import kv_store_status
 from pdserve_operator.render.router import router_endpoint
 from pdserve_operator.store import Store
 from pdserve_operator.view import SpecViews
@@ -205,8 +210,9 @@ def status_intent(
         return status_mod.Intent(desired, fallback, None, None, fields, conditions)
     replicas = {role: _spec_replicas(sts) for role, sts in statefulsets.items()}
     fields, conditions = status_view(spec, replicas, configured=configured, report=report, old_status=old)
+    store = kv_store_status(checked.pds, spec, snapshot.child("Deployment", namespace, child_name(name, "kvstore")))
     return status_mod.Intent(
-        desired, fallback, router_endpoint(checked.pds, spec), kv_compat_hash(spec), fields, conditions
+        desired, fallback, router_endpoint(checked.pds, spec), kv_compat_hash(spec), fields, conditions, store
     )
 
 
@@ -277,6 +283,9 @@ def update_status(
     )
     if checked.ok:
         outcome.requeue_after = status_mod.next_check_seconds(facts, moment)
+        pds, spec = checked.require()
+        if spec.router.mode == "gateway":
+            _report_inference_pool(api, pds, new_status, outcome)
     old_status = body.get("status")
     patch = status_mod.status_patch(old_status, new_status)
     if patch is None or not write_status(body, patch, store, api):
@@ -286,6 +295,20 @@ def update_status(
         outcome.result = "status"
     for type_, reason, message in transition_events(old_status, new_status):
         outcome.events.append(post_event(api, body, type_, reason, message, now=now))
+
+
+def _report_inference_pool(api: KubeIO, pds: PDService, new_status: dict[str, Any], outcome: Outcome) -> None:
+    """status.inferencePool from the pool itself (read: the operator does not watch pools, their CRD is optional),
+    and a pass again within `gateway_status.REFRESH_SECONDS` so that a gateway's verdict shows."""
+    name = gateway_render.inference_pool_name(pds)
+    try:
+        pool = api.read(INFERENCE_POOL, pds.metadata.namespace, name)
+    except ApiError as exc:
+        log.warning("Failed to read InferencePool %s/%s error=%s", pds.metadata.namespace, name, exc)
+        pool = None
+    new_status["inferencePool"] = gateway_status.inference_pool_status(name, pool)
+    refresh = gateway_status.REFRESH_SECONDS
+    outcome.requeue_after = refresh if outcome.requeue_after is None else min(outcome.requeue_after, refresh)
 
 
 def _log_rejected(body: Mapping[str, Any], checked: Validated) -> None:

@@ -101,6 +101,8 @@ class Intent:
     kv_compat_hash: str | None
     autoscaling: Mapping[EngineRole, Mapping[str, Any]]
     scaling_conditions: Sequence[Condition]
+    kv_store: Mapping[str, Any] | None = None
+    """`status.kvStore` (`kvstore_status`); None without a store, or while the spec is invalid (then kept)."""
 
 
 # ------------------------------------------------------------------------------------------------- pool summaries
@@ -535,6 +537,10 @@ def compute_status(
         value = given if given is not None else old.get(key)
         if value is not None:
             status[key] = value
+    if intent.kv_store is not None:
+        status["kvStore"] = dict(intent.kv_store)
+    elif intent.kv_compat_hash is None and old.get("kvStore") is not None:
+        status["kvStore"] = old["kvStore"]  # an invalid spec: the store runs as the last valid spec made it
     return status
 
 

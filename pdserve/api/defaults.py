@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from pdserve.api.defaulting import default, derived, documented_defaults, fill, resolve, view
+from pdserve.api.kubeformats import quantity_bytes
 from pdserve.api.v1alpha1 import (
     Attention,
     AutoscalingMode,
@@ -31,19 +32,31 @@ from pdserve.api.v1alpha1 import (
     ComputeResources,
     EngineSpec,
     EnvVar,
+    FailureMode,
+    GatewaySpec,
     KvBufferDevice,
     KvCacheDtype,
+    KvCacheSpec,
     KvConnector,
+    KvEventsSpec,
+    KvEvictionPolicy,
     KvLoadFailurePolicy,
+    KvOffloadSpec,
+    KvStoreBackend,
+    KvStoreSpec,
     ModelSpec,
+    MooncakeProtocol,
+    MooncakeSpec,
     PDServiceSpec,
     Percentile,
     PlacementSpec,
+    PoolKvCacheSpec,
     PoolSpec,
     PullPolicy,
     RatioBounds,
     RdmaPolicy,
     RdmaSpec,
+    RouterMode,
     RouterSpec,
     RoutingSpec,
     ServiceAutoscalingSpec,
@@ -58,7 +71,12 @@ __all__ = [
     "UCX_TCP_TRANSPORTS",
     "EffectiveAutoscaling",
     "EffectiveEngine",
+    "EffectiveGateway",
+    "EffectiveKvCache",
+    "EffectiveKvOffload",
+    "EffectiveKvStore",
     "EffectiveModel",
+    "EffectiveMooncake",
     "EffectivePlacement",
     "EffectivePool",
     "EffectiveRatioBounds",
@@ -108,6 +126,83 @@ class EffectiveUcx:
     net_devices: str | None = default(None, doc="all devices (UCX chooses)")
 
 
+@view(KvEventsSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveKvEvents:
+    enabled: bool = default(True)
+    port: int = default(5557)
+    replay_port: int = default(5657)
+
+
+# One Mooncake master per PDService (pdserve's or the user's): these are its ports, the engines' client config and the
+# deployed Service agree on them.
+MOONCAKE_RPC_PORT = 50051
+MOONCAKE_METADATA_PORT = 8080
+MOONCAKE_METRICS_PORT = 9003
+MOONCAKE_STORE_PORT = 50052
+
+
+@view(KvOffloadSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveKvOffload:
+    cpu_bytes: str | None = default(None, doc="no CPU tier")
+    eviction_policy: KvEvictionPolicy = default("lru")
+
+    @property
+    def enabled(self) -> bool:
+        """A CPU tier exists: cpuBytes is set and not zero."""
+        return self.cpu_bytes is not None and quantity_bytes(self.cpu_bytes) > 0
+
+
+@view(PoolKvCacheSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectivePoolKvCache:
+    offload: EffectiveKvOffload = derived("spec.engine.kvCache.offload, each field the pool leaves out from there")
+
+
+@view(MooncakeSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveMooncake:
+    master_address: str | None = default(
+        None,
+        doc="pdserve deploys a master and a store server, reached at "
+        f"<name>-kvstore.<namespace>.svc:{MOONCAKE_RPC_PORT}",
+    )
+    metadata_server: str | None = default(
+        None,
+        doc=f"the master's own HTTP metadata server: port {MOONCAKE_METADATA_PORT} of the deployed master's Service, "
+        "or of masterAddress's host",
+    )
+    image: str = derived("spec.engine.image (vLLM's image ships Mooncake's mooncake_master and mooncake_client)")
+    capacity_bytes: str = default("16Gi")
+    local_buffer_bytes: str = default("1Gi")
+    protocol: MooncakeProtocol = derived("rdma unless placement.rdma is off, then tcp")
+    device_names: str = default("", doc="empty (Mooncake picks the devices)")
+
+    @property
+    def managed(self) -> bool:
+        """pdserve deploys the master and its store server (no masterAddress was given)."""
+        return self.master_address is None
+
+
+@view(KvStoreSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveKvStore:
+    backend: KvStoreBackend | None = default(None, doc="no store")
+    mooncake: EffectiveMooncake
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+
+@view(KvCacheSpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveKvCache:
+    offload: EffectiveKvOffload
+    store: EffectiveKvStore
+
+
 @view(EngineSpec)
 @dataclass(frozen=True, kw_only=True)
 class EffectiveEngine:
@@ -127,6 +222,8 @@ class EffectiveEngine:
     kv_load_failure_policy: KvLoadFailurePolicy = default("fail")
     drain_seconds: int = default(120)
     ucx: EffectiveUcx
+    kv_events: EffectiveKvEvents
+    kv_cache: EffectiveKvCache
     args: tuple[str, ...]
     env: tuple[EnvVar, ...]
     shm_size: str = default("16Gi")
@@ -187,6 +284,7 @@ class EffectivePool:
     args: tuple[str, ...]
     env: tuple[EnvVar, ...]
     autoscaling: EffectiveAutoscaling
+    kv_cache: EffectivePoolKvCache
     max_unavailable: int = default(1)
 
     @property
@@ -228,9 +326,21 @@ class EffectiveRouting:
     fallback_to_decode: bool = default(True)
 
 
+@view(GatewaySpec)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveGateway:
+    # FailClose: a gateway that cannot ask the picker must not send long prompts to decode engines unplanned.
+    failure_mode: FailureMode = default("FailClose")
+    sidecar_port: int = default(8100)
+    # The port GIE's reference picker and its gateway examples use for ext_proc.
+    picker_port: int = default(9002)
+
+
 @view(RouterSpec)
 @dataclass(frozen=True, kw_only=True)
 class EffectiveRouter:
+    mode: RouterMode = default("router")
+    gateway: EffectiveGateway
     replicas: int = default(2)
     image: str = default("ghcr.io/pdserve/pdserve:0.1.0")
     port: int = default(8080)
@@ -300,19 +410,31 @@ def effective(spec: PDServiceSpec) -> EffectiveSpec:
     """The effective view of `spec`: constants from the table, then the derived defaults, which need other fields."""
     view_ = resolve(EffectiveSpec, spec)
     transports = UCX_RDMA_TRANSPORTS if view_.placement.rdma != "off" else UCX_TCP_TRANSPORTS
-    engine = replace(view_.engine, ucx=fill(view_.engine.ucx, transports=transports))
+    store = view_.engine.kv_cache.store
+    mooncake = fill(
+        store.mooncake, image=view_.engine.image, protocol="rdma" if view_.placement.rdma != "off" else "tcp"
+    )
+    kv_cache = replace(view_.engine.kv_cache, store=replace(store, mooncake=mooncake))
+    engine = replace(view_.engine, ucx=fill(view_.engine.ucx, transports=transports), kv_cache=kv_cache)
+    offload = kv_cache.offload
     return replace(
         view_,
         engine=engine,
-        prefill=_pool(view_.prefill, view_.slo.ttft_milliseconds),
-        decode=_pool(view_.decode, view_.slo.itl_milliseconds),
+        prefill=_pool(view_.prefill, view_.slo.ttft_milliseconds, spec.prefill, offload),
+        decode=_pool(view_.decode, view_.slo.itl_milliseconds, spec.decode, offload),
     )
 
 
-def _pool(pool: EffectivePool, slo_target: float | None) -> EffectivePool:
+def _pool(
+    pool: EffectivePool, slo_target: float | None, written: PoolSpec, engine_offload: EffectiveKvOffload
+) -> EffectivePool:
     scaling = fill(pool.autoscaling, target_milliseconds=slo_target)
+    # A pool's offload replaces the engine's field by field: only the fields the pool itself wrote.
+    mine = written.kv_cache.offload if written.kv_cache is not None else None
+    overrides = mine.model_dump(exclude_none=True) if mine is not None else {}
+    kv_cache = EffectivePoolKvCache(offload=replace(engine_offload, **overrides))
     return fill(
-        replace(pool, autoscaling=scaling),
+        replace(pool, autoscaling=scaling, kv_cache=kv_cache),
         replicas=scaling.min_replicas if scaling.enabled else 1,
         gpus_per_pod=pool.tensor_parallel_size * pool.data_parallel_size,
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, WithJsonSchema
@@ -197,3 +198,32 @@ SecretName = Annotated[str, AfterValidator(DNS_SUBDOMAIN.check), WithJsonSchema(
 Quantity = Annotated[str, AfterValidator(QUANTITY.check), WithJsonSchema(QUANTITY.json_schema())]
 LabelSelectorMap = Annotated[dict[str, LabelValue], keys_in(LABEL_KEY), map_schema(LABEL_KEY, LABEL_VALUE)]
 ResourceMap = Annotated[dict[str, Quantity], keys_in(CONTAINER_RESOURCE), map_schema(CONTAINER_RESOURCE, QUANTITY)]
+
+
+_QUANTITY_SUFFIXES: dict[str, int | Decimal] = {
+    "": 1,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
+
+
+def quantity_bytes(value: str) -> int:
+    """A byte count written as a Kubernetes quantity (e.g. 16Gi, 500M, 1e9), rounded down to whole bytes."""
+    match = re.fullmatch(r"\+?([0-9.]+(?:[eE][-+]?[0-9]+)?)([KMGTPE]i|[numkMGTPE])?", value.strip())
+    if match is None:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity")
+    number, suffix = match.group(1), match.group(2) or ""
+    return int(Decimal(number) * Decimal(_QUANTITY_SUFFIXES[suffix]))

@@ -43,6 +43,12 @@ OWNED_FLAGS: Mapping[str, str] = MappingProxyType(
             "it carries the NIXL engine id unique to each pod incarnation; use spec.engine.kvConnector, "
             "kvBufferDevice, kvLeaseSeconds and kvLoadFailurePolicy"
         ),
+        "--kv-events-config": "use spec.engine.kvEvents (the router subscribes to the endpoints pdserve renders)",
+        "--kv-offloading-size": (
+            "it replaces the KV connector, dropping NIXL (prefill -> decode transfer); use "
+            "spec.engine.kvCache.offload, which pdserve composes with NIXL"
+        ),
+        "--kv-offloading-backend": "use spec.engine.kvCache.offload (or kvCache.store for a shared store)",
         "--kv-cache-dtype": "use spec.engine.kvCacheDtype",
         "--block-size": "use spec.engine.blockSize",
         "--max-model-len": "use spec.engine.maxModelLen",
@@ -64,6 +70,8 @@ OWNED_ENV: Mapping[str, str] = MappingProxyType(
         "UCX_TLS": "use spec.engine.ucx.transports",
         "UCX_NET_DEVICES": "use spec.engine.ucx.netDevices",
         "PDSERVE_KV_COMPAT": "it is the kv-compat hash the router pairs engines by",
+        "MOONCAKE_CONFIG_PATH": "it points at the store client config pdserve renders; use spec.engine.kvCache.store",
+        "MOONCAKE_PREFERRED_SEGMENT": "the store's memory is placed by pdserve; use spec.engine.kvCache.store",
         "POD_NAME": "it is set from the downward API",
         "POD_UID": "it is set from the downward API",
         "POD_IP": "it is set from the downward API",

@@ -19,6 +19,10 @@ space bytes are not tokens. So "Hello, world!" is 4 tokens, "internationalizatio
 For ASCII text this is the same as `\w{1,6}|[^\w\s]` over the characters; against a real BPE tokenizer it is
 within a few tens of percent for English, well inside the slack of a threshold.
 
+Token ids: a token's id is `VOCAB_OFFSET + crc32(token bytes) % VOCAB_SIZE` (`token_ids`): stable across processes
+and machines, so the simulator's prefix cache, the block contents its KV events carry and the router's prefix index
+(`pdserve_runtime.router.kvindex`) agree on every engine and every router replica.
+
 Chat template: each message is a `<|role|>` header line, its content and a newline; the prompt ends with
 `<|assistant|>` and a newline. The system prompt and earlier turns therefore form a shared prefix.
 """
@@ -26,7 +30,9 @@ Chat template: each message is a `<|role|>` header line, its content and a newli
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterable
+from itertools import chain
 
 #: Bytes per token slice of a long run of word bytes.
 CHUNK_BYTES = 6
@@ -53,6 +59,45 @@ def utf8(text: str) -> bytes:
 def text_tokens(text: str) -> list[bytes]:
     """The approximate tokens of `text`, as byte strings (see the module docstring)."""
     return _TOKEN_SLICES.findall(utf8(text))
+
+
+#: Size of the id space of ordinary tokens, and the first such id (ids below it are "special": EOS and friends).
+VOCAB_SIZE = 32000
+VOCAB_OFFSET = 100
+
+
+def _slice_ids(data: bytes) -> tuple[int, ...]:
+    """The ids of the tokens of `data`, by the definition: one regex pass, one crc32 per token."""
+    crc32 = zlib.crc32
+    return tuple(VOCAB_OFFSET + crc32(token) % VOCAB_SIZE for token in _TOKEN_SLICES.findall(data))
+
+
+class _Chunks(dict[bytes, tuple[int, ...]]):
+    """Whitespace-separated chunk -> the ids of its tokens, filled on first sight.
+
+    Tokens never span a space byte, and `bytes.split()` cuts only at ASCII whitespace (a subset of the space
+    class), so the tokens of a text are the tokens of its chunks in order. Text reuses a small set of chunks
+    (words with their punctuation), so after warming up a prompt costs one C-level split and one dict lookup per
+    chunk instead of a regex pass and a crc32 per token. Bounded: chunks longer than `_MAX_CHUNK` bytes are not
+    kept, and the whole map is cleared when it reaches `_MAX_CHUNKS` entries (a few tens of MB at most)."""
+
+    def __missing__(self, chunk: bytes) -> tuple[int, ...]:
+        ids = _slice_ids(chunk)
+        if len(chunk) <= _MAX_CHUNK:
+            if len(self) >= _MAX_CHUNKS:
+                self.clear()
+            self[chunk] = ids
+        return ids
+
+
+_MAX_CHUNK = 32
+_MAX_CHUNKS = 1 << 18
+_CHUNKS = _Chunks()
+
+
+def token_ids(data: bytes) -> list[int]:
+    """The token ids of `data` (UTF-8) under the model (equal to `_slice_ids(data)`, computed chunk by chunk)."""
+    return list(chain.from_iterable(map(_CHUNKS.__getitem__, data.split())))
 
 
 def count_tokens(data: bytes) -> int:

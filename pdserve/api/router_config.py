@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from pdserve.api.defaults import EffectiveEngine, EffectiveRouter, EffectiveRouting
+from pdserve.api.defaults import EffectiveEngine, EffectiveGateway, EffectiveRouter, EffectiveRouting
 from pdserve.api.kvcompat import KV_COMPAT_LABEL
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
@@ -39,6 +39,22 @@ class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
+class KvEventsPortNames(_Model):
+    """The EndpointSlice port names of one engine publisher's KV events (vLLM's --kv-events-config endpoints)."""
+
+    events: str = Field(min_length=1, description="Port name of the ZMQ publisher (`endpoint`).")
+    replay: str | None = Field(default=None, description="Port name of the replay socket (`replay_endpoint`).")
+
+
+class KvEventsEndpoints(_Model):
+    """One engine publisher's KV event endpoints (static discovery), as ZMQ addresses."""
+
+    endpoint: str = Field(pattern=r"^tcp://\S+:\d+$", description="The publisher, e.g. tcp://10.0.0.5:5557.")
+    replay_endpoint: str | None = Field(
+        default=None, pattern=r"^tcp://\S+:\d+$", description="Its replay socket, e.g. tcp://10.0.0.5:5657."
+    )
+
+
 class EndpointSelector(_Model):
     """Which EndpointSlices hold one pool's engines (Kubernetes discovery mode)."""
 
@@ -50,6 +66,11 @@ class EndpointSelector(_Model):
         "of the pool's per-kv-compat Services.",
     )
     port_name: str = Field(default="http", description="Name of the engine's HTTP port in the EndpointSlice.")
+    kv_events_ports: list[KvEventsPortNames] = Field(
+        default_factory=list,
+        description="The engines' KV event ports by name in the EndpointSlice, one entry per data-parallel rank "
+        "(empty: the engines publish no KV events and the router tracks prefixes itself).",
+    )
 
 
 class NodeTopologySource(_Model):
@@ -112,6 +133,31 @@ class RoutingPolicyConfig(_Model):
         description="Weight of engine-reported KV-cache headroom (vllm:kv_cache_usage_perc) when choosing a decode "
         "engine; needs engineMetricsIntervalSeconds > 0.",
     )
+    kv_events: bool = Field(
+        default=True,
+        description="Follow the KV events of engines that publish them (an index per engine that every router "
+        "replica shares through the engines) and route on what they say; engines without events fall back to the "
+        "router's own prefix tracking.",
+    )
+    kv_store: bool = Field(
+        default=False,
+        description="The engines share a KV store that prefill writes every prompt into (spec.engine.kvCache.store): "
+        "a decode failure after prefill is retried on a decode engine without prefill's kv_transfer_params, which "
+        "loads the prompt from the store, instead of with a new prefill; and a prompt prefilled once counts as held "
+        "by every engine, at storeTierWeight.",
+    )
+    cpu_tier_weight: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="What a prefix in an engine's CPU offload tier is worth relative to one in its GPU cache (1).",
+    )
+    store_tier_weight: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        description="What a prefix in the shared KV store is worth relative to one in an engine's GPU cache (1).",
+    )
     prefix_cache_ttl_seconds: float = Field(
         default=600.0, gt=0, description="How long the router assumes an engine keeps a prompt block cached."
     )
@@ -119,7 +165,8 @@ class RoutingPolicyConfig(_Model):
         default=200_000,
         ge=1,
         description="Bound on the prompt blocks the router remembers, across engines (prompt text counted at 4 "
-        "bytes per token: the default keeps about 12.8 MB of prompts).",
+        "bytes per token: the default keeps about 12.8 MB of prompts); also the bound of each engine's KV-event "
+        "index.",
     )
 
 
@@ -151,6 +198,38 @@ class CircuitBreakerConfig(_Model):
     )
 
 
+class PickerConfig(_Model):
+    """The endpoint picker's own settings (`pdserve picker` flags; the rest of its configuration is the router's)."""
+
+    grpc_port: int = Field(
+        default=EffectiveGateway.picker_port, ge=1, le=65535, description="ext_proc and gRPC health port."
+    )
+    target_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port the gateway sends a request to on the chosen decode pod (the PD sidecar's); absent: the decode "
+            "engine's own port from discovery (no sidecar, decode-only)."
+        ),
+    )
+    fallback_endpoints: int = Field(
+        default=0,
+        ge=0,
+        le=8,
+        description=(
+            "Further decode endpoints listed after the pick, in the scheduler's order, for gateways that retry "
+            "down the list (Envoy's override_host policy); 0 for gateways whose ORIGINAL_DST cluster takes one "
+            "address from the header."
+        ),
+    )
+    max_in_flight_per_decode: int = Field(
+        default=0,
+        ge=0,
+        description="Shed (429) when every usable decode engine has this many requests in flight; 0 never sheds.",
+    )
+
+
 class RouterConfig(_Model):
     """The router's whole configuration."""
 
@@ -169,6 +248,10 @@ class RouterConfig(_Model):
     decode: EndpointSelector | None = Field(default=None, description="Decode pool (kubernetes discovery).")
     static_prefill: list[str] = Field(default_factory=list, description="Prefill engine URLs (static discovery).")
     static_decode: list[str] = Field(default_factory=list, description="Decode engine URLs (static discovery).")
+    static_kv_events: dict[str, list[KvEventsEndpoints]] = Field(
+        default_factory=dict,
+        description="Static discovery: each engine URL's KV event publishers (one per data-parallel rank).",
+    )
     static_health_interval_seconds: float = Field(
         default=1.0,
         ge=0,

@@ -23,12 +23,14 @@ from typing import Any, Generic, TypeVar
 
 from pdserve.api import hostpaths
 from pdserve.api.defaulting import default_of, field_value, resolve
-from pdserve.api.defaults import EffectiveAutoscaling, EffectiveEngine, EffectivePool
+from pdserve.api.defaults import EffectiveAutoscaling, EffectiveEngine, EffectiveGateway, EffectivePool
 from pdserve.api.v1alpha1 import (
     ApiModel,
     AutoscalingSpec,
     EnvVar,
+    KvStoreSpec,
     ModelSpec,
+    MooncakeSpec,
     PDServiceSpec,
     PlacementSpec,
     RatioBounds,
@@ -80,6 +82,9 @@ def cel_or_default(path: str, value: object) -> str:
 _MIN, _MAX = default_of(EffectiveAutoscaling, "min_replicas"), default_of(EffectiveAutoscaling, "max_replicas")
 _TP = default_of(EffectivePool, "tensor_parallel_size")
 _ATTENTION = default_of(EffectiveEngine, "attention")
+_ENGINE_PORT = default_of(EffectiveEngine, "port")
+_SIDE_CHANNEL_PORT = default_of(EffectiveEngine, "side_channel_port")
+_SIDECAR_PORT = default_of(EffectiveGateway, "sidecar_port")
 
 
 def _bounds_hold(scaling: AutoscalingSpec) -> bool:
@@ -105,6 +110,16 @@ def _tp_pairs(spec: PDServiceSpec) -> bool:
         return True
     prefill, decode = (field_value(EffectivePool, pool, "tensor_parallel_size") for pool in (spec.prefill, spec.decode))
     return bool(prefill <= decode)
+
+
+def _sidecar_port_free(spec: PDServiceSpec) -> bool:
+    gateway = spec.router.gateway if spec.router is not None else None
+    sidecar = field_value(EffectiveGateway, gateway, "sidecar_port")
+    engine_ports = (field_value(EffectiveEngine, spec.engine, name) for name in ("port", "side_channel_port"))
+    return sidecar not in set(engine_ports)
+
+
+_SIDECAR_PORT_CEL = cel_or_default("router.gateway.sidecarPort", _SIDECAR_PORT)
 
 
 RULES: tuple[CrossFieldRule[Any], ...] = (
@@ -193,6 +208,38 @@ RULES: tuple[CrossFieldRule[Any], ...] = (
         field="min",
     ),
     CrossFieldRule(
+        name="store-settings-need-backend",
+        model=KvStoreSpec,
+        cel="!has(self.mooncake) || has(self.backend)",
+        holds=lambda store: store.mooncake is None or store.backend is not None,
+        message="mooncake settings take effect only with a store backend; set backend: mooncake or remove them",
+        field="backend",
+    ),
+    CrossFieldRule(
+        name="mooncake-metadata-needs-address",
+        model=MooncakeSpec,
+        cel="!has(self.metadataServer) || has(self.masterAddress)",
+        holds=lambda mooncake: mooncake.metadata_server is None or mooncake.master_address is not None,
+        message=(
+            "metadataServer names an existing master's metadata server; set masterAddress too, or remove it (a "
+            "master pdserve deploys serves its own)"
+        ),
+        field="metadataServer",
+    ),
+    CrossFieldRule(
+        name="mooncake-deployed-settings-without-address",
+        model=MooncakeSpec,
+        cel="!has(self.masterAddress) || (!has(self.capacityBytes) && !has(self.image))",
+        holds=lambda mooncake: (
+            mooncake.master_address is None or (mooncake.capacity_bytes is None and mooncake.image is None)
+        ),
+        message=(
+            "capacityBytes and image describe the master and store server pdserve deploys; with masterAddress your "
+            "own store servers hold the memory: remove them, or remove masterAddress to let pdserve deploy one"
+        ),
+        field="masterAddress",
+    ),
+    CrossFieldRule(
         name="colocation-needs-topology-key",
         model=PlacementSpec,
         # Only a colocation the user wrote needs a key: the default (preferred) without one means no constraint.
@@ -221,6 +268,22 @@ RULES: tuple[CrossFieldRule[Any], ...] = (
             "engine.attention to mla for MLA models"
         ),
         field="prefill.tensorParallelSize",
+    ),
+    CrossFieldRule(
+        name="gateway-sidecar-port-free",
+        model=PDServiceSpec,
+        # The PD sidecar shares the decode pod's network namespace with the engine and its NIXL side channel.
+        cel=(
+            f"{_SIDECAR_PORT_CEL} != {cel_or_default('engine.port', _ENGINE_PORT)} && "
+            f"{_SIDECAR_PORT_CEL} != {cel_or_default('engine.sideChannelPort', _SIDE_CHANNEL_PORT)}"
+        ),
+        holds=_sidecar_port_free,
+        message=(
+            "router.gateway.sidecarPort must differ from engine.port and engine.sideChannelPort (the PD sidecar "
+            f"shares the decode pod's network; absent, they are {_SIDECAR_PORT}, {_ENGINE_PORT} and "
+            f"{_SIDE_CHANNEL_PORT}); choose another sidecarPort"
+        ),
+        field="router.gateway.sidecarPort",
     ),
 )
 

@@ -187,6 +187,13 @@ class RouterSettings:
         config="engine_metrics_interval_seconds",
         help="Seconds between scrapes of decode engines' /metrics for KV-cache usage (0: off).",
     )
+    kv_events: tuple[str, ...] = setting(
+        (),
+        "--kv-events",
+        metavar="URL=PUB[,REPLAY]",
+        help="Static mode: an engine's KV event publisher and replay socket (vLLM --kv-events-config), e.g. "
+        "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5657 (repeatable; one per DP rank).",
+    )
     metrics_port: int | None = setting(
         None,
         "--metrics-port",

@@ -69,6 +69,11 @@ Colocation = Literal["required", "preferred", "none"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 Percentile = Literal[50, 90, 95, 99]
 AutoscalingMode = Literal["pdserve", "external"]
+KvEvictionPolicy = Literal["lru", "arc"]
+KvStoreBackend = Literal["mooncake"]
+MooncakeProtocol = Literal["tcp", "rdma"]
+RouterMode = Literal["router", "gateway"]
+FailureMode = Literal["FailOpen", "FailClose"]
 
 
 class ApiModel(BaseModel):
@@ -165,6 +170,96 @@ class UcxSpec(ApiModel):
     net_devices: str | None = Field(default=None, description="UCX_NET_DEVICES value, e.g. mlx5_0:1.")
 
 
+class KvEventsSpec(ApiModel):
+    """vLLM's KV cache events (`--kv-events-config`): each engine publishes what its prefix cache holds, so every
+    router replica routes on the same, exact picture."""
+
+    enabled: bool | None = Field(default=None, description="Publish KV cache events for the router's prefix index.")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="ZMQ publisher port (a data-parallel rank r publishes on port + r)."
+    )
+    replay_port: int | None = Field(
+        default=None, ge=1, le=65535, description="ZMQ replay port (a data-parallel rank r answers on replayPort + r)."
+    )
+
+
+class KvOffloadSpec(ApiModel):
+    """A CPU tier behind each engine's GPU KV cache: vLLM's OffloadingConnector (composed with NIXL by MultiConnector).
+
+    Blocks evicted from GPU memory are kept in host memory and loaded back on a prefix hit, so a conversation whose
+    turns arrive minutes apart still finds its prefix. Needs GPU engines (vLLM 0.32's offloading calls CUDA)."""
+
+    cpu_bytes: Quantity | None = Field(
+        default=None,
+        description=(
+            "Host memory per engine for offloaded KV blocks (vLLM's cpu_bytes_to_use), e.g. 64Gi; absent or 0: no "
+            "CPU tier. It comes on top of the pod's memory request: size resources.limits.memory for it."
+        ),
+    )
+    eviction_policy: KvEvictionPolicy | None = Field(
+        default=None, description="Which offloaded blocks make room first (vLLM's eviction_policy): lru or arc."
+    )
+
+
+class PoolKvCacheSpec(ApiModel):
+    """One pool's KV tiers, replacing spec.engine.kvCache's for that pool field by field."""
+
+    offload: KvOffloadSpec | None = Field(default=None, description="This pool's CPU tier (cpuBytes 0 turns it off).")
+
+
+class MooncakeSpec(ApiModel):
+    """The Mooncake store: a master (metadata and allocation) and the memory that holds the KV blocks."""
+
+    master_address: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:[0-9]{1,5}$",
+        description=(
+            "host:port of an existing Mooncake master's RPC service; its store servers hold the memory. Absent: "
+            "pdserve deploys a master with a store server of capacityBytes beside it, and health-checks them."
+        ),
+    )
+    metadata_server: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=r"^(https?://\S+|P2PHANDSHAKE)$",
+        description=(
+            "The transfer engines' metadata server (Mooncake's metadata_server), e.g. http://host:8080/metadata. "
+            "Only with masterAddress: a deployed master serves its own."
+        ),
+    )
+    image: ImageRef | None = Field(
+        default=None, description="Image of the deployed master and store server (mooncake_master, mooncake_client)."
+    )
+    capacity_bytes: Quantity | None = Field(
+        default=None,
+        description="Memory of the deployed store server: how much KV the store holds before it evicts.",
+    )
+    local_buffer_bytes: Quantity | None = Field(
+        default=None, description="Each engine's staging buffer for puts and gets (Mooncake's local_buffer_size)."
+    )
+    protocol: MooncakeProtocol | None = Field(default=None, description="Transfer engine protocol: tcp or rdma.")
+    device_names: str | None = Field(
+        default=None, max_length=1024, description="RDMA devices of the transfer engine, e.g. mlx5_0,mlx5_1."
+    )
+
+
+class KvStoreSpec(ApiModel):
+    """A KV store prefill writes every computed prompt into and any engine reads back: vLLM's MooncakeStoreConnector
+    (composed with NIXL by MultiConnector). Decode still pulls over NIXL first; the store is what survives a prefill
+    engine, and what a second decode engine (or a later turn on another engine) loads instead of a new prefill."""
+
+    backend: KvStoreBackend | None = Field(default=None, description="Store backend: mooncake; absent: no store.")
+    mooncake: MooncakeSpec | None = Field(default=None, description="Mooncake settings (backend mooncake).")
+
+
+class KvCacheSpec(ApiModel):
+    """Where KV lives besides each engine's GPU memory: a CPU tier per engine and a store shared by all engines."""
+
+    offload: KvOffloadSpec | None = Field(default=None, description="A CPU tier in every engine of both pools.")
+    store: KvStoreSpec | None = Field(default=None, description="A KV store shared by both pools.")
+
+
 class EngineSpec(ApiModel):
     """The inference engine, shared by both pools because P and D must agree on it to exchange KV cache."""
 
@@ -214,6 +309,14 @@ class EngineSpec(ApiModel):
         ),
     )
     ucx: UcxSpec | None = Field(default=None, description="UCX transport overrides.")
+    kv_events: KvEventsSpec | None = Field(default=None, description="KV cache events for the router.")
+    kv_cache: KvCacheSpec | None = Field(
+        default=None,
+        description=(
+            "KV tiers beyond direct prefill -> decode transfer: a CPU offload tier and a shared KV store "
+            "(rendered as vLLM's MultiConnector around NixlConnector; docs/kv-cache.md says when to choose which)."
+        ),
+    )
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for both pools.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for both pools.")
     shm_size: Quantity | None = Field(default=None, description="Size of the /dev/shm emptyDir.")
@@ -287,6 +390,9 @@ class PoolSpec(ApiModel):
     args: list[str] = Field(default_factory=list, description="Extra engine arguments for this pool.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for this pool.")
     autoscaling: AutoscalingSpec | None = Field(default=None, description="SLO-driven autoscaling.")
+    kv_cache: PoolKvCacheSpec | None = Field(
+        default=None, description="This pool's KV tiers, overriding spec.engine.kvCache field by field."
+    )
     max_unavailable: int | None = Field(
         default=None, ge=0, description="PodDisruptionBudget maxUnavailable for the pool."
     )
@@ -360,9 +466,42 @@ class RoutingSpec(ApiModel):
     )
 
 
+class GatewaySpec(ApiModel):
+    """The Gateway API Inference Extension path (`mode: gateway`): an InferencePool whose endpoint picker is pdserve."""
+
+    failure_mode: FailureMode | None = Field(
+        default=None,
+        description=(
+            "What the gateway does when the endpoint picker does not answer: FailOpen sends the request to an "
+            "endpoint the gateway chooses itself (decode-only, no PD), FailClose answers 503."
+        ),
+    )
+    sidecar_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port of the PD sidecar on each decode pod: the InferencePool's target port, where the gateway sends "
+            "requests (the sidecar runs prefill when the picker asks for it, then decode on the local engine)."
+        ),
+    )
+    picker_port: int | None = Field(
+        default=None, ge=1, le=65535, description="gRPC port of the endpoint picker (Envoy ext_proc and gRPC health)."
+    )
+
+
 class RouterSpec(ApiModel):
     """The PD router: the OpenAI-compatible endpoint in front of the pools."""
 
+    mode: RouterMode | None = Field(
+        default=None,
+        description=(
+            "router: pdserve's router is the OpenAI-compatible endpoint. gateway: a Gateway API Inference "
+            "Extension gateway (Istio, GKE, kgateway, ...) is, through the rendered InferencePool; these router pods "
+            "run pdserve's endpoint picker instead, and each decode pod gets the PD sidecar."
+        ),
+    )
+    gateway: GatewaySpec | None = Field(default=None, description="Settings of mode gateway.")
     replicas: int | None = Field(default=None, ge=0, le=64, description="Router pods.")
     image: ImageRef | None = Field(default=None, description="Router image.")
     port: int | None = Field(default=None, ge=1, le=65535, description="Service and container port.")
@@ -503,6 +642,20 @@ class PoolAutoscalingStatus(ApiModel):
     last_scale_time: str | None = Field(default=None, description="When pdserve last changed the replicas (RFC 3339).")
 
 
+class KvStoreStatus(ApiModel):
+    """The KV store the engines use: where its master is and whether it serves."""
+
+    backend: KvStoreBackend = Field(description="Store backend.")
+    master_address: str = Field(description="host:port of the master's RPC service, as the engines are told.")
+    managed: bool = Field(description="True when pdserve deployed the master (and health-checks it).")
+    ready: bool | None = Field(
+        default=None,
+        description="Whether the deployed master and store server pass their health checks; unset for an external "
+        "master, which pdserve does not probe.",
+    )
+    message: str = Field(default="", description="What is missing while not ready.")
+
+
 class PoolStatus(ApiModel):
     """Observed state of one pool."""
 
@@ -511,6 +664,24 @@ class PoolStatus(ApiModel):
     desired_replicas: int = Field(default=0, description="Pods wanted (spec or autoscaler).")
     autoscaling: PoolAutoscalingStatus | None = Field(
         default=None, description="While autoscaling is enabled: who scales the pool, its last decision and why."
+    )
+
+
+class InferencePoolParentStatus(ApiModel):
+    """One gateway's view of the InferencePool (the pool's `status.parents[]`)."""
+
+    parent: str = Field(description="The parent (usually a Gateway) as kind/namespace/name.")
+    accepted: bool = Field(description="The parent's Accepted condition is True.")
+    resolved_refs: bool = Field(description="The parent's ResolvedRefs condition is True (the picker was found).")
+    message: str = Field(default="", description="The reason and message of the first condition that is not True.")
+
+
+class InferencePoolStatus(ApiModel):
+    """The InferencePool pdserve renders in router mode gateway."""
+
+    name: str = Field(description="The InferencePool's name (inference.networking.k8s.io/v1, same namespace).")
+    parents: list[InferencePoolParentStatus] = Field(
+        default_factory=list, description="The gateways that reference the pool, with their conditions."
     )
 
 
@@ -530,6 +701,10 @@ class PDServiceStatus(ApiModel):
     decode: PoolStatus | None = Field(default=None, description="Decode pool.")
     router_endpoint: str | None = Field(default=None, description="In-cluster URL of the router's Service.")
     kv_compat_hash: str | None = Field(default=None, description="Hash of what P and D must agree on.")
+    kv_store: KvStoreStatus | None = Field(default=None, description="The KV store, when spec.engine.kvCache has one.")
+    inference_pool: InferencePoolStatus | None = Field(
+        default=None, description="The InferencePool of router mode gateway, and the gateways that accepted it."
+    )
 
 
 class ObjectMeta(ApiModel):

@@ -273,6 +273,27 @@ def _cpu_engines(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
         )
 
 
+def _kv_tiers_need_gpus(spec: PDServiceSpec, view: EffectiveSpec) -> Iterator[Problem]:
+    """vLLM 0.32's OffloadingConnector and MooncakeStoreConnector call CUDA (measured: they fail on the CPU
+    platform), so a pool without GPUs can use neither. Python-only: a fact of the engine version, like `_cpu_engines`.
+    """
+    for path, _, resolved in _pools(spec, view):
+        if resolved.gpus_per_pod > 0:
+            continue
+        if resolved.kv_cache.offload.enabled:
+            yield Problem(
+                f"{path}.gpusPerPod",
+                "engines without GPUs cannot use a KV offload tier (vLLM 0.32's OffloadingConnector needs CUDA); "
+                f"give the pool GPUs or set {path}.kvCache.offload.cpuBytes to 0",
+            )
+        if view.engine.kv_cache.store.enabled:
+            yield Problem(
+                f"{path}.gpusPerPod",
+                "engines without GPUs cannot use a KV store (vLLM 0.32's MooncakeStoreConnector needs CUDA); give "
+                "the pool GPUs or remove spec.engine.kvCache.store",
+            )
+
+
 def _policy(spec: PDServiceSpec, policy: Policy) -> Iterator[Problem]:
     """The administrator's decisions (policy.py): node paths as model sources."""
     uri = spec.model.uri
@@ -321,5 +342,6 @@ _RULES: tuple[Callable[[PDServiceSpec, EffectiveSpec], Iterable[Problem]], ...] 
     _ports_distinct,
     _rdma_consistent,
     _cpu_engines,
+    _kv_tiers_need_gpus,
     _gpu_budget_covers_minimums,
 )

@@ -17,6 +17,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("pdserve.cli.manifests", "validate"),
     "sim": ("pdserve_sim.cli", "sim"),
     "router": ("pdserve_runtime.router.cli", "router"),
+    "picker": ("pdserve_runtime.gateway.cli", "picker"),
+    "sidecar": ("pdserve_runtime.gateway.cli", "sidecar"),
     "operator": ("pdserve_operator.cli", "operator"),
     "dev": ("pdserve_dev.cli", "dev"),
 }
@@ -27,6 +29,8 @@ _HELP: dict[str, str] = {
     "validate": "Check a PDService and print every problem.",
     "sim": "Run the vLLM-compatible prefill/decode engine simulator.",
     "router": "Run the PD router (OpenAI-compatible endpoint).",
+    "picker": "Run the endpoint picker for a Gateway API Inference Extension gateway (Envoy ext_proc).",
+    "sidecar": "Run the PD sidecar of a decode pod (router mode gateway).",
     "operator": "Run the PDService operator.",
     "dev": "Developer tools: the local Kubernetes cluster.",
 }

@@ -36,6 +36,8 @@ import click
 import prometheus_client
 
 from pdserve_sim.config import FailurePolicy, FaultConfig, Role, SimConfig, preset
+from pdserve_sim.kvevents import KvEventsConfig
+from pdserve_sim.kvstore import CONFIG_ENV, StoreError, StoreSettings
 
 log = logging.getLogger("pdserve.sim")
 
@@ -152,6 +154,11 @@ class _SimGroup(click.Group):
     help="On SIGTERM, refuse new requests (503) and, for up to this many seconds, finish in-flight ones and serve "
     "pulls of the KV handed out until pulled or expired (0 = abort at once, vLLM's default).",
 )
+@click.option(
+    "--kv-events-config",
+    default=None,
+    help="vLLM's KV events config (JSON: enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic).",
+)
 @click.option("--enable-prompt-tokens-details", is_flag=True, help="Report cached prompt tokens in usage.")
 @click.option("--enable-request-id-headers", is_flag=True, help="Send X-Request-Id response headers.")
 @click.option("--fault-fail-next", type=int, default=0, help="Fail the next N generation requests.")
@@ -191,8 +198,8 @@ def serve(ctx: click.Context, vllm_args: tuple[str, ...]) -> None:
         click.echo(
             "Usage: pdserve sim [NATIVE OPTIONS] serve MODEL [vLLM serve flags]\n\n"
             "Drop-in for `vllm serve`. Modelled flags: --model, --host, --port, --kv-transfer-config,\n"
-            "--tensor-parallel-size/-tp, --max-model-len, --block-size, --served-model-name, --max-num-seqs,\n"
-            "--max-num-batched-tokens, --num-gpu-blocks-override, --enable-prompt-tokens-details,\n"
+            "--kv-events-config, --tensor-parallel-size/-tp, --max-model-len, --block-size, --served-model-name,\n"
+            "--max-num-seqs, --max-num-batched-tokens, --num-gpu-blocks-override, --enable-prompt-tokens-details,\n"
             "--enable-request-id-headers, --shutdown-timeout; other vLLM flags are accepted and ignored.\n"
             "Timing comes from the native options before `serve` or PDSERVE_SIM_PRESET/_FAST/_SPEED.\n"
             "See `pdserve sim --help` for the native options."
@@ -204,6 +211,20 @@ def serve(ctx: click.Context, vllm_args: tuple[str, ...]) -> None:
     run(config, options.get("log_level", "info"), options.get("startup_delay") or 0.0)
 
 
+def _kv_events(text: str) -> KvEventsConfig | None:
+    """vLLM's --kv-events-config JSON as the simulator's config (None: events off)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"--kv-events-config is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise click.BadParameter("--kv-events-config must be a JSON object")
+    try:
+        return KvEventsConfig.from_vllm(raw)
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(f"--kv-events-config: {exc}") from None
+
+
 def parse_vllm_args(args: list[str]) -> dict[str, Any]:
     """The vLLM flags the simulator models; everything else is collected under ``"ignored"``."""
     parser = argparse.ArgumentParser(prog="pdserve sim serve", add_help=False, allow_abbrev=False)
@@ -212,6 +233,7 @@ def parse_vllm_args(args: list[str]) -> dict[str, Any]:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--kv-transfer-config")
+    parser.add_argument("--kv-events-config")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--block-size", type=int)
@@ -234,8 +256,15 @@ def parse_vllm_args(args: list[str]) -> dict[str, Any]:
         if not isinstance(ktc, dict):
             raise click.BadParameter("--kv-transfer-config must be a JSON object")
         out["kv_transfer_config"] = ktc
+    if "kv_events_config" in out:
+        out["kv_events_config"] = _kv_events(out["kv_events_config"])
     out["ignored"] = unknown
     return out
+
+
+def _native_kv_events(options: dict[str, Any]) -> KvEventsConfig | None:
+    text = options.get("kv_events_config")
+    return _kv_events(text) if text else None
 
 
 def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
@@ -270,9 +299,11 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
     kv_compat = options.get("kv_compat_id")
     ktc = vllm.get("kv_transfer_config")
     dropin = bool(vllm)
+    store: StoreSettings | None = None
     if dropin:
         role = "both"
         if ktc:
+            ktc, store = _connectors(ktc)
             role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(str(ktc.get("kv_role")), "both")
             engine_id = ktc.get("engine_id") or engine_id
             extra = ktc.get("kv_connector_extra_config") or {}
@@ -334,8 +365,33 @@ def build_config(options: dict[str, Any], vllm: dict[str, Any]) -> SimConfig:
         ),
         request_id_headers=bool(vllm.get("enable_request_id_headers") or options.get("enable_request_id_headers")),
         shutdown_timeout_s=float(vllm.get("shutdown_timeout", options.get("shutdown_timeout")) or 0.0),
+        kv_events=vllm["kv_events_config"] if "kv_events_config" in vllm else _native_kv_events(options),
         faults=faults,
+        kv_store=store,
     )
+
+
+def _connectors(ktc: dict[str, Any]) -> tuple[dict[str, Any], StoreSettings | None]:
+    """vLLM's MultiConnector config split into its NIXL entry (what the simulator models as its side channel, with
+    the top level's role and engine id) and the Mooncake store's settings; a plain connector config as it is."""
+    if ktc.get("kv_connector") != "MultiConnector":
+        return ktc, None
+    children = (ktc.get("kv_connector_extra_config") or {}).get("connectors") or []
+    if not isinstance(children, list) or not all(isinstance(child, dict) for child in children):
+        raise click.BadParameter("--kv-transfer-config: MultiConnector needs a list of connector objects")
+    nixl: dict[str, Any] = next((child for child in children if child.get("kv_connector") == "NixlConnector"), {})
+    merged = {**ktc, **nixl, "engine_id": nixl.get("engine_id") or ktc.get("engine_id")}
+    mooncake = next((child for child in children if child.get("kv_connector") == "MooncakeStoreConnector"), None)
+    modelled = {"NixlConnector", "MooncakeStoreConnector"}
+    others = sorted({str(child.get("kv_connector")) for child in children} - modelled)
+    if others:
+        log.info("Accepted KV connectors the simulator does not model: %s", ", ".join(others))
+    if mooncake is None:
+        return merged, None
+    try:
+        return merged, StoreSettings.from_vllm(mooncake, os.environ.get(CONFIG_ENV))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _setup_logging(log_level: str) -> None:
@@ -372,6 +428,8 @@ async def _serve(config: SimConfig, startup_delay: float = 0.0) -> None:
         await server.start()
     except OSError as exc:
         raise click.ClickException(f"cannot bind: {exc}") from None
+    except StoreError as exc:
+        raise click.ClickException(f"cannot use the KV store: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,6 +6,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve_sim.kvevents import KvEventsConfig
+from pdserve_sim.kvstore import StoreSettings
 from pdserve_sim.presets import FAST, PRESETS, TimingParams
 
 Role = Literal["prefill", "decode", "both"]
@@ -62,7 +64,11 @@ class SimConfig:
     request_id_headers: bool = False
     #: Mean natural output length (EOS) of requests without ignore_eos; 0 = the model never emits EOS.
     eos_mean_tokens: float = 0.0
+    #: vLLM's --kv-events-config: publish the prefix cache's changes over ZMQ (None = off, vLLM's default).
+    kv_events: KvEventsConfig | None = None
     faults: FaultConfig = field(default_factory=FaultConfig)
+    #: The Mooncake store (vLLM's MooncakeStoreConnector in the kv-transfer-config); None: no store.
+    kv_store: StoreSettings | None = None
 
     @property
     def model_names(self) -> tuple[str, ...]:

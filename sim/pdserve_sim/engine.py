@@ -21,6 +21,11 @@ Algorithm (one iteration of ``Engine._run``, the shape of vLLM v1's scheduler):
 
 A prefill-only request (PD prefill, ``do_remote_decode``) keeps its KV blocks after it finishes, for a lease
 of ``kv_lease_seconds``, until a decode engine pulls them (then they are freed) or the lease expires.
+
+With a KV store (``kvstore``): a writer engine puts a finished request's full prompt blocks into the store
+behind the answer (``EngineRequest.store_put``, as vLLM's connector queues the save), and every engine loads the
+blocks of a new prompt the store holds beyond its own cache before the request is queued (``preload``), placing
+them in its cache as computed.
 """
 
 from __future__ import annotations
@@ -35,8 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.api.kvevents import Event
 from pdserve_sim.config import SimConfig
 from pdserve_sim.kvcache import BlockPool, block_hashes
+from pdserve_sim.kvevents import KvEventRecorder
+from pdserve_sim.kvstore import KVStore, StoreError
 from pdserve_sim.metrics import SimMetrics
 from pdserve_sim.tokenizer import generation_seed
 
@@ -119,6 +127,8 @@ class EngineRequest:
         "seed",
         "state",
         "stop_after",
+        "store_put",
+        "store_tokens",
         "wants_tokens",
     )
 
@@ -162,6 +172,10 @@ class EngineRequest:
         self.error: str | None = None
         self.error_status = 500
         self.kv_transfer_params_out: dict[str, Any] | None = None
+        #: The put of this request's prompt blocks into the KV store, when the engine writes to one.
+        self.store_put: asyncio.Future[None] | None = None
+        #: Prompt tokens loaded from the KV store into this engine's cache for this request (``Engine.preload``).
+        self.store_tokens = 0
         self._waiter: asyncio.Future[None] | None = None
         #: False for non-streaming requests: their handler is only woken when the request finishes.
         self.wants_tokens = True
@@ -195,6 +209,11 @@ class Engine:
         self.timing = config.timing
         self.metrics = metrics
         self.pool = BlockPool(self.timing.num_kv_blocks, self.timing.block_size)
+        #: The pool's changes since the last step, when KV events are on (`kvevents`); the server sets `publish`.
+        self.kv_events = KvEventRecorder(self.timing.block_size) if config.kv_events is not None else None
+        if self.kv_events is not None:
+            self.pool.on_evict = self.kv_events.removed
+        self.publish_events: Callable[[list[Event]], None] | None = None
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.remote_waiting: dict[str, EngineRequest] = {}
@@ -209,6 +228,8 @@ class Engine:
         self.peers: dict[tuple[str, int, str], asyncio.Future[None]] = {}
         #: Set by the server: pulls a decode request's KV from its prefill engine (the side channel client).
         self.pull: Callable[[EngineRequest], Any] | None = None
+        #: Set by the server when the engine has a KV store (vLLM's MooncakeStoreConnector).
+        self.store: KVStore | None = None
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -357,6 +378,25 @@ class Engine:
                 if lag > 0.005:
                     self.metrics.late_steps.inc()
             self._apply(plan)
+            self._flush_events()
+
+    def _register_blocks(self, req: EngineRequest, full: int) -> None:
+        """Enter the request's full prompt blocks up to `full` into the prefix cache (and the KV events)."""
+        hashes = req.hashes
+        assert hashes is not None
+        recorder = self.kv_events
+        bs = self.timing.block_size
+        for j in range(req.registered_blocks, full):
+            if self.pool.register(req.blocks[j], hashes[j]) and recorder is not None:
+                recorder.stored(hashes[j], hashes[j - 1] if j else None, req.prompt_ids[j * bs : (j + 1) * bs])
+        req.registered_blocks = max(req.registered_blocks, full)
+
+    def _flush_events(self) -> None:
+        """Hand this step's KV events to the publisher (one batch per step that changed the cache, as vLLM)."""
+        if self.kv_events is not None and self.publish_events is not None:
+            events = self.kv_events.take()
+            if events:
+                self.publish_events(events)
 
     def _schedule(self) -> _Plan:
         t = self.timing
@@ -453,9 +493,16 @@ class Engine:
             req.num_cached_tokens = hit_tokens
             m = self.metrics
             m.prefix_queries.inc(len(req.prompt_ids))
-            if hit_tokens:
-                m.prefix_hits.inc(hit_tokens)
-                m.tokens_by_source["local_cache_hit"].inc(hit_tokens)
+            # Blocks the store just loaded for this request are in the cache, but came from outside.
+            external = min(req.store_tokens, hit_tokens)
+            local = hit_tokens - external
+            req.num_cached_tokens = local
+            req.external_tokens = external
+            if local:
+                m.prefix_hits.inc(local)
+                m.tokens_by_source["local_cache_hit"].inc(local)
+            if external:
+                m.tokens_by_source["external_kv_transfer"].inc(external)
 
     def _preempt(self, req: EngineRequest) -> None:
         """Recompute preemption: drop the request's KV and requeue it at the head."""
@@ -489,9 +536,7 @@ class Engine:
                     local_compute += n
                 if req.hashes is not None:
                     full = min(req.num_computed // bs, len(req.hashes))
-                    for j in range(req.registered_blocks, full):
-                        self.pool.register(req.blocks[j], req.hashes[j])
-                    req.registered_blocks = max(req.registered_blocks, full)
+                    self._register_blocks(req, full)
                 if req.num_computed < req.prefill_target:
                     continue
             # This request produces a token at the end of this step.
@@ -530,6 +575,9 @@ class Engine:
         now = time.monotonic()
         req.finished_at = now
         m = self.metrics
+        store = self.store
+        if store is not None and store.settings.writes and reason in ("length", "stop") and req.hashes:
+            req.store_put = asyncio.ensure_future(self._store_put(req.hashes))
         if req.remote_decode and reason in ("length", "stop") and req.blocks:
             self._hold(req)
         elif req.blocks:
@@ -593,6 +641,74 @@ class Engine:
         }
 
     # ----------------------------------------------------------------------------------------------------
+    # The KV store
+
+    async def _store_put(self, hashes: list[int]) -> None:
+        """Write a finished prompt's blocks to the store; a failure costs later loads, never this request."""
+        assert self.store is not None
+        try:
+            written = await self.store.put_missing(hashes)
+            await self._model_link(written)
+        except StoreError as exc:
+            self.metrics.store_errors.labels("put").inc()
+            log.warning("Failed to put KV blocks into the store blocks=%d: %s", len(hashes), exc)
+            return
+        if written:
+            self.metrics.store_blocks.labels("put").inc(written)
+
+    async def _model_link(self, blocks: int) -> None:
+        """The modelled link time of the real model's KV for `blocks` blocks, on top of the real transfer (as the
+        side channel adds it to a pull: the payload moved is smaller than the model's KV)."""
+        t = self.timing
+        if blocks and t.kv_link_bytes_per_second > 0:
+            await asyncio.sleep(
+                t.kv_model_bytes_per_token * blocks * t.block_size / t.kv_link_bytes_per_second / self.config.speed
+            )
+
+    async def preload(self, req: EngineRequest) -> None:
+        """Load the blocks of `req`'s prompt the store holds beyond this engine's cache, into the cache.
+
+        Runs before the request is queued. The loaded blocks are registered as cached (free, hashed) so the
+        scheduler's prefix lookup takes them as hits; `_take_prefix` counts them as external tokens. If they are
+        evicted before the request is admitted (a full cache), the request simply computes them.
+        """
+        store = self.store
+        if store is None:
+            return
+        bs = self.timing.block_size
+        req.hashes = block_hashes(req.prompt_ids, bs)
+        usable = req.hashes[: (len(req.prompt_ids) - 1) // bs]  # the last prompt token is always computed
+        local = len(self.pool.lookup(usable))
+        wanted = usable[local:]
+        if not wanted:
+            return
+        m = self.metrics
+        m.external_queries.inc(len(wanted) * bs)
+        try:
+            found = await store.longest_prefix(wanted)
+            if found == 0:
+                return
+            await store.get(wanted[:found])
+            await self._model_link(found)
+        except StoreError as exc:
+            m.store_errors.labels("get").inc()
+            log.warning("Failed to load KV blocks from the store request_id=%s: %s", req.request_id, exc)
+            return
+        m.store_blocks.labels("get").inc(found)
+        m.external_hits.inc(found * bs)
+        # The cache may have changed while the store answered: place only what is still missing after the prefix.
+        have = len(self.pool.lookup(usable[: local + found]))
+        if have < local:
+            return  # the local prefix was evicted meanwhile: the loaded blocks would not be reachable
+        blocks = self.pool.allocate(local + found - have) if local + found > have else []
+        if blocks is None:
+            return
+        for offset, block in enumerate(blocks):
+            self.pool.register(block, usable[have + offset])
+        self.pool.release(blocks)
+        req.store_tokens = len(blocks) * bs
+
+    # ----------------------------------------------------------------------------------------------------
     # PD decode: pulling remote KV
 
     def _start_pull(self, req: EngineRequest) -> None:
@@ -627,9 +743,8 @@ class Engine:
             req.num_computed = len(req.prompt_ids) - 1
             req.prefill_target = len(req.prompt_ids)
             if req.hashes is not None:
-                for j in range(req.registered_blocks, len(req.hashes)):
-                    self.pool.register(req.blocks[j], req.hashes[j])
-                req.registered_blocks = len(req.hashes)
+                self._register_blocks(req, len(req.hashes))
+                self._flush_events()
         else:
             m.nixl_failed_transfers.inc()
             if error.reason == "kv_compat_mismatch":

@@ -15,7 +15,7 @@ Algorithm (the shape of vLLM's v1 KV cache manager, without the memory):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -31,8 +31,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 class BlockPool:
     """Reference-counted KV blocks with an evictable prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, on_evict: Callable[[int], None] | None = None) -> None:
         self.num_blocks = num_blocks
+        #: Told the hash of every cached block the allocator takes back (the KV events' BlockRemoved).
+        self.on_evict = on_evict
         self.block_size = block_size
         self._refs = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
@@ -47,6 +49,11 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks that can be allocated now (free, possibly still holding a cached hash)."""
         return self.num_blocks - self._fresh + len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a registered prefix (referenced or free)."""
+        return len(self._by_hash)
 
     @property
     def usage(self) -> float:
@@ -96,15 +103,20 @@ class BlockPool:
                 self._hash_of[block] = None
                 if self._by_hash.get(old) == block:
                     del self._by_hash[old]
+                    if self.on_evict is not None:
+                        self.on_evict(old)
             self._refs[block] = 1
             out.append(block)
         return out
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Record that ``block`` now holds the full prefix identified by ``block_hash``."""
+    def register(self, block: int, block_hash: int) -> bool:
+        """Record that ``block`` now holds the full prefix identified by ``block_hash``; False when the prefix was
+        cached already (in another block) or the block holds one, so nothing new entered the cache."""
         if self._hash_of[block] is None and block_hash not in self._by_hash:
             self._hash_of[block] = block_hash
             self._by_hash[block_hash] = block
+            return True
+        return False
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; unreferenced blocks become free (and stay cached)."""

@@ -235,6 +235,17 @@ class SimMetrics:
             "compatibility check); counted by both engines.",
             registry=reg,
         )
+        # The KV store path (`kvstore`), which vLLM reports through its connector's own stats.
+        self.store_blocks = Counter(
+            "pdserve:sim_kv_store_blocks", "KV blocks put into (op=put) or loaded from (op=get) the KV store.",
+            ["op"], registry=reg,
+        )  # fmt: skip
+        self.store_errors = Counter(
+            "pdserve:sim_kv_store_errors", "KV store calls that failed (op=put, get).", ["op"], registry=reg
+        )
+        for op in ("put", "get"):
+            self.store_blocks.labels(op)
+            self.store_errors.labels(op)
         if cache_info:
             # vLLM's info-style gauge describing the KV cache configuration (always 1).
             info = Gauge(

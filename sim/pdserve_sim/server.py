@@ -32,6 +32,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve_sim.config import SimConfig
 from pdserve_sim.engine import Engine, EngineRequest
 from pdserve_sim.faults import Faults
+from pdserve_sim.kvevents import KvEventPublisher
+from pdserve_sim.kvstore import KVStore
 from pdserve_sim.metrics import SimMetrics
 from pdserve_sim.protocol import ApiError, ParsedRequest, decode_json, error_body, parse_request
 from pdserve_sim.sidechannel import ConnectionPool, SideChannelServer, pull_kv
@@ -94,6 +96,7 @@ class SimServer:
         self.kv_connections = ConnectionPool()
         self.engine.pull = lambda req: pull_kv(self.engine, req, self.kv_connections)
         self.runner: web.AppRunner | None = None
+        self.kv_publisher: KvEventPublisher | None = None
         self.http_port = config.port
         self.side_channel_port = config.side_channel_port
         self.created = int(time.time())
@@ -138,8 +141,18 @@ class SimServer:
         return app
 
     async def start(self) -> None:
-        """Bind the HTTP server and the side channel, start the engine loop."""
+        """Connect to the KV store (if any), bind the HTTP server and the side channel, start the engine loop."""
         cfg = self.config
+        if cfg.kv_events is not None:
+            self.kv_publisher = KvEventPublisher(cfg.kv_events, cfg.side_channel_bind_host or cfg.host)
+            self.engine.publish_events = self.kv_publisher.publish
+        if cfg.kv_store is not None:
+            # vLLM's engine does not come up without its store: neither does the simulator (StoreError).
+            store = KVStore(cfg.kv_store, cfg.timing.kv_payload_bytes_per_token * cfg.timing.block_size)
+            host = cfg.side_channel_host if cfg.side_channel_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+            await store.connect(host)
+            self.engine.store = store
+            log.info("Connected to the KV store master=%s writes=%s", cfg.kv_store.master_address, cfg.kv_store.writes)
         self.engine.start()
         if cfg.role in ("prefill", "both"):
             bind = cfg.side_channel_bind_host or cfg.host
@@ -190,10 +203,15 @@ class SimServer:
         # Finish every request first (streams end with their last event), release stalled streams, then
         # close the HTTP server, so shutdown never waits on an open stream.
         await self.engine.stop()
+        if self.engine.store is not None:
+            await self.engine.store.close()
         self.kv_connections.close()
         self.faults.clear()
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.kv_publisher is not None:
+            self.engine.publish_events = None
+            await asyncio.to_thread(self.kv_publisher.close)
 
     # ----------------------------------------------------------------------------------------------------
     # Small endpoints
@@ -345,6 +363,9 @@ class SimServer:
         if cfg.eos_mean_tokens > 0 and not parsed.ignore_eos:
             req.stop_after = natural_length(req.seed, cfg.eos_mean_tokens)
         engine = self.engine
+        if engine.store is not None and parsed.remote_prefill is None:
+            # vLLM's store connector looks the prompt up before the request is scheduled; so does the simulator.
+            await engine.preload(req)
         engine.add(req)
         headers = {"X-Request-Id": base} if cfg.request_id_headers else {}
         self._inflight += 1

@@ -2,7 +2,8 @@
 
 Tokenization: the pieces are the approximate tokens of ``pdserve.api.prompt`` (the definition the PD router
 uses too, so a router threshold means the same tokens here), UTF-8 byte slices; each token's id is
-``VOCAB_OFFSET + crc32(token) % VOCAB_SIZE``: stable across processes and runs (unlike ``hash()``), so prefix
+``VOCAB_OFFSET + crc32(token) % VOCAB_SIZE`` (``pdserve.api.prompt.token_ids``, which the router's prefix index
+uses too): stable across processes and runs (unlike ``hash()``), so prefix
 caching sees identical ids for identical text on every engine. Chat messages are flattened with the shared chat
 template (:func:`flatten_chat`) before tokenizing.
 
@@ -20,10 +21,10 @@ import math
 import zlib
 from collections.abc import Sequence
 
-from pdserve.api.prompt import CHUNK_CHARS, chat_prompt, text_tokens
+from pdserve.api.prompt import CHUNK_CHARS, VOCAB_OFFSET, VOCAB_SIZE, chat_prompt, token_ids, utf8
 
-VOCAB_SIZE = 32000
-VOCAB_OFFSET = 100
+__all__ = ["VOCAB_OFFSET", "VOCAB_SIZE", "tokenize"]
+
 #: Ids below VOCAB_OFFSET are "special"; the simulated end-of-sequence token.
 EOS_TOKEN_ID = 2
 
@@ -45,8 +46,7 @@ _STRIDE = 7919
 
 def tokenize(text: str) -> list[int]:
     """Token ids of ``text`` under the approximation described in the module docstring."""
-    crc32 = zlib.crc32
-    return [VOCAB_OFFSET + crc32(token) % VOCAB_SIZE for token in text_tokens(text)]
+    return token_ids(utf8(text))
 
 
 def flatten_chat(messages: Sequence[tuple[str, str]]) -> str:

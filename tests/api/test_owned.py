@@ -144,8 +144,8 @@ def test_hf_token_is_owned_only_when_pdserve_sets_it() -> None:
 def test_the_owned_flags_are_the_ones_the_renderer_passes() -> None:
     from pdserve_operator.render.engine import engine_args
 
-    spec = validate(pds()).require()[1]
-    passed = {arg for arg in engine_args(spec, "prefill") if arg.startswith("-")}
+    parsed, spec = validate(pds()).require()
+    passed = {arg for arg in engine_args(parsed, spec, "prefill") if arg.startswith("-")}
     assert passed <= set(owned.OWNED_FLAGS)
 
 

@@ -78,6 +78,21 @@ CASES = [
     Case("bounds-min-at-default-max", {"prefill.autoscaling": {"minReplicas": 8}}),
     Case("ratio-equal", {"autoscaling": {"prefillToDecodeRatio": {"min": 0.5, "max": 0.5}}}),
     Case("ratio-min-only", {"autoscaling": {"prefillToDecodeRatio": {"min": 2}}}),
+    Case(
+        "store-deployed", {"engine.kvCache": {"store": {"backend": "mooncake", "mooncake": {"capacityBytes": "4Gi"}}}}
+    ),
+    Case(
+        "store-external",
+        {
+            "engine.kvCache": {
+                "offload": {"cpuBytes": "8Gi"},
+                "store": {
+                    "backend": "mooncake",
+                    "mooncake": {"masterAddress": "m:50051", "metadataServer": "P2PHANDSHAKE"},
+                },
+            }
+        },
+    ),
     Case("colocation-none-without-key", {"placement": {"colocation": "none"}}),
     Case("colocation-default-without-key", {"placement": {"spreadKey": "topology.kubernetes.io/zone"}}),
     Case("colocation-required-with-key", {"placement": {"colocation": "required", "topologyKey": "pdserve.io/rack"}}),
@@ -195,6 +210,29 @@ CASES = [
         breaks=(("colocation-needs-topology-key", "spec.placement"),),
     ),
     Case(
+        "store-settings-without-backend",
+        {"engine.kvCache": {"store": {"mooncake": {"capacityBytes": "4Gi"}}}},
+        breaks=(("store-settings-need-backend", "spec.engine.kvCache.store"),),
+    ),
+    Case(
+        "store-metadata-without-address",
+        {
+            "engine.kvCache": {
+                "store": {"backend": "mooncake", "mooncake": {"metadataServer": "http://m:8080/metadata"}}
+            }
+        },
+        breaks=(("mooncake-metadata-needs-address", "spec.engine.kvCache.store.mooncake"),),
+    ),
+    Case(
+        "store-capacity-with-address",
+        {
+            "engine.kvCache": {
+                "store": {"backend": "mooncake", "mooncake": {"masterAddress": "m:50051", "capacityBytes": "4Gi"}}
+            }
+        },
+        breaks=(("mooncake-deployed-settings-without-address", "spec.engine.kvCache.store.mooncake"),),
+    ),
+    Case(
         "tp-larger-prefill",
         {"prefill.tensorParallelSize": 4, "decode.tensorParallelSize": 2},
         breaks=(("prefill-tp-le-decode-tp", "spec"),),
@@ -203,6 +241,16 @@ CASES = [
         "tp-larger-than-default-decode",
         {"prefill.tensorParallelSize": 2},
         breaks=(("prefill-tp-le-decode-tp", "spec"),),
+    ),
+    Case(
+        "sidecar-on-the-engine-port",
+        {"router.gateway": {"sidecarPort": 8000}},
+        breaks=(("gateway-sidecar-port-free", "spec"),),
+    ),
+    Case(
+        "sidecar-on-a-moved-side-channel",
+        {"router.gateway": {"sidecarPort": 8100}, "engine.sideChannelPort": 8100},
+        breaks=(("gateway-sidecar-port-free", "spec"),),
     ),
     Case(
         "three-rules-at-once",
@@ -254,6 +302,12 @@ CASES = [
         "decode-tp-not-a-multiple", {"prefill.tensorParallelSize": 2, "decode.tensorParallelSize": 3}, python_only=True
     ),
     Case("owned-flag", {"engine.args": ["--port", "9000"]}, python_only=True),
+    Case("offloading-size-flag", {"decode.args": ["--kv-offloading-size=8"]}, python_only=True),
+    Case(
+        "offload-on-cpu-engines",
+        {"engine.kvCache": {"offload": {"cpuBytes": "1Gi"}}, "decode.gpusPerPod": 0, "placement.rdma": "off"},
+        python_only=True,
+    ),
     Case("owned-env", {"prefill.env": [{"name": "POD_IP", "value": "x"}]}, python_only=True),
     Case("duplicate-env", {"engine.env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, python_only=True),
     Case("port-clash", {"engine.port": 5600}, python_only=True),

@@ -97,11 +97,39 @@ EXAMPLES: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         "spec.placement",
         doc(placement={"colocation": "none"}),
     ),
+    "store-settings-need-backend": (
+        doc(engine__kvCache={"store": {"mooncake": {"protocol": "tcp"}}}),
+        "spec.engine.kvCache.store",
+        doc(engine__kvCache={"store": {"backend": "mooncake", "mooncake": {"protocol": "tcp"}}}),
+    ),
+    "mooncake-metadata-needs-address": (
+        doc(engine__kvCache={"store": {"backend": "mooncake", "mooncake": {"metadataServer": "http://m/metadata"}}}),
+        "spec.engine.kvCache.store.mooncake",
+        doc(
+            engine__kvCache={
+                "store": {
+                    "backend": "mooncake",
+                    "mooncake": {"masterAddress": "m:50051", "metadataServer": "http://m/metadata"},
+                }
+            }
+        ),
+    ),
+    "mooncake-deployed-settings-without-address": (
+        doc(engine__kvCache={"store": {"backend": "mooncake", "mooncake": {"masterAddress": "m:1", "image": "mc:1"}}}),
+        "spec.engine.kvCache.store.mooncake",
+        doc(engine__kvCache={"store": {"backend": "mooncake", "mooncake": {"image": "mc:1", "capacityBytes": "1Gi"}}}),
+    ),
     "prefill-tp-le-decode-tp": (
         # Only the table's default decode TP (1) makes this invalid.
         doc(prefill__tensorParallelSize=2),
         "spec",
         doc(prefill__tensorParallelSize=2, engine__attention="mla"),
+    ),
+    "gateway-sidecar-port-free": (
+        # Only the table's default engine port (8000) makes this invalid.
+        doc(router={"mode": "gateway", "gateway": {"sidecarPort": 8000}}),
+        "spec",
+        doc(router={"mode": "gateway", "gateway": {"sidecarPort": 8001}}),
     ),
 }
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 SCENARIOS = [
     "scale-down-decode",
@@ -29,6 +29,7 @@ SCENARIOS = [
     "operator-restart",
     "apiserver-restart",
     "router-replica-killed",
+    "prefill-killed-store",
 ]
 KILLED = {"prefill-killed", "decode-killed"}
 KEYS = ["name", "sent", "succeeded", "failed_told", "lost", "duplicated_tokens", "worst_ttft_ms"]
@@ -41,7 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
         [sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick", "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=1100,
+        timeout=1400,
         check=False,
         cwd=ROOT,
     )

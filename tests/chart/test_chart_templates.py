@@ -259,6 +259,8 @@ def operator_needs() -> tuple[set[Rule], set[Rule]]:
     need.add((kinds.EVENT.group, kinds.EVENT.plural, "create"))
     # The SLO autoscaler's actuator: KubeApi.scale, a PATCH of the pool StatefulSet's /scale.
     need.add((kinds.STATEFUL_SET.group, f"{kinds.STATEFUL_SET.plural}/scale", "patch"))
+    # Router mode gateway: the InferencePool, applied (create/patch) and read back by name (KubeApi.read).
+    need |= {(kinds.INFERENCE_POOL.group, kinds.INFERENCE_POOL.plural, verb) for verb in ("get", "create", "patch")}
     lease = {(kinds.LEASE.group, kinds.LEASE.plural, verb) for verb in ("get", "create", "update")}
     return need, lease
 

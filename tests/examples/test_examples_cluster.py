@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if p.stem != "invalid")
 # The GPU product each example's engines must land on (None: the process node).
 PRODUCTS = {
+    "kv-store": "NVIDIA-H100-80GB-HBM3",
     "local-sim": None,
     "minimal": "NVIDIA-H100-80GB-HBM3",
     "mla-hostpath-tcp": "NVIDIA-H100-80GB-HBM3",

@@ -139,3 +139,57 @@ def test_modelled_vllm_feature_flags() -> None:
     assert cfg.prompt_tokens_details and cfg.request_id_headers
     plain = dropin("m")
     assert not plain.prompt_tokens_details and not plain.request_id_headers
+
+
+def _multi(role: str, *children: dict[str, Any]) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": role,
+            "engine_id": "top",
+            "kv_connector_extra_config": {"connectors": list(children)},
+        }
+    )
+
+
+def test_a_multi_connector_is_read_through_its_nixl_entry() -> None:
+    """The renderer's MultiConnector (NIXL first, then tiers): role, engine id, lease and policy are NIXL's."""
+    nixl = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer",
+        "engine_id": "pod-uid",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_lease_duration": 7},
+    }
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {}}
+    cfg = dropin("m", "--kv-transfer-config", _multi("kv_producer", nixl, offload))
+    assert (cfg.role, cfg.engine_id, cfg.kv_lease_seconds, cfg.kv_load_failure_policy) == (
+        "prefill",
+        "pod-uid",
+        7.0,
+        "recompute",
+    )
+    assert cfg.kv_store is None  # an offload tier is accepted, not modelled
+
+
+def test_the_store_entry_reads_the_mooncake_client_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({"master_server_address": "m:1", "metadata_server": "http://m:2/metadata"}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    store = {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"cache_prefix": "p"},
+    }
+    cfg = dropin("m", "--kv-transfer-config", _multi("kv_consumer", nixl, store))
+    assert cfg.role == "decode" and cfg.engine_id == "top"
+    assert cfg.kv_store is not None
+    assert (cfg.kv_store.master_address, cfg.kv_store.cache_prefix, cfg.kv_store.writes) == ("m:1", "p", False)
+
+
+def test_a_store_without_its_client_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    store = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    with pytest.raises(click.ClickException, match="MOONCAKE_CONFIG_PATH"):
+        dropin("m", "--kv-transfer-config", _multi("kv_producer", store))

@@ -31,6 +31,9 @@ from pdserve_dev.chaos.watch import MismatchWatcher
 from pdserve_dev.testing.mixed_load import MixedLoad, Shape, default_mix
 from pdserve_dev.testing.wait import wait_for, wait_for_async
 
+RETRIES = "pdserve_router_retries_total"
+STORE_LOADS = "pdserve:sim_kv_store_blocks_total"
+"""KV store blocks an engine moved; a decode engine only reads (its kv_role is kv_consumer), so these are loads."""
 MAX_NUM_SEQS = 4
 """Sequences per decode engine: few, so that a handful of clients keep every engine busy and queues form."""
 
@@ -278,15 +281,56 @@ async def prefill_killed(service: ChaosService, tuning: Tuning) -> Outcome:
         [decode] = await asyncio.to_thread(service.pods, "pdserve.io/role=decode")
         failed_pulls = "vllm:nixl_num_failed_transfers_total"
         before = await asyncio.to_thread(service.engine_metric, decode, failed_pulls)
+        reprefills = await asyncio.to_thread(service.router_metric, RETRIES, stage="reprefill")
         await asyncio.to_thread(service.kill_pod, victim)
         outcome.notes.append(f"killed {victim['metadata']['name']} holding KV of {state.get('held_kv', 0)} requests")
         outcome.require(int(state.get("held_kv", 0)) > 0, "the killed prefill engine held KV waiting to be pulled")
         await asyncio.to_thread(service.wait_pool, "prefill", 2)
         after = await asyncio.to_thread(service.engine_metric, decode, failed_pulls)
-        outcome.notes.append(f"decode's failed KV pulls since the kill: {after - before:.0f}")
+        reprefilled = await asyncio.to_thread(service.router_metric, RETRIES, stage="reprefill") - reprefills
+        outcome.notes.append(
+            f"decode's failed KV pulls since the kill: {after - before:.0f}; prefilled again: {reprefilled:.0f}"
+        )
 
     outcome = await under_load("prefill-killed", service, tuning, strike, clients=20, mix=tuning.long_heavy())
     _killed_floors(outcome, on_pod)
+    return outcome
+
+
+async def prefill_killed_store(service: ChaosService, tuning: Tuning) -> Outcome:
+    """`prefill-killed` with the KV store on (a real Mooncake master and store server): prefill writes every prompt
+    to the store before it answers, so when the killed engine's KV cannot be pulled the router retries decode from
+    the store instead of prefilling again. Floors: 0 lost, 0 failed, 0 requests re-prefilled (the router's
+    reprefill retries), and the store path was taken (store retries > 0, blocks loaded by decode)."""
+    await asyncio.to_thread(service.use_store)
+    await asyncio.to_thread(service.shape, 2, 1)
+    counts: dict[str, float] = {}
+
+    async def strike(load: MixedLoad, outcome: Outcome) -> None:
+        await wait_for_async(_decode_queue(service, tuning.queued), within=120, message="a deep decode queue")
+        prefills = await asyncio.to_thread(service.pods, "pdserve.io/role=prefill")
+        states = [await asyncio.to_thread(service.engine_state, pod) for pod in prefills]
+        victim, state = max(zip(prefills, states, strict=True), key=lambda pair: int(pair[1].get("held_kv", 0)))
+        for stage in ("reprefill", "store"):
+            counts[stage] = await asyncio.to_thread(service.router_metric, RETRIES, stage=stage)
+        await asyncio.to_thread(service.kill_pod, victim)
+        outcome.notes.append(f"killed {victim['metadata']['name']} holding KV of {state.get('held_kv', 0)} requests")
+        outcome.require(int(state.get("held_kv", 0)) > 0, "the killed prefill engine held KV waiting to be pulled")
+        await asyncio.to_thread(service.wait_pool, "prefill", 2)
+
+    outcome = await under_load("prefill-killed-store", service, tuning, strike, clients=20, mix=tuning.long_heavy())
+    if counts:
+        reprefilled = await asyncio.to_thread(service.router_metric, RETRIES, stage="reprefill") - counts["reprefill"]
+        from_store = await asyncio.to_thread(service.router_metric, RETRIES, stage="store") - counts["store"]
+        [decode] = await asyncio.to_thread(service.pods, "pdserve.io/role=decode")
+        loaded = await asyncio.to_thread(service.engine_metric, decode, STORE_LOADS)
+        outcome.notes.append(
+            f"since the kill: {reprefilled:.0f} re-prefilled, {from_store:.0f} decode retries from the store; "
+            f"KV blocks decode loaded from the store: {loaded:.0f}"
+        )
+        outcome.require(reprefilled == 0, f"0 requests re-prefilled ({reprefilled:.0f})")
+        outcome.require(from_store > 0, "the store path was taken (decode retries from the store > 0)")
+    outcome.require(outcome.failed_told == 0, f"failed_told == 0 ({outcome.failed_told})")
     return outcome
 
 
@@ -449,6 +493,8 @@ ALL: dict[str, Callable[[ChaosService, Tuning], Awaitable[Outcome]]] = {
     "operator-restart": operator_restart,
     "apiserver-restart": apiserver_restart,
     "router-replica-killed": router_replica_killed,
+    # Last: turning the store on rolls every engine, and the store stays on for whatever would run after it.
+    "prefill-killed-store": prefill_killed_store,
 }
 """The scenarios in the order they run (issue 13's names: contract). Blocking calls (kubectl, scrapes) run in
 threads (`asyncio.to_thread`): the load's clients share the event loop."""

@@ -17,7 +17,7 @@ import os
 import signal
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from pdserve.api.crdgen import custom_resource_definition
 from pdserve_dev.process_node.node import SELECTOR, TOLERATION
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
+from pdserve_dev.testing.mooncake import MooncakeStore, mooncake_store
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.wait import wait_for, wait_until_none_left
 from pdserve_operator.render.router import METRICS_PORT
@@ -131,6 +132,9 @@ class ChaosService:
     router: str = ""
     """Base URL of the router pod the load goes through."""
     log: Callable[[str], None] = print
+    store: MooncakeStore | None = None
+    """The Mooncake master and store server the engines use once `use_store` turned the store on."""
+    _exits: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @classmethod
     def deploy(
@@ -177,7 +181,46 @@ class ChaosService:
         )  # fmt: skip
 
     def stop(self) -> None:
-        self.operator.stop()
+        try:
+            self.operator.stop()
+        finally:
+            self._exits.close()
+
+    # -- the KV store -------------------------------------------------------------------------------------------
+
+    def use_store(self, timeout: float = 240.0) -> MooncakeStore:
+        """Turn the PDService's KV store on (a real Mooncake master and store server on loopback, the engines told
+        its address, as `masterAddress` points a PDService at an existing master) and wait until every engine runs
+        with it. The local cluster has no DNS, so the master pdserve deploys (its Service name) is not reachable
+        from the engines here: that one is checked by the operator's cluster tests."""
+        if self.store is None:
+            self.store = self._exits.enter_context(mooncake_store(self.workdir / "mooncake", capacity_bytes=1 << 30))
+        store = self.store
+        mooncake = {"masterAddress": store.master_address, "metadataServer": store.metadata_server, "protocol": "tcp"}
+        self.patch({"engine": {"kvCache": {"store": {"backend": "mooncake", "mooncake": mooncake}}}})
+
+        def gaps() -> list[str]:
+            pods = self.pods(ENGINES)
+            missing = [
+                pod["metadata"]["name"]
+                for pod in pods
+                if not ready(pod)
+                or pod["metadata"].get("deletionTimestamp")
+                or not any(
+                    env.get("name") == "MOONCAKE_CONFIG_PATH" for env in pod["spec"]["containers"][0].get("env", [])
+                )
+            ]
+            return [f"engines not yet Ready with the store: {missing}"] if missing else []
+
+        wait_until_none_left(gaps, timeout, 1.0, "every engine restarted with the KV store")
+        # The router's config changed too (its policy knows the store): its pods were replaced; use a new one.
+        replicas = int(self.pds()["spec"].get("router", {}).get("replicas", 1))
+        self.use_router(self.wait_routers(replicas, timeout)[0])
+        return store
+
+    def router_metric(self, name: str, **labels: str) -> float:
+        """One series of the router the load goes through."""
+        return metric_value(scrape_sync(f"{router_metrics_url(self.router)}/metrics", timeout=3), name, **labels)
 
     # -- the PDService ----------------------------------------------------------------------------------------
 
@@ -331,7 +374,7 @@ class ChaosService:
 
     def router_uses(self, role: str, pod: dict[str, Any]) -> bool:
         """Whether the router takes the engine in `pod` for new requests (ready, not ejected)."""
-        exposition = scrape_sync(f"{self.router}/metrics", timeout=3)
+        exposition = scrape_sync(f"{router_metrics_url(self.router)}/metrics", timeout=3)
         up = metric_value(exposition, "pdserve_router_endpoint_up", role=role, endpoint=pod["metadata"]["name"])
         return up == 1
 

@@ -54,6 +54,13 @@ PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 PROMETHEUS_OPERATOR_SUM = "h1:M5xLCLEoaW2IJfnuCwFzzpL+jSVQu3KGT84Pye+fW8s="
 """The module's go.sum hash: the CRDs are checked against it as well as against the checksum database."""
 
+INFERENCE_EXTENSION_VERSION = "v1.6.0"
+"""sigs.k8s.io/gateway-api-inference-extension: the InferencePool CRD and the reference endpoint picker (lwepp).
+The module proxy refuses its version list: the version must be asked for by name."""
+
+INFERENCE_EXTENSION_SUM = "h1:cjtwMJYcTnLXBYE5ffR1/hHhn7U1aIFfe2RITYmOXVA="
+"""The module's go.sum hash (the CRD is checked against it as well as against the checksum database)."""
+
 # Every k8s.io module that k8s.io/kubernetes' go.mod replaces with ./staging/src/k8s.io/<name>. A module
 # outside the main module cannot use those directory replacements, so our go.mod pins each one to the
 # published tag instead. The list is the `replace` block of k8s.io/kubernetes v1.37's go.mod.

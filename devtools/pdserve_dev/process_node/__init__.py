@@ -86,8 +86,8 @@ What it does not emulate
   system, every command word, argument or env value that starts with a volumeMount's mountPath rewritten to the
   materialised folder, no token volume, no securityContext, and ``KUBECONFIG`` set to the cluster's (admin)
   kubeconfig. ``--no-sandbox`` forces this.
-* No exec or gRPC probes (they count as success), no postStart hooks (exec preStop hooks run with the
-  container's environment, outside its sandbox), no service env vars other than the
+* No exec probes (they count as success; gRPC probes call grpc.health.v1 as the kubelet does), no postStart hooks
+  (exec preStop hooks run with the container's environment, outside its sandbox), no service env vars other than the
   ``kubernetes`` Service's (``FOO_SERVICE_HOST``). Sidecars are stopped together with the other containers, not
   after them.
 * No kubelet API: ``kubectl logs/exec/attach/port-forward`` do not work; read the log files instead.

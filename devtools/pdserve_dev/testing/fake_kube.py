@@ -230,6 +230,12 @@ class FakeKube:
                 "status": {"replicas": int((current.get("status") or {}).get("replicas", 0))},
             }
 
+    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """A GET (reads need no leadership); None when the object does not exist."""
+        with self._lock:
+            current = self.objects.get((kind.kind, namespace, name))
+            return copy.deepcopy(current) if current is not None else None
+
     def set_replicas(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Another writer (HPA, `kubectl scale`) sets an object's replicas; returns the object for the cache."""
         with self._lock:

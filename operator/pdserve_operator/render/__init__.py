@@ -11,7 +11,7 @@ from typing import Any
 
 from pdserve.api.validation import InvalidSpecError, Validated
 from pdserve_operator.names import ENGINE_ROLES
-from pdserve_operator.render import discovery, engine, router
+from pdserve_operator.render import discovery, engine, gateway, kvcache, router
 from pdserve_operator.render.discovery import NOTHING_OBSERVED, Observed
 
 __all__ = ["NOTHING_OBSERVED", "InvalidSpecError", "Observed", "render"]
@@ -35,6 +35,7 @@ def render(checked: Validated, observed: Observed = NOTHING_OBSERVED) -> list[di
     topology = discovery.topology_config_map(pds, spec, observed)
     if topology is not None:
         objects.append(topology)
+    objects += kvcache.objects(pds, spec)
     for role in ENGINE_ROLES:
         objects += [
             engine.headless_service(pds, spec, role),
@@ -43,4 +44,6 @@ def render(checked: Validated, observed: Observed = NOTHING_OBSERVED) -> list[di
             engine.disruption_budget(pds, spec, role),
         ]
     objects += [router.service(pds, spec), router.deployment(pds, spec), router.disruption_budget(pds)]
+    if gateway.enabled(spec):
+        return gateway.objects(pds, spec, objects)
     return objects

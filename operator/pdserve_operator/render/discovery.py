@@ -28,6 +28,10 @@ label. This module renders the objects that carry them to the router:
   `placement.topologyKey` (zone) nothing is read or published. Per-domain Services were rejected: they multiply
   Services (values x domains) and still need the same node reads. Topology is a soft score: a stale entry can cost
   a cross-rack transfer, never a mismatched pair.
+- **KV event ports**: an engine's `--kv-events-config` publisher and replay sockets, per data-parallel rank (vLLM
+  offsets both ports by the rank), named `kv-events-<rank>` and `kv-replay-<rank>` on the container and on the
+  per-kv-compat Services, so they reach the router in the same slices as the HTTP port (the router's Role needs
+  nothing more). The router connects to them; the engines never connect to the router.
 - **KV side-channel ports**: the ports a prefill answer may name as `remote_port`. vLLM 0.32's NixlConnector serves
   the handshake of each data-parallel rank's engine core on `VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index`
   (one listener per rank for all its TP workers; `nixl/base_scheduler.py`; older releases spaced ranks by the TP
@@ -47,7 +51,13 @@ from typing import Any
 
 from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, is_kv_compat_hash, kv_compat_hash
-from pdserve.api.router_config import NODE_TOPOLOGY_KEY, SLICE_TOPOLOGY_LABELS, ZONE_LABEL, NodeTopology
+from pdserve.api.router_config import (
+    NODE_TOPOLOGY_KEY,
+    SLICE_TOPOLOGY_LABELS,
+    ZONE_LABEL,
+    KvEventsPortNames,
+    NodeTopology,
+)
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.names import INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
 from pdserve_operator.render.objects import metadata
@@ -87,7 +97,7 @@ def kv_compat_service_name(pds: PDService, role: EngineRole, value: str) -> str:
 def kv_compat_services(
     pds: PDService, spec: EffectiveSpec, observed: Observed, role: EngineRole
 ) -> list[dict[str, Any]]:
-    """One headless Service per kv-compat value of the pool; only the engine's HTTP port (what the router uses)."""
+    """One headless Service per kv-compat value of the pool, with the ports the router uses: HTTP and the KV events."""
     services: list[dict[str, Any]] = []
     for value in kv_compat_values(spec, observed, role):
         meta = metadata(pds, kv_compat_service_name(pds, role, value), role)
@@ -101,7 +111,13 @@ def kv_compat_services(
                 "spec": {
                     "clusterIP": "None",
                     "selector": selector,
-                    "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
+                    "ports": [
+                        {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"},
+                        *(
+                            {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                            for name, port in kv_event_ports(spec, role)
+                        ),
+                    ],
                 },
             }
         )
@@ -151,6 +167,34 @@ def topology_config_map(pds: PDService, spec: EffectiveSpec, observed: Observed)
         "metadata": metadata(pds, topology_config_map_name(pds), "router"),
         "data": {NODE_TOPOLOGY_KEY: json.dumps(document, sort_keys=True, separators=(",", ":"))},
     }
+
+
+# ------------------------------------------------------------------------------------------------ KV events
+
+
+def kv_event_port_names(rank: int) -> KvEventsPortNames:
+    """The port names of one data-parallel rank's KV event publisher and replay socket."""
+    return KvEventsPortNames(events=f"kv-events-{rank}", replay=f"kv-replay-{rank}")
+
+
+def kv_event_ports(spec: EffectiveSpec, role: EngineRole) -> list[tuple[str, int]]:
+    """(name, port) of every KV event socket of a pool's engines (none when events are off)."""
+    events = spec.engine.kv_events
+    if not events.enabled:
+        return []
+    ports: list[tuple[str, int]] = []
+    for rank in range(spec.pool(role).data_parallel_size):
+        names = kv_event_port_names(rank)
+        ports.append((names.events, events.port + rank))
+        ports.append((names.replay or "", events.replay_port + rank))
+    return ports
+
+
+def kv_events_selector_ports(spec: EffectiveSpec, role: EngineRole) -> list[KvEventsPortNames]:
+    """What the router's selector names, one entry per rank (empty when events are off)."""
+    if not spec.engine.kv_events.enabled:
+        return []
+    return [kv_event_port_names(rank) for rank in range(spec.pool(role).data_parallel_size)]
 
 
 # ------------------------------------------------------------------------------------------ side-channel ports

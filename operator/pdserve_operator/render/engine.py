@@ -15,6 +15,12 @@ The engine command line is what vLLM 0.32 accepts (`vllm serve MODEL ...`, KNOWL
   `pdserve.api.defaults`): a silent fallback to TCP is the most common invisible PD failure (10-40x TTFT). Users
   override them with spec.engine.ucx (env cannot: the names are owned, `pdserve.api.owned`).
 
+KV events: with `spec.engine.kvEvents.enabled` (the default) every engine publishes its prefix cache's changes
+(`--kv-events-config`, ZMQ on `kvEvents.port` and `kvEvents.replayPort`, each data-parallel rank on the port plus its
+rank, as vLLM offsets them), so every router replica keeps the same per-engine prefix index
+(`pdserve_runtime.router.kvhub`). The ports are named container ports, listed on the per-kv-compat Services
+(`render.discovery`), where the router finds them in the slices it already watches.
+
 Drain on termination (scale-down, rollout, eviction): nothing an engine accepted is lost. What vLLM 0.32 does on
 SIGTERM, and what the pod adds around it:
 - `--shutdown-timeout N` (vLLM PR #36666, `vllm/entrypoints/launcher.py` + `vllm/v1/engine/core.py`; flag listed in
@@ -49,7 +55,7 @@ from pdserve.api.defaults import EffectivePool, EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import EnvVar, PDService
 from pdserve_operator.names import EngineRole, child_name, labels, selector_labels
-from pdserve_operator.render import placement
+from pdserve_operator.render import discovery, kvcache, placement
 from pdserve_operator.render.objects import metadata
 
 ENGINE_CONTAINER = "vllm"
@@ -94,19 +100,20 @@ def _model_source(spec: EffectiveSpec) -> tuple[str, list[dict[str, Any]], list[
     return uri, [volume], [{"name": "model", "mountPath": uri, "readOnly": True}]
 
 
-def kv_transfer_config(spec: EffectiveSpec, role: EngineRole) -> dict[str, Any]:
-    engine = spec.engine
+def kv_events_config(spec: EffectiveSpec) -> dict[str, Any]:
+    """vLLM's --kv-events-config: a ZMQ publisher and replay socket on every interface of the pod (rank r on the
+    ports + r), topic `kv@<pod name>-<pod UID>` so a subscriber tells a replaced pod from the one it followed."""
+    events = spec.engine.kv_events
     return {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-        "kv_buffer_device": engine.kv_buffer_device,
-        "engine_id": "$(POD_NAME)-$(POD_UID)",
-        "kv_load_failure_policy": engine.kv_load_failure_policy,
-        "kv_connector_extra_config": {"kv_lease_duration": engine.kv_lease_seconds},
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events.port}",
+        "replay_endpoint": f"tcp://*:{events.replay_port}",
+        "topic": "kv@$(POD_NAME)-$(POD_UID)",
     }
 
 
-def engine_args(spec: EffectiveSpec, role: EngineRole) -> list[str]:
+def engine_args(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> list[str]:
     """`vllm serve` arguments (after `serve`), flags owned by pdserve first, user args last."""
     engine, pool = spec.engine, spec.pool(role)
     model_arg, _, _ = _model_source(spec)
@@ -131,7 +138,9 @@ def engine_args(spec: EffectiveSpec, role: EngineRole) -> list[str]:
     if pool.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
     args += ["--shutdown-timeout", str(shutdown_timeout(spec, role))]
-    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role), separators=(",", ":"))]
+    args += ["--kv-transfer-config", json.dumps(kvcache.kv_transfer_config(pds, spec, role), separators=(",", ":"))]
+    if engine.kv_events.enabled:
+        args += ["--kv-events-config", json.dumps(kv_events_config(spec), separators=(",", ":"))]
     return args + list(engine.args) + list(pool.args)
 
 
@@ -165,6 +174,7 @@ def engine_env(spec: EffectiveSpec, role: EngineRole) -> list[dict[str, Any]]:
                 "valueFrom": {"secretKeyRef": {"name": spec.model.hf_token_secret, "key": "HF_TOKEN"}},
             }
         )
+    env += kvcache.engine_env(spec)
     # User env last; validation refuses every name set above (pdserve.api.owned), so nothing here is overridden.
     # A pool's variable replaces the engine's of the same name.
     user = {var.name: _env(var) for var in [*engine.env, *pool.env]}
@@ -240,19 +250,29 @@ def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[s
     engine, pool = spec.engine, spec.pool(role)
     name = child_name(pds, role)
     _, model_volumes, model_mounts = _model_source(spec)
+    store_volumes, store_mounts = kvcache.engine_volumes(pds, spec)
     pod_labels = {**labels(pds, role), KV_COMPAT_LABEL: kv_compat_hash(spec)}
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": engine.image,
         "command": ["vllm", "serve"],
-        "args": engine_args(spec, role),
+        "args": engine_args(pds, spec, role),
         "env": engine_env(spec, role),
         "ports": [
             {"name": "http", "containerPort": engine.port, "protocol": "TCP"},
             {"name": "nixl", "containerPort": engine.side_channel_port, "protocol": "TCP"},
+            *(
+                {"name": name, "containerPort": port, "protocol": "TCP"}
+                for name, port in discovery.kv_event_ports(spec, role)
+            ),
         ],
         "resources": _resources(spec, pool),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *_home_mounts(spec), *model_mounts],
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *_home_mounts(spec),
+            *model_mounts,
+            *store_mounts,
+        ],
         **_probes("http"),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
         "securityContext": security_context(spec),
@@ -268,6 +288,7 @@ def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[s
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": engine.shm_size}},
             *({"name": "home", "emptyDir": {}} for _ in _home_mounts(spec)),
             *model_volumes,
+            *store_volumes,
         ],
         "tolerations": placement.tolerations(spec, pool),
         "topologySpreadConstraints": placement.topology_spread(pds, spec, role),

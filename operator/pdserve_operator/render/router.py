@@ -60,8 +60,16 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
         port=spec.router.port,
         metrics_port=metrics_port(spec),
         discovery="kubernetes",
-        prefill=EndpointSelector(namespace=namespace, label_selector=discovery.slice_selector(pds, "prefill")),
-        decode=EndpointSelector(namespace=namespace, label_selector=discovery.slice_selector(pds, "decode")),
+        prefill=EndpointSelector(
+            namespace=namespace,
+            label_selector=discovery.slice_selector(pds, "prefill"),
+            kv_events_ports=discovery.kv_events_selector_ports(spec, "prefill"),
+        ),
+        decode=EndpointSelector(
+            namespace=namespace,
+            label_selector=discovery.slice_selector(pds, "decode"),
+            kv_events_ports=discovery.kv_events_selector_ports(spec, "decode"),
+        ),
         topology_labels=discovery.topology_labels(spec),
         node_topology=node_topology,
         kv_side_channel_ports=discovery.side_channel_ports(spec),
@@ -70,6 +78,7 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
             prefix_aware=routing.prefix_aware,
             block_size_tokens=spec.engine.block_size,
             fallback_to_decode=routing.fallback_to_decode,
+            kv_store=spec.engine.kv_cache.store.enabled,
         ),
     )
 

@@ -22,10 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.api.router_config import RouterConfig
 from pdserve_runtime.router.discovery import Discovery
 from pdserve_runtime.router.discovery.static import StaticDiscovery
-from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable
+from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable, KvEventSource
 from pdserve_runtime.router.engine_metrics import EngineMetricsScraper
 from pdserve_runtime.router.engine_models import ContextLengthLearner
 from pdserve_runtime.router.errors import error_body
+from pdserve_runtime.router.kvhub import KvEventsCollector, KvEventsHub
 from pdserve_runtime.router.metrics import RouterMetrics
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
@@ -55,10 +56,15 @@ def default_discovery(config: RouterConfig, table: EndpointTable, client: Engine
                 return None
             return status
 
+        kv_events = {
+            url: [KvEventSource(source.endpoint, source.replay_endpoint) for source in sources]
+            for url, sources in config.static_kv_events.items()
+        }
         return StaticDiscovery(
             table,
             config.static_prefill,
             config.static_decode,
+            kv_events=kv_events if config.policy.kv_events else None,
             health=health if client is not None and config.static_health_interval_seconds > 0 else None,
             interval=config.static_health_interval_seconds,
         )
@@ -86,7 +92,18 @@ def server_limits(config: RouterConfig) -> ServerLimits:
 class RouterApp:
     """One router: its state, its background tasks and its HTTP routes."""
 
-    def __init__(self, config: RouterConfig, discovery: Discovery | None = None, *, access_log: bool) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        discovery: Discovery | None = None,
+        *,
+        access_log: bool,
+        proxy_class: type[Proxy] = Proxy,
+        serve_generation: bool = True,
+    ) -> None:
+        """`proxy_class`: the PD flow (the sidecar's plans from the gateway's header: `gateway.sidecar`);
+        `serve_generation` False for the endpoint picker, whose HTTP port serves only health (and, on the metrics
+        port, metrics)."""
         self.config = config
         policy = config.policy
         self.tracker = PrefixTracker(
@@ -102,16 +119,23 @@ class RouterApp:
             max_ejected_percent=breaker.max_ejected_percent,
             on_removed=self._forget,
         )
-        self.scheduler = Scheduler(self.table, self.tracker, policy, config.topology_labels)
+        # KV events: an index per engine that publishes them, following the table (kvhub).
+        self.kv_events = KvEventsHub(self.table, max_blocks=policy.prefix_tracker_max_blocks)
+        self.table.on_changed = self.kv_events.sync
+        self.scheduler = Scheduler(
+            self.table, self.tracker, policy, config.topology_labels, kv=self.kv_events if policy.kv_events else None
+        )
         self.metrics = RouterMetrics(self.table)
+        KvEventsCollector(self.kv_events).register(self.metrics.registry)
         self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
-        self.proxy = Proxy(config, self.scheduler, self.tracker, self.metrics, self.client)
+        self.proxy = proxy_class(config, self.scheduler, self.tracker, self.metrics, self.client)
         self.discovery = discovery or default_discovery(config, self.table, self.client)
         limits = server_limits(config)
         self.server = HttpServer(limits, error_body=error_body, access_log=access_log)
-        self.server.route("POST", "/v1/completions", self.proxy.completions)
-        self.server.route("POST", "/v1/chat/completions", self.proxy.chat_completions)
-        self.server.route("GET", "/v1/models", self.models)
+        if serve_generation:
+            self.server.route("POST", "/v1/completions", self.proxy.completions)
+            self.server.route("POST", "/v1/chat/completions", self.proxy.chat_completions)
+            self.server.route("GET", "/v1/models", self.models)
         self.server.route("GET", "/health", self.health)
         self.server.route("GET", "/ready", self.ready)
         self.metrics_server = HttpServer(limits, error_body=error_body, access_log=False)
@@ -143,6 +167,8 @@ class RouterApp:
         """Discover engines, start the background tasks and listen (clients on `port`, Prometheus on
         `metrics_port`; 0: any free port, then `self.port` / `self.metrics_port` say which); returns the client
         port."""
+        if self.config.policy.kv_events:
+            self.kv_events.start()
         await self.discovery.start()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="pdserve-router-prober"))
         if self._scraper is not None:
@@ -173,6 +199,7 @@ class RouterApp:
         if self._scraper is not None:
             await self._scraper.stop()
         await self.discovery.stop()
+        await self.kv_events.stop()
         await self.client.close()
 
     # -- small endpoints -------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ def load_config(settings: RouterSettings) -> RouterConfig:
         value = getattr(settings, row.name)
         if row.config is not None and value is not None:
             _put(data, row.config, value)
+    if settings.kv_events:
+        data["staticKvEvents"] = _kv_event_flags(settings.kv_events)
     bind = os.environ.get(BIND_HOST_ENV)
     if bind:
         data["host"] = bind
@@ -62,6 +64,22 @@ def load_config(settings: RouterSettings) -> RouterConfig:
         return RouterConfig.model_validate(data)
     except ValidationError as exc:
         raise click.ClickException(f"invalid router config:\n{exc}") from None
+
+
+def _kv_event_flags(values: tuple[str, ...]) -> dict[str, list[dict[str, str]]]:
+    """`--kv-events URL=PUB[,REPLAY]` flags as staticKvEvents (a URL repeated: one publisher per DP rank)."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for value in values:
+        url, sep, endpoints = value.partition("=")
+        if not sep or not url or not endpoints:
+            raise click.BadParameter(f"{value!r} is not URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]",
+                                     param_hint="--kv-events")  # fmt: skip
+        publisher, _, replay = endpoints.partition(",")
+        entry = {"endpoint": publisher}
+        if replay:
+            entry["replayEndpoint"] = replay
+        out.setdefault(url.rstrip("/"), []).append(entry)
+    return out
 
 
 def _put(data: dict[str, Any], path: str, value: object) -> None:

@@ -24,6 +24,14 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventSource:
+    """Where one engine publisher (an engine, or one data-parallel rank of it) sends and replays its KV events."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """One engine as discovery sees it."""
 
@@ -35,6 +43,8 @@ class Endpoint:
     name: str = ""
     # Addresses the engine may advertise as its KV side-channel host (`remote_host`); the URL's host always is.
     addresses: frozenset[str] = frozenset()
+    # The engine's KV event publishers (one per data-parallel rank); empty when it publishes none.
+    kv_events: tuple[KvEventSource, ...] = ()
 
     @property
     def label(self) -> str:
@@ -99,8 +109,10 @@ class EndpointTable:
         success_threshold: int = 1,
         max_ejected_percent: int = 50,
         on_removed: Callable[[str], None] | None = None,
+        on_changed: Callable[[], None] | None = None,
     ) -> None:
         self._on_removed = on_removed
+        self.on_changed = on_changed
         self._max_ejected_percent = max_ejected_percent
         self._failure_threshold = failure_threshold
         self._open_seconds = open_seconds
@@ -128,6 +140,8 @@ class EndpointTable:
         self._snapshots[role] = tuple(new.values())
         self._keep_budget(role)
         self.version += 1
+        if self.on_changed is not None:
+            self.on_changed()
 
     def _keep_budget(self, role: Role) -> None:
         """Undo the ejections the pool's new shape no longer allows (see `record_failure` for the budget).

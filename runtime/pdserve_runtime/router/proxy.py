@@ -51,7 +51,7 @@ from pdserve_runtime.router.messages import (
 )
 from pdserve_runtime.router.metrics import FastHistogram, RouterMetrics
 from pdserve_runtime.router.policy.decision import Route
-from pdserve_runtime.router.policy.scheduler import Scheduler
+from pdserve_runtime.router.policy.scheduler import Plan, Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
 from pdserve_runtime.router.retry import (
     RetryPolicy,
@@ -61,6 +61,7 @@ from pdserve_runtime.router.retry import (
     after_prefill_failure,
     give_up_status,
 )
+from pdserve_runtime.router.tiers import STORE
 from pdserve_runtime.router.tokens import Held, PromptInfo, describe_prompt
 from pdserve_runtime.router.validate import problem
 from pdserve_runtime.transport.client import PROTOCOL, STATUS, STREAM, EngineClient, Exchange, UpstreamError
@@ -184,7 +185,7 @@ class Proxy:
         self.client = client
         policy = config.policy
         self.retry_policy = RetryPolicy(
-            policy.max_prefill_attempts, policy.max_decode_attempts, policy.fallback_to_decode
+            policy.max_prefill_attempts, policy.max_decode_attempts, policy.fallback_to_decode, policy.kv_store
         )
         self._retry_after = (("Retry-After", str(config.retry_after_seconds)),)
         self._kv_ports = frozenset(config.kv_side_channel_ports)
@@ -267,7 +268,7 @@ class Proxy:
             deciding = perf_counter() - decided
             await asyncio.sleep(0)
             decided = perf_counter() - deciding
-        plan = self.scheduler.plan(prompt, monotonic())
+        plan = self._plan(flow.request, prompt)
         self.metrics.decision.observe(perf_counter() - decided)
         flow.held = dict(plan.held)
         flow.uncached = plan.uncached_tokens
@@ -289,6 +290,10 @@ class Proxy:
             else:
                 kv = outcome
         await self._decode(flow, plan.decode, kv)
+
+    def _plan(self, request: Request, prompt: PromptInfo) -> Plan:
+        """The routing decision (the PD sidecar overrides this: the gateway's picker has made it)."""
+        return self.scheduler.plan(prompt, monotonic())
 
     # -- the context length ---------------------------------------------------------------------------------
 
@@ -420,7 +425,11 @@ class Proxy:
         if isinstance(checked, str):
             return UpstreamError(PROTOCOL, checked)
         state.breaker.record_success()
-        self.tracker.record(state.url, flow.prompt.key, monotonic())
+        now = monotonic()
+        self.tracker.record(state.url, flow.prompt.key, now)
+        if self.config.policy.kv_store:
+            # Prefill answers only once the prompt is in the store (vLLM saves before it finishes the request).
+            self.tracker.record(STORE, flow.prompt.key, now)
         return checked
 
     # -- decode ---------------------------------------------------------------------------------------------
@@ -446,6 +455,17 @@ class Proxy:
             step = after_decode_failure(
                 flow.tries, self.retry_policy, another_decode=elsewhere is not None, same_usable=state.usable
             )
+            if step is Step.DECODE_FROM_STORE:
+                # Prefill wrote the prompt to the store before it answered: a decode engine given the plain request
+                # loads it from there. Another engine if there is one (kv-compat with the prefill's, whose layout the
+                # store's blocks have), else this one when it still serves (it may be the pull that failed).
+                flow.tries = replace(flow.tries, from_store=True)
+                target = elsewhere or (state if state.usable else None)
+                if target is not None:
+                    self.metrics.retries.labels("store").inc()
+                    kv, state = None, target
+                    continue
+                step = Step.REPREFILL if not flow.tries.reprefilled else Step.GIVE_UP
             if step is Step.DECODE_ELSEWHERE and elsewhere is not None:
                 self.metrics.retries.labels("decode").inc()
                 state = elsewhere

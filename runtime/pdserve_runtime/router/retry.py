@@ -10,6 +10,10 @@ After a prefill failure (connect error, 5xx, timeout, a bad answer):
 
 After a decode failure before the first byte:
 
+- with a shared KV store (`kvStore`), once: a decode engine (another one if there is one, else the same) gets the
+  request without prefill's `kv_transfer_params` and loads the prompt from the store, where prefill wrote it before
+  answering ("decode-from-store"): no new prefill, whether the failure was the KV pull (prefill gone, lease expired)
+  or the decode engine itself; later failures continue as below;
 - while `maxDecodeAttempts` allows: another decode engine (kv-compatible with the KV holder, so the prefill's KV is
   reused: prefill holds it for its lease); without one, a fresh prefill if the failure may lie in the KV itself
   (it was pulled, and no prefill was redone yet); without that, the same decode engine again (a pool of one
@@ -31,6 +35,7 @@ class Step(StrEnum):
     FALLBACK = "fallback"
     REFUSE = "refuse"  # 503: nothing can prefill and the configuration forbids decode-only
     DECODE_ELSEWHERE = "decode-elsewhere"
+    DECODE_FROM_STORE = "decode-from-store"
     REPREFILL = "reprefill"
     DECODE_SAME = "decode-same"
     GIVE_UP = "give-up"
@@ -41,6 +46,7 @@ class RetryPolicy:
     max_prefill_attempts: int
     max_decode_attempts: int
     fallback_to_decode: bool
+    kv_store: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +57,7 @@ class Tries:
     decode: int = 0  # decode attempts made
     have_kv: bool = False  # the decode attempts work from a prefill's KV
     reprefilled: bool = False
+    from_store: bool = False  # a decode attempt already loaded the prompt from the KV store
     only_connect_failures: bool = True  # every decode failure so far was a refused or unreachable connection
 
     def prefill_failed(self) -> Tries:
@@ -75,6 +82,9 @@ def after_prefill_failure(tries: Tries, policy: RetryPolicy, *, another_prefill:
 def after_decode_failure(tries: Tries, policy: RetryPolicy, *, another_decode: bool, same_usable: bool) -> Step:
     """The next step once a decode attempt failed before its first byte (`tries` already counts it)."""
     may_reprefill = tries.have_kv and not tries.reprefilled
+    if policy.kv_store and tries.have_kv and not tries.from_store:
+        # The store has the prompt: one more decode attempt costs a store read, never a prefill.
+        return Step.DECODE_FROM_STORE
     if tries.decode < policy.max_decode_attempts:
         if another_decode:
             return Step.DECODE_ELSEWHERE

@@ -38,6 +38,7 @@ prompt and be wrong for real engines.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,10 +68,19 @@ class PromptInfo:
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """What an engine is believed to hold of a prompt: the longest common prefix with a prompt it processed."""
+    """What an engine holds of a prompt: the longest common prefix with a prompt it processed (the tracker's
+    guess), or, from the engine's KV events (`kvhub`), its leading blocks of the prompt."""
 
-    common: int  # bytes of the key in common (the tag included)
+    common: int  # bytes of the key in common (the tag included); estimated from `blocks` for indexed engines
     stored_next: int | None  # the byte after the common part in the stored prompt; None where it ended
+    blocks: int | None = None
+    """Leading blocks of the prompt the engine's KV events say it holds, in any tier (None: a tracker guess)."""
+    by_medium: Mapping[str, int] | None = None
+    """For each tier (`GPU`, `CPU`, ...), the leading blocks of the prompt held in that tier."""
+    counted: tuple[int, int] = (0, 0)
+    """(tokens, key offset): the prompt's tokens before that offset were counted when `blocks` was found."""
+    block_size: int | None = None
+    """The engine's block size, when its events said it (`blocks` are of this size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +202,8 @@ def _gap_common_tokens(key: bytes, start: int, common: int, stored_next: int | N
 def uncached_tokens(prompt: PromptInfo, held: Held | None, threshold: int) -> Uncached:
     """Tokens the engine would compute for `prompt` given what it holds; see the module docstring."""
     key, block = prompt.key, prompt.block_size
+    if held is not None and held.blocks is not None:
+        return _indexed_uncached(key, held.block_size or block, held.blocks, held.counted, threshold)
     common = held.common if held is not None else 0
     if key[:1] == IDS_TAG:
         total = (len(key) - 1) // _ID_BYTES
@@ -216,6 +228,27 @@ def uncached_tokens(prompt: PromptInfo, held: Held | None, threshold: int) -> Un
         return Uncached(max(tail - gap, 0), False, False)
     before = count_tokens(key[1:cut])
     tokens = before + tail - _cached(before + gap, before + tail, block)
+    return Uncached(tokens, True, tokens >= threshold)
+
+
+def _indexed_uncached(key: bytes, block: int, blocks: int, counted: tuple[int, int], threshold: int) -> Uncached:
+    """Tokens to compute when the engine's events say it holds the prompt's first `blocks` blocks.
+
+    The tokens before `counted[1]` are known (`counted[0]`, from producing the blocks); the rest are counted from
+    there until the count settles the decision, as in `uncached_tokens`."""
+    seen, at = counted
+    if key[:1] == IDS_TAG:
+        total = (len(key) - 1) // _ID_BYTES
+        tokens = total - _cached(blocks * block, total, block)
+        return Uncached(tokens, True, tokens >= threshold)
+    held_tokens = blocks * block
+    # u = n - cached >= n - held_tokens: once the rest reaches `limit`, u >= threshold for sure.
+    limit = max(0, threshold + held_tokens - seen)
+    rest, stopped = _count_from(key, at, limit)
+    if stopped < len(key):
+        return Uncached(_estimate(key, at, rest, stopped) + seen - held_tokens, False, True)
+    total = seen + rest
+    tokens = total - _cached(held_tokens, total, block)
     return Uncached(tokens, True, tokens >= threshold)
 
 

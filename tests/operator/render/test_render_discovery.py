@@ -66,7 +66,8 @@ def test_a_service_per_kv_compat_value_present_among_a_pools_pods() -> None:
         KV_COMPAT_LABEL: OLD,
     }
     assert old["spec"]["clusterIP"] == "None"
-    assert [p["name"] for p in old["spec"]["ports"]] == ["http"]
+    # HTTP and the KV event sockets: what the router reads from the slices.
+    assert [p["name"] for p in old["spec"]["ports"]] == ["http", "kv-events-0", "kv-replay-0"]
     # The pools' own Services carry no value: the router's selector (which requires one) never picks them.
     assert KV_COMPAT_LABEL not in services["svc-decode"]["metadata"]["labels"]
     # Nothing observed (a new PDService, `pdserve render`): the current value only.

@@ -434,7 +434,7 @@ async def test_an_ejected_engine_serves_when_the_last_usable_one_starts_terminat
             status, route, text = await complete(url)
             busy.in_flight -= 1000
             assert (status, route) == (200, "pd"), text
-            exposition = await scrape(url)
+            exposition = await scrape(router.metrics_url)
             assert metric_value(exposition, "pdserve_router_endpoint_ejections_total", role="decode") == 1
             assert [state.url for state in table.usable("decode")] == [d0.url]
 
@@ -448,5 +448,5 @@ async def test_an_ejected_engine_serves_when_the_last_usable_one_starts_terminat
             status, route, text = await complete(url)
             assert (status, route) == (200, "pd"), text
             assert await requests_seen(d1.url) == 2  # the failed request, then this one
-            exposition = await scrape(url)
+            exposition = await scrape(router.metrics_url)
             assert metric_value(exposition, "pdserve_router_endpoint_up", role="decode", endpoint="d-1") == 1

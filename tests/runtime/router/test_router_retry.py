@@ -51,6 +51,26 @@ def test_after_a_decode_failure(tries: Tries, another: bool, same_usable: bool, 
     assert after_decode_failure(tries, POLICY, another_decode=another, same_usable=same_usable) is step
 
 
+STORE = RetryPolicy(max_prefill_attempts=2, max_decode_attempts=2, fallback_to_decode=True, kv_store=True)
+
+
+@pytest.mark.parametrize(
+    ("tries", "step"),
+    [
+        # With a store, the first decode failure after prefill reads the prompt from the store: no new prefill.
+        (Tries(decode=1, have_kv=True), Step.DECODE_FROM_STORE),
+        (Tries(decode=2, have_kv=True), Step.DECODE_FROM_STORE),  # even with the attempts spent: it costs no prefill
+        # Once tried, the usual steps follow.
+        (Tries(decode=2, have_kv=True, from_store=True), Step.REPREFILL),
+        (Tries(decode=1, have_kv=True, from_store=True), Step.DECODE_ELSEWHERE),
+        # Without prefill's KV (a decode-only request) the store is no different from the engine's own cache.
+        (Tries(decode=1), Step.DECODE_ELSEWHERE),
+    ],
+)
+def test_after_a_decode_failure_with_a_store(tries: Tries, step: Step) -> None:
+    assert after_decode_failure(tries, STORE, another_decode=True, same_usable=True) is step
+
+
 @pytest.mark.parametrize(
     ("kinds", "status"),
     [(["connect"], 503), (["connect", "connect"], 503), (["connect", "status"], 502), (["timeout"], 502)],

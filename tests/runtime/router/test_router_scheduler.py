@@ -12,6 +12,7 @@ from pdserve_runtime.router.endpoints import Endpoint, EndpointTable
 from pdserve_runtime.router.policy.decision import Route
 from pdserve_runtime.router.policy.scheduler import Scheduler
 from pdserve_runtime.router.prefix import PrefixTracker
+from pdserve_runtime.router.tiers import STORE
 from pdserve_runtime.router.tokens import TEXT_TAG, PromptInfo
 
 ZONE = "topology.kubernetes.io/zone"
@@ -65,6 +66,14 @@ def test_a_prompt_cached_on_the_decode_engine_skips_prefill() -> None:
     plan = sched.plan(prompt(40, extra=5), now=1.0)
     assert plan.route is Route.DECODE_ONLY
     assert plan.uncached_tokens == 5
+
+
+@pytest.mark.parametrize(("kv_store", "route"), [(True, Route.DECODE_ONLY), (False, Route.PD)])
+def test_a_prompt_in_the_store_is_loaded_by_decode_instead_of_prefilled(kv_store: bool, route: Route) -> None:
+    sched, _, tracker = scheduler([p("p1")], [d("d1")], kv_store=kv_store)
+    tracker.record(STORE, prompt(40).key, now=0.0)  # what a prefill engine wrote to the store
+    plan = sched.plan(prompt(40, extra=5), now=1.0)
+    assert plan.route is route
 
 
 @pytest.mark.parametrize(
@@ -141,3 +150,26 @@ def test_the_kv_headroom_weight_is_a_policy_setting(weight: float, steered: bool
     empty.kv_cache_usage, empty.kv_cache_usage_at = 0.05, time.monotonic()
     picks = {sched.plan(prompt(2), now=0.0).decode.url for _ in range(40)}  # type: ignore[union-attr]
     assert (picks == {"http://d2"}) is steered
+
+
+@pytest.mark.parametrize(
+    ("holder_in_flight", "other_in_flight", "route", "chosen"),
+    [
+        (1, 0, Route.DECODE_ONLY, "http://d1"),  # one request more is not worth a full prefill elsewhere
+        (5, 1, Route.DECODE_ONLY, "http://d1"),  # within 2x the pick's load, or 4 more
+        (6, 1, Route.PD, "http://d2"),  # beyond both: the prefix is not worth piling up on one engine
+    ],
+)
+def test_a_decode_engine_holding_the_prompt_is_kept_unless_much_busier(
+    holder_in_flight: int, other_in_flight: int, route: Route, chosen: str
+) -> None:
+    sched, table, tracker = scheduler([p("p1")], [d("d1"), d("d2")], decode_prefix_weight=0.5)
+    long = prompt(40)
+    tracker.record("http://d1", long.key, now=0.0)
+    holder, other = table.states("decode")
+    holder.in_flight, other.in_flight = holder_in_flight, other_in_flight
+    # The scored pick alone (load outweighs half-weight affinity) would take d2 and need a prefill.
+    assert sched.pick_decode(long, sched.held_by(long, 0.0)) is other
+    plan = sched.plan(prompt(40, extra=3), now=0.0)
+    assert plan.route is route
+    assert plan.decode is not None and plan.decode.url == chosen

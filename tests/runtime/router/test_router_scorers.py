@@ -11,6 +11,7 @@ from pdserve_runtime.router.policy.base import PickContext
 from pdserve_runtime.router.policy.scorer_load import LeastLoadScorer, in_flight_requests, in_flight_tokens
 from pdserve_runtime.router.policy.scorer_prefix import PrefixAffinityScorer
 from pdserve_runtime.router.policy.scorer_topology import SameTopologyScorer
+from pdserve_runtime.router.tiers import STORE, Medium, TierWeights
 from pdserve_runtime.router.tokens import Held, PromptInfo
 
 StateFactory = Callable[..., EndpointState]
@@ -85,3 +86,29 @@ def test_same_topology(
     states = [make_state(f"p{i}", "prefill", topology=topology) for i, topology in enumerate(candidates)]
     ctx = PickContext(prompt=prompt(16), peer=peer_state)
     assert SameTopologyScorer(labels).score(ctx, states) == pytest.approx(expected)
+
+
+class _CpuTier:
+    """A tier source that says e1's prefix sits in its CPU tier (what a KV-event index reports)."""
+
+    def medium(self, url: str, held: Held) -> Medium:
+        return Medium.STORE if url == STORE else Medium.CPU if url == "e1" else Medium.GPU
+
+
+@pytest.mark.parametrize(
+    ("held", "expected"),
+    [
+        # The store's prefix counts for every engine at the store's weight; an engine's own GPU prefix at 1.
+        ({STORE: 400}, [0.25, 0.25]),
+        ({STORE: 400, "e0": 400}, [1.0, 0.25]),
+        ({STORE: 400, "e0": 40}, [0.25, 0.25]),  # own prefix below a block: the store's is what counts
+        # A CPU-tier prefix is worth the CPU weight: more than the store's, less than GPU memory.
+        ({"e0": 200, "e1": 400}, [0.5, 0.5]),
+        ({STORE: 400, "e1": 400}, [0.25, 0.5]),
+    ],
+)
+def test_prefix_affinity_weighs_the_tier(make_state: StateFactory, held: dict[str, int], expected: list[float]) -> None:
+    states = [make_state("e0"), make_state("e1")]
+    ctx = PickContext(prompt=prompt(400), held={url: Held(common, None) for url, common in held.items()})
+    scorer = PrefixAffinityScorer(TierWeights(cpu=0.5, store=0.25), _CpuTier())
+    assert scorer.score(ctx, states) == pytest.approx(expected)

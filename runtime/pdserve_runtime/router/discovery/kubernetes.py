@@ -38,10 +38,11 @@ from pdserve.api.router_config import (
     NODE_TOPOLOGY_KEY,
     ZONE_LABEL,
     EndpointSelector,
+    KvEventsPortNames,
     NodeTopology,
     RouterConfig,
 )
-from pdserve_runtime.router.endpoints import Endpoint, EndpointTable, Role
+from pdserve_runtime.router.endpoints import Endpoint, EndpointTable, KvEventSource, Role
 
 log = logging.getLogger("pdserve.router.discovery")
 
@@ -56,6 +57,7 @@ def endpoints_from_slice(
     kv_compat_label: str,
     topology_labels: Sequence[str],
     nodes: NodeLabels,
+    kv_events_ports: Sequence[KvEventsPortNames] = (),
 ) -> list[Endpoint]:
     """The engines one EndpointSlice describes (pure).
 
@@ -75,6 +77,7 @@ def endpoints_from_slice(
     )
     if port is None:
         return []
+    ports = {p.get("name"): p.get("port") for p in slice_obj.get("ports") or () if p.get("port")}
     kv_compat = ((slice_obj.get("metadata") or {}).get("labels") or {}).get(kv_compat_label) or None
     found: list[Endpoint] = []
     for entry in slice_obj.get("endpoints") or ():
@@ -106,9 +109,27 @@ def endpoints_from_slice(
                     topology=topology,
                     ready=ready,
                     name=pod_name or address,
+                    kv_events=kv_event_sources(host, ports, kv_events_ports),
                 )
             )
     return found
+
+
+def kv_event_sources(
+    host: str, ports: Mapping[Any, Any], names: Sequence[KvEventsPortNames]
+) -> tuple[KvEventSource, ...]:
+    """An engine's KV event publishers from its slice's named ports (pure): one per data-parallel rank whose
+    publisher port the slice lists; its replay port when listed too."""
+    sources: list[KvEventSource] = []
+    for entry in names:
+        events = ports.get(entry.events)
+        if not isinstance(events, int):
+            continue
+        replay = ports.get(entry.replay) if entry.replay else None
+        sources.append(
+            KvEventSource(f"tcp://{host}:{events}", f"tcp://{host}:{replay}" if isinstance(replay, int) else None)
+        )
+    return tuple(sources)
 
 
 def pool_endpoints(
@@ -119,6 +140,7 @@ def pool_endpoints(
     kv_compat_label: str,
     topology_labels: Sequence[str],
     nodes: NodeLabels,
+    kv_events_ports: Sequence[KvEventsPortNames] = (),
 ) -> list[Endpoint]:
     """All engines of a pool, one per URL: a ready copy wins over a not-ready one (a pod in two slices of one
     Service while the controller moves it); a URL listed under two kv-compat values is left out."""
@@ -132,6 +154,7 @@ def pool_endpoints(
             kv_compat_label=kv_compat_label,
             topology_labels=topology_labels,
             nodes=nodes,
+            kv_events_ports=kv_events_ports,
         ):
             current = by_url.get(endpoint.url)
             if current is not None and current.kv_compat != endpoint.kv_compat:
@@ -324,6 +347,7 @@ class KubernetesDiscovery:
                 kv_compat_label=config.kv_compat_label,
                 topology_labels=config.topology_labels,
                 nodes=self._nodes,
+                kv_events_ports=selector.kv_events_ports if config.policy.kv_events else (),
             )
             before = {state.url for state in self._table.states(role)}
             self._table.replace(role, endpoints)

@@ -19,10 +19,10 @@ import dataclasses
 import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from pdserve_runtime.router.endpoints import Endpoint, EndpointTable, Role
+from pdserve_runtime.router.endpoints import Endpoint, EndpointTable, KvEventSource, Role
 
 log = logging.getLogger("pdserve.router.discovery")
 
@@ -64,8 +64,10 @@ class StaticDiscovery:
         *,
         health: HealthCheck | None = None,
         interval: float = 1.0,
+        kv_events: Mapping[str, Sequence[KvEventSource]] | None = None,
     ) -> None:
         self._table = table
+        self._kv_events = {url.rstrip("/"): tuple(sources) for url, sources in (kv_events or {}).items()}
         self._prefill = [url.rstrip("/") for url in prefill]
         self._decode = [url.rstrip("/") for url in decode]
         self._health = health
@@ -76,7 +78,10 @@ class StaticDiscovery:
     async def start(self) -> None:
         for role, urls in (("prefill", self._prefill), ("decode", self._decode)):
             pool: Role = "prefill" if role == "prefill" else "decode"
-            endpoints = [Endpoint(url=url, role=pool, addresses=await _addresses(url)) for url in urls]
+            endpoints = [
+                Endpoint(url=url, role=pool, addresses=await _addresses(url), kv_events=self._kv_events.get(url, ()))
+                for url in urls
+            ]
             self._pools[pool] = endpoints
             self._table.replace(pool, endpoints)
         if self._health is not None:

@@ -1,0 +1,223 @@
+"""One subscription against a publisher on real ZMQ sockets (loopback), driven batch by batch: late join, lost
+batches, duplicates, a restarted engine, a replaced pod, malformed bytes, a replay socket that never answers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+
+import zmq
+import zmq.asyncio
+
+from pdserve.api.kvevents import END_SEQ, BlockStored, EventBatch, encode_batch, seq_bytes
+from pdserve_dev.testing.net import free_port
+from pdserve_runtime.router.endpoints import KvEventSource
+from pdserve_runtime.router.kvindex import EngineIndex
+from pdserve_runtime.router.kvsubscriber import Subscription
+
+
+def _batch(seq: int, ts: float | None = None) -> bytes:
+    """One stored block whose (engine) hash is `seq + 1`: the index's size counts the batches applied."""
+    event = BlockStored((seq + 1,), None, (seq, seq, seq, seq), 4)
+    return encode_batch(EventBatch(time.time() if ts is None else ts, (event,), 0))
+
+
+class Publisher:
+    """vLLM's publisher protocol by hand: PUB (topic, seq, payload), ROUTER replay from a buffer."""
+
+    def __init__(self, context: zmq.asyncio.Context, pub: int, replay: int, *, answer_replays: bool = True) -> None:
+        self.pub = context.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{pub}")
+        self.router = context.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://127.0.0.1:{replay}")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replays = 0
+        self.topic = b"kv@pod-a"
+        self._answer = answer_replays
+        self._task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.replays += 1
+            if not self._answer:
+                continue
+            first = int.from_bytes(start, "big")
+            for seq, payload in self.buffer:
+                if seq >= first:
+                    await self.router.send_multipart((client, b"", seq_bytes(seq), payload))
+            await self.router.send_multipart((client, b"", END_SEQ, b""))
+
+    async def publish(self, seq: int, payload: bytes | None = None, *, live: bool = True) -> None:
+        payload = payload if payload is not None else _batch(seq)
+        self.buffer.append((seq, payload))
+        if live:
+            await self.pub.send_multipart((self.topic, seq_bytes(seq), payload))
+
+    async def close(self) -> None:
+        self._task.cancel()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@asynccontextmanager
+async def following(
+    *, answer_replays: bool = True
+) -> AsyncIterator[tuple[Publisher, Subscription, Callable[[], Publisher]]]:
+    context = zmq.asyncio.Context()
+    pub_port, replay_port = free_port(), free_port()
+    publishers = [Publisher(context, pub_port, replay_port, answer_replays=answer_replays)]
+
+    def restart() -> Publisher:
+        """A new engine process on the same ports (the old one must be closed first)."""
+        publishers.append(Publisher(context, pub_port, replay_port, answer_replays=answer_replays))
+        return publishers[-1]
+
+    index = EngineIndex()
+    source = KvEventSource(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+    sub = Subscription(source, index, context, replay_timeout=1.0)
+    sub.start()
+    try:
+        yield publishers[0], sub, restart
+    finally:
+        await sub.stop()
+        for publisher in publishers:
+            await publisher.close()
+        context.destroy(linger=0)
+
+
+async def until(
+    condition: Callable[[], bool], sub: Subscription, *, publish: Callable[[], object] | None = None
+) -> None:
+    """Wait (10 s at most) for `condition`, re-checking after each applied batch or a short poll."""
+    async with asyncio.timeout(10):
+        while not condition():
+            if publish is not None:
+                await publish()  # type: ignore[misc]
+            sub.applied.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(sub.applied.wait(), 0.2)
+
+
+async def test_a_late_subscriber_replays_what_it_missed() -> None:
+    async with following() as (publisher, sub, _):
+        for seq in range(5):
+            await publisher.publish(seq)  # nobody was subscribed yet: lost on PUB, kept for replay
+        await until(lambda: sub.last_seq == 4, sub)
+        await publisher.publish(5)
+        await until(lambda: sub.last_seq == 5, sub)
+        assert len(sub.index) == 6
+        assert sub.stats.replays >= 1 and sub.stats.replayed_batches >= 5
+
+
+async def test_lost_batches_are_replayed_and_duplicates_skipped() -> None:
+    async with following() as (publisher, sub, _):
+        seq = 0
+
+        async def next_live() -> None:
+            nonlocal seq
+            await publisher.publish(seq)
+            seq += 1
+
+        await until(lambda: sub.last_seq is not None, sub, publish=next_live)
+        start = seq
+        await publisher.publish(start, live=False)  # lost on the way (a full queue, a dropped connection)
+        await publisher.publish(start + 1)
+        await until(lambda: sub.last_seq == start + 1, sub)
+        assert sub.stats.gaps >= 1
+        assert len(sub.index) == start + 2  # every batch applied once, the lost one from the replay
+        # A batch seen again with its old timestamp (a replay overlapping live traffic) is a duplicate.
+        old_seq, old_payload = publisher.buffer[start]
+        await publisher.pub.send_multipart((publisher.topic, seq_bytes(old_seq), old_payload))
+        await publisher.publish(start + 2)
+        await until(lambda: sub.last_seq == start + 2, sub)
+        assert sub.stats.duplicates == 1 and sub.stats.restarts == 0
+
+
+async def test_a_restarted_engine_clears_the_index() -> None:
+    async with following() as (publisher, sub, restart):
+        seq = 0
+
+        async def next_live() -> None:
+            nonlocal seq
+            await publisher.publish(seq)
+            seq += 1
+
+        await until(lambda: (sub.last_seq or 0) >= 3, sub, publish=next_live)
+        await publisher.close()
+        fresh = restart()
+        # The new process numbers from 0 again and has an empty cache: its first block is hash 1000.
+        await until(
+            lambda: sub.stats.restarts >= 1 and len(sub.index) == 1,
+            sub,
+            publish=lambda: fresh.publish(0, _batch(999)) if not fresh.buffer else asyncio.sleep(0),
+        )
+        assert sub.index.mask(next(iter(sub.index._mask))) == 1
+
+
+async def test_a_sequence_starting_again_without_a_reconnect_is_a_restart() -> None:
+    """An engine restarted behind the same connection (nothing for the socket monitor to see): its sequence
+    starts again with later timestamps."""
+    async with following() as (publisher, sub, _):
+        seq = 0
+
+        async def next_live() -> None:
+            nonlocal seq
+            await publisher.publish(seq)
+            seq += 1
+
+        await until(lambda: (sub.last_seq or 0) >= 3, sub, publish=next_live)
+        publisher.buffer.clear()
+        await until(
+            lambda: sub.stats.restarts >= 1 and len(sub.index) == 1,
+            sub,
+            publish=lambda: publisher.publish(0, _batch(999)) if not publisher.buffer else asyncio.sleep(0),
+        )
+
+
+async def test_a_new_topic_is_a_new_pod() -> None:
+    async with following() as (publisher, sub, _):
+        seq = 0
+
+        async def next_live() -> None:
+            nonlocal seq
+            await publisher.publish(seq)
+            seq += 1
+
+        await until(lambda: (sub.last_seq or 0) >= 2, sub, publish=next_live)
+        publisher.topic = b"kv@pod-b"
+        publisher.buffer.clear()
+        await until(lambda: sub.stats.restarts == 1, sub, publish=lambda: publisher.publish(0, _batch(50)))
+        await until(lambda: len(sub.index) >= 1 and sub.last_seq == 0, sub)
+
+
+async def test_malformed_bytes_cost_one_batch() -> None:
+    async with following() as (publisher, sub, _):
+        seq = 0
+
+        async def next_live() -> None:
+            nonlocal seq
+            await publisher.publish(seq)
+            seq += 1
+
+        await until(lambda: sub.last_seq is not None, sub, publish=next_live)
+        await publisher.pub.send_multipart((publisher.topic, seq_bytes(seq), b"\xc1garbage"))
+        await publisher.pub.send_multipart((publisher.topic, b"short"))
+        await until(lambda: sub.stats.malformed >= 2, sub)
+        await publisher.publish(seq)  # the subscription goes on (a replay fills what the garbage stood for)
+        await until(lambda: sub.last_seq == seq, sub)
+
+
+async def test_without_replay_answers_live_batches_are_still_followed() -> None:
+    async with following(answer_replays=False) as (publisher, sub, _):
+        seq = 0
+
+        async def next_live() -> None:
+            nonlocal seq
+            await publisher.publish(seq)
+            seq += 1
+
+        await until(lambda: len(sub.index) >= 3, sub, publish=next_live)
+        assert sub.stats.replay_failures >= 1
