@@ -17,8 +17,11 @@ For each argv, what ``vllm serve`` itself does before it loads a model:
    the tier's real engines, which run the rendered command line for a model that exists);
 3. ``kv_transfer_config`` / ``kv_events_config`` are instances of ``vllm.config.KVTransferConfig`` /
    ``KVEventsConfig`` (the classes vLLM builds its engine config from);
-4. ``kv_connector_extra_config`` is a free-form dict vLLM does not validate, so each key must be one the
-   connector's own package reads (``get_from_extra_config("<key>"`` or ``["<key>"]`` in its source): a key vLLM
+4. a ``MultiConnector``'s children are built by vLLM's own ``MultiConnector._get_connector_classes_and_configs``
+   (what the engine does at start-up: each child dict into ``KVTransferConfig``, its class through the connector
+   factory), so a child vLLM cannot build fails here, as the rendered nested ``engine_id`` once did;
+5. ``kv_connector_extra_config`` is a free-form dict vLLM does not validate, so each key, of the connector and of
+   every child, must be one the code that configures that connector reads (``"<key>"`` in its source): a key vLLM
    renamed would otherwise be ignored silently.
 """
 
@@ -26,11 +29,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
+import importlib.util
 import io
 import json
 import pathlib
 import sys
+import types
 from typing import Any
 
 
@@ -44,23 +50,63 @@ def _parser() -> Any:
     return parser, command
 
 
+# Where a connector reads its kv_connector_extra_config, beyond its own module (or its package, when it lives in a
+# folder of its own): OffloadingConnector hands its settings to the offloading spec (`OffloadingSpecFactory`).
+SETTINGS_READERS = {
+    "OffloadingConnector": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading",
+        "vllm.v1.kv_offload",
+    ),
+}
+
+
+def _module_sources(name: str) -> list[pathlib.Path]:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        return []
+    origin = pathlib.Path(spec.origin)
+    if spec.submodule_search_locations or origin.parent.name != "v1":
+        # A package, or a module in a connector's own folder (nixl/, mooncake/store/): the whole folder.
+        return sorted(origin.parent.rglob("*.py"))
+    return [origin]
+
+
 def _connector_sources(name: str) -> str:
     factory = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
-    module = importlib.import_module(factory.get_connector_class_by_name(name).__module__)
-    folder = pathlib.Path(module.__file__ or "").parent
-    return "\n".join(path.read_text() for path in sorted(folder.rglob("*.py")))
+    modules = (factory.get_connector_class_by_name(name).__module__, *SETTINGS_READERS.get(name, ()))
+    return "\n".join(path.read_text() for module in modules for path in _module_sources(module))
 
 
-def _extra_config_errors(kv_transfer: Any) -> list[str]:
+def _extra_config_errors(kv_transfer: Any, where: str) -> list[str]:
     extra = kv_transfer.kv_connector_extra_config or {}
     if not extra:
         return []
     sources = _connector_sources(kv_transfer.kv_connector)
     return [
-        f"kv_connector_extra_config key {key!r} is read nowhere in {kv_transfer.kv_connector}'s package"
+        f"{where}kv_connector_extra_config key {key!r} is read nowhere in {kv_transfer.kv_connector}'s code"
         for key in extra
         if f'"{key}"' not in sources and f"'{key}'" not in sources
     ]
+
+
+def _children(kv_transfer: Any) -> list[Any]:
+    """A MultiConnector's child configs, built by vLLM's own code as the engine builds them."""
+    multi = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector").MultiConnector
+    built = multi._get_connector_classes_and_configs(types.SimpleNamespace(kv_transfer_config=kv_transfer))
+    return [config.kv_transfer_config for _, config in built]
+
+
+def _kv_transfer_errors(kv_transfer: Any) -> tuple[list[str], list[Any]]:
+    errors = _extra_config_errors(kv_transfer, "")
+    if kv_transfer.kv_connector != "MultiConnector":
+        return errors, [kv_transfer]
+    try:
+        children = _children(kv_transfer)
+    except Exception as exc:  # what the engine would die of at start-up (TypeError, ValidationError, ...)
+        return [*errors, f"MultiConnector child: {type(exc).__name__}: {exc}"], []
+    for index, child in enumerate(children):
+        errors += _extra_config_errors(child, f"MultiConnector child {index} ({child.kv_connector}): ")
+    return errors, children
 
 
 def check(parser: Any, command: Any, argv: list[str]) -> dict[str, Any]:
@@ -85,11 +131,13 @@ def check(parser: Any, command: Any, argv: list[str]) -> dict[str, Any]:
     except Exception as exc:  # vLLM raises ValueError, TypeError, AssertionError here
         return {"ok": False, "errors": [f"{type(exc).__name__}: {exc}"], "parsed": {}}
     kv_transfer, kv_events = args.kv_transfer_config, args.kv_events_config
+    connectors: list[Any] = []
     if kv_transfer is not None:
         if not isinstance(kv_transfer, config.KVTransferConfig):
             errors.append(f"--kv-transfer-config gave {type(kv_transfer).__name__}, not KVTransferConfig")
         else:
-            errors += _extra_config_errors(kv_transfer)
+            transfer_errors, connectors = _kv_transfer_errors(kv_transfer)
+            errors += transfer_errors
     if kv_events is not None and not isinstance(kv_events, config.KVEventsConfig):
         errors.append(f"--kv-events-config gave {type(kv_events).__name__}, not KVEventsConfig")
     parsed = {
@@ -100,6 +148,11 @@ def check(parser: Any, command: Any, argv: list[str]) -> dict[str, Any]:
         "kv_connector": getattr(kv_transfer, "kv_connector", None),
         "kv_role": getattr(kv_transfer, "kv_role", None),
         "kv_events": kv_events is not None,
+        "kv_events_config": dataclasses.asdict(kv_events) if kv_events is not None else None,
+        # The connectors the engine runs (a MultiConnector's children, in order), as vLLM built them.
+        "connectors": [
+            {"kv_connector": c.kv_connector, "kv_role": c.kv_role, "engine_id": c.engine_id} for c in connectors
+        ],
     }
     return {"ok": not errors, "errors": errors, "parsed": parsed}
 
