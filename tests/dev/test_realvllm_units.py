@@ -4,6 +4,7 @@ pod address, the install's cache key, the command lines the argument check colle
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -112,6 +113,25 @@ def test_the_launcher_serves_on_the_pod_address_unless_told(monkeypatch: pytest.
     assert bind(["vllm", "--version"]) == ["vllm", "--version"]
     monkeypatch.delenv("PDSERVE_BIND_HOST")
     assert bind(["vllm", "serve", "m"]) == ["vllm", "serve", "m"]
+
+
+def test_the_launcher_publishes_kv_events_on_the_pod_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pods of the process node share one network namespace: two engines binding tcp://*:5557 would collide."""
+    bind = _launcher()._bind_pod_address  # type: ignore[attr-defined]
+    rendered = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                "replay_endpoint": "tcp://*:5657", "topic": "kv@p"}  # fmt: skip
+    monkeypatch.setenv("PDSERVE_BIND_HOST", "127.9.0.4")
+    argv = bind(["vllm", "serve", "m", "--kv-events-config", json.dumps(rendered)])
+    assert json.loads(argv[4]) == {**rendered, "endpoint": "tcp://127.9.0.4:5557",
+                                   "replay_endpoint": "tcp://127.9.0.4:5657"}  # fmt: skip
+    assert argv[5:] == ["--host", "127.9.0.4"]
+    [joined] = [a for a in bind(["vllm", "serve", "m", f"--kv-events-config={json.dumps(rendered)}"]) if "=" in a]
+    assert json.loads(joined.split("=", 1)[1])["endpoint"] == "tcp://127.9.0.4:5557"
+    pinned = {**rendered, "endpoint": "tcp://10.0.0.1:5557"}
+    assert json.loads(bind(["vllm", "serve", "m", "--kv-events-config", json.dumps(pinned)])[4]) == {
+        **pinned,
+        "replay_endpoint": "tcp://127.9.0.4:5657",
+    }
 
 
 def test_the_launcher_answers_the_version_lookup_as_vllm_does(monkeypatch: pytest.MonkeyPatch) -> None:

