@@ -45,6 +45,7 @@ from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.helm import helm
 from pdserve_dev.testing.metrics import metric_value, scrape_sync, series
 from pdserve_dev.testing.mixed_load import MixedLoad, default_mix
+from pdserve_dev.testing.net import free_ports
 from pdserve_dev.testing.prometheus import PrometheusHelper
 from pdserve_dev.testing.sim import sim_process
 from pdserve_dev.testing.wait import wait_for
@@ -308,8 +309,14 @@ def test_the_simulators_metrics_are_real_vllms(deployment: Deployment) -> None:
         sts = deployment.cluster.get_json("statefulset", f"{NAME}-{role}", f"--namespace={deployment.namespace}")
         [container] = sts["spec"]["template"]["spec"]["containers"]
         args = list(container["args"])
-        # The simulator's drop-in mode takes vLLM's command line; only where it listens differs.
+        # The simulator's drop-in mode takes vLLM's command line; only where it listens differs (both simulators
+        # share this host: each publishes its KV events on ports of its own).
         args[args.index("--port") + 1] = "0"
+        if "--kv-events-config" in args:
+            at = args.index("--kv-events-config") + 1
+            events, (publish, replay) = json.loads(args[at]), free_ports(2)
+            events.update(endpoint=f"tcp://127.0.0.1:{publish}", replay_endpoint=f"tcp://127.0.0.1:{replay}")
+            args[at] = json.dumps(events)
         argv[role] = [a.replace("$(POD_NAME)-$(POD_UID)", f"sim-{role}") for a in args]
 
     async def simulated() -> dict[str, str]:
