@@ -567,11 +567,11 @@ def test_scaling_down_each_pool_under_load_loses_no_request(deployment: Deployme
 
 @pytest.mark.realvllm_slow
 def test_a_rolling_update_changing_kv_compat_mixes_no_pair(deployment: Deployment) -> None:
-    """The block size (128 -> 256) changes both pdserve's kv-compat hash and vLLM's own NIXL compatibility hash, so
-    a pair of an old and a new engine would fail vLLM's handshake check ("NIXL compatibility check failed"). Both pools
-    roll while a checked mix runs: no request fails, none falls back, no decode engine logs a failed check, and every
-    handshake a decode engine made was with engines of one configuration (one hash each; the new decode's differs
-    from the old's)."""
+    """The block size (128 -> 64: the API allows up to 128, CPU attention a multiple of 32) changes both pdserve's
+    kv-compat hash and vLLM's own NIXL compatibility hash, so a pair of an old and a new engine would fail vLLM's
+    handshake check ("NIXL compatibility check failed"). Both pools roll while a checked mix runs: no request fails,
+    none falls back, no decode engine logs a failed check, and every handshake a decode engine made was with engines
+    of one configuration (one hash each; the new decode's differs from the old's)."""
     _shape(deployment, 1, 1)
     before = deployment.pds()["status"]["kvCompatHash"]
     old_decode_log = deployment.cluster.logs(deployment.namespace, "real-decode-0", "vllm")
@@ -582,7 +582,7 @@ def test_a_rolling_update_changing_kv_compat_mixes_no_pair(deployment: Deploymen
             deployment.router, MODEL_NAME, concurrency=4, mix=MIX, extra_body=EXACT, count_token_events=False
         ) as load:
             await load.wait_succeeded(8, within=300)
-            deployment.patch({"spec": {"engine": {"blockSize": 256}}})
+            deployment.patch({"spec": {"engine": {"blockSize": 64}}})
 
             def rolled() -> bool:
                 pods = deployment.pods("prefill") + deployment.pods("decode")
