@@ -97,20 +97,24 @@ def _start_backend(  # noqa: PLR0917 (one call site per backend, every argument 
     pd_flags = ["--prefill", prefill, "--decode", decode, "--disaggregation-threshold", "0", "--served-model-name", "m",
                 "--engine-metrics-interval", "0"]  # fmt: skip
     port, metrics_port = free_port(), free_port()
-    router = Proc([*pdserve_router_command(port, metrics_port), *pd_flags], placement.router)
+    # The admission gate on, with a prefill budget that never binds (the mocks have no capacity to protect): its
+    # cost per request is in the figures; the baseline tree may not know the flag.
+    gated = ["--prefill-budget-tokens", str(1 << 40)]
+    router = Proc([*pdserve_router_command(port, metrics_port), *pd_flags, *gated], placement.router)
     procs.append(router)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url, "/ready")
     targets.append(Target("pdserve-pd", url, baseline="direct-pd", router=router,
                           metrics_url=f"http://127.0.0.1:{metrics_port}"))  # fmt: skip
     if baseline_tree:
-        port = free_port()
-        base = Proc([*pdserve_router_command(port, None), *pd_flags], placement.router, tree_environment(baseline_tree))
+        port, metrics_port = free_port(), free_port()
+        command = pdserve_router_command(port, metrics_port)
+        base = Proc([*command, *pd_flags], placement.router, tree_environment(baseline_tree))
         procs.append(base)
         url = f"http://127.0.0.1:{port}"
         _wait_http(url, "/ready")
-        # A checkout from before the metrics port serves /metrics on its client port.
-        targets.append(Target("pdserve-base", url, baseline="direct-pd", router=base, metrics_url=url))
+        targets.append(Target("pdserve-base", url, baseline="direct-pd", router=base,
+                              metrics_url=f"http://127.0.0.1:{metrics_port}"))  # fmt: skip
     binary = vllm_router_binary()
     if with_vllm and binary:
         port = free_port()

@@ -43,6 +43,7 @@ __all__ = [
     "child_name",
     "labels",
     "owner_labels",
+    "router_control_name",
     "selector_labels",
 ]
 
@@ -54,6 +55,12 @@ def child_name(owner: PDService | str, role: Role) -> str:
     PDService whose spec does not parse, so they have no model to pass. This is the one place the rule lives."""
     name = owner if isinstance(owner, str) else owner.metadata.name
     return f"{name}-{role}"
+
+
+def router_control_name(owner: PDService | str) -> str:
+    """`<pdservice>-router-control`: the ConfigMap the autoscaler publishes the router's controls in (its key
+    `pdserve.api.router_config.ROUTER_CONTROL_KEY`) and every router replica watches by this name."""
+    return f"{owner if isinstance(owner, str) else owner.metadata.name}-router-control"
 
 
 def owner_labels(pds: PDService) -> dict[str, str]:

@@ -33,6 +33,8 @@ SLICE_TOPOLOGY_LABELS = (ZONE_LABEL, HOSTNAME_LABEL)
 """Node labels every EndpointSlice endpoint carries already (as `zone` and `nodeName`)."""
 NODE_TOPOLOGY_KEY = "nodes.json"
 """The node topology ConfigMap's one key (its value is a `NodeTopology` as JSON)."""
+ROUTER_CONTROL_KEY = "control.json"
+"""The router control ConfigMap's one key (its value is a `RouterControl` as JSON)."""
 
 
 class _Model(BaseModel):
@@ -85,6 +87,99 @@ class NodeTopology(_Model):
 
     nodes: dict[str, dict[str, str]] = Field(
         default_factory=dict, description="Node name -> topology label -> value, for the nodes engines run on."
+    )
+
+
+class RouterControlSource(_Model):
+    """The ConfigMap the autoscaler publishes the router's controls in (`RouterControl`)."""
+
+    namespace: str = Field(description="Namespace of the ConfigMap.")
+    name: str = Field(min_length=1, description="Name of the ConfigMap (the router may read only this one).")
+
+
+class RouterControl(_Model):
+    """The content of the router control ConfigMap (key `control.json`): decided by the operator's autoscaler
+    (issue 19: the PD threshold is an output), applied by every router replica as soon as it sees it. Absent or
+    malformed: the router uses its configured `policy.disaggregationThresholdTokens`. Unknown members are ignored, so
+    the operator may publish more controls before every router reads them."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+
+    disaggregation_threshold: int = Field(
+        ge=0, description="Uncached prompt tokens at or above which a request goes through prefill."
+    )
+    reason: str = Field(default="", max_length=1024, description="Why the autoscaler chose it (for logs).")
+    decided_at: str = Field(default="", max_length=64, description="When it was decided (RFC 3339).")
+
+
+class RouterPeers(_Model):
+    """Where a router replica finds the other replicas of its PDService: its own Service's EndpointSlices."""
+
+    namespace: str = Field(description="Namespace of the router Service's EndpointSlices.")
+    label_selector: str = Field(
+        min_length=1,
+        description="Label selector of those slices (`kubernetes.io/service-name=<service>`); their ready "
+        "endpoints are the router replicas that share every engine's budget.",
+    )
+
+
+class AdmissionConfig(_Model):
+    """Late binding (issue 19): requests wait in the router until an engine has room, in a bounded queue fair
+    across clients; a request that can no longer be served in a useful time is told so (429/503, Retry-After)."""
+
+    prefill_budget_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Uncached prompt tokens one prefill engine may hold (queued or prefilling), across every router "
+        "replica; a request waits in the router until an engine has room for it (a prompt larger than a replica's "
+        "share goes to an engine that holds nothing of that replica). About one and a half of the engine's "
+        "max_num_batched_tokens keeps it at full steps with nothing more waiting there (0: unbounded, requests "
+        "queue in the engines).",
+    )
+    decode_budget_sequences: int = Field(
+        default=0,
+        ge=0,
+        description="Sequences one decode engine may run, across every router replica (its max_num_seqs); a PD "
+        "request reserves its decode sequence before prefill starts (0: unbounded).",
+    )
+    max_queued_requests: int = Field(
+        default=2048,
+        ge=1,
+        description="Requests waiting in this router replica at once; when full, a client holding its fair share "
+        "of the queue (this bound over the clients waiting) is refused 429, and one within it takes the place of "
+        "the newest request of the client holding the most (that one is answered 429).",
+    )
+    max_queue_seconds: float = Field(
+        default=15.0,
+        gt=0,
+        description="Longest a request waits for an engine with room; then it is answered 503 with Retry-After "
+        "(it could no longer meet a useful deadline). The request's own deadline (requestTimeoutSeconds, 504) "
+        "ends the wait if it comes first.",
+    )
+    ttft_target_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="The service's time-to-first-token target: requests that can still meet it go before those "
+        "that no longer can, so a burst beyond capacity makes its excess late rather than everyone (unset: fair "
+        "order only).",
+    )
+    router_replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Router replicas sharing the engines (each takes a budget divided by this); with `peers`, the "
+        "ready replicas found there replace it once read.",
+    )
+    client_header: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9-]+$",
+        description="A request header naming the client for fair queueing, set by a trusted proxy in front of the "
+        "router (a client could forge it otherwise). Unset: the Authorization header (hashed), else the peer "
+        "address.",
+    )
+    peers: RouterPeers | None = Field(
+        default=None,
+        description="Where the other router replicas are found (kubernetes discovery; the renderer names the "
+        "router Service's EndpointSlices).",
     )
 
 
@@ -385,6 +480,14 @@ class RouterConfig(_Model):
     )
     circuit_breaker: CircuitBreakerConfig = Field(
         default_factory=CircuitBreakerConfig, description="Ejection of failing engines."
+    )
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="Late binding: engine budgets, the router's queue, shedding."
+    )
+    router_control: RouterControlSource | None = Field(
+        default=None,
+        description="The ConfigMap the operator's autoscaler publishes controls in (`RouterControl`: the "
+        "disaggregation threshold); watched, applied at once; absent or malformed: policy's static threshold.",
     )
 
     @model_validator(mode="after")

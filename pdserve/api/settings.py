@@ -225,6 +225,56 @@ class RouterSettings:
         help="Seconds a client may leave an answer unread before its connection is closed (its engine request "
         "aborted, the engine not charged).",
     )
+    prefill_budget_tokens: int | None = setting(
+        None,
+        "--prefill-budget-tokens",
+        minimum=0,
+        config="admission.prefill_budget_tokens",
+        help="Uncached prompt tokens one prefill engine may hold across the router replicas; requests wait in the "
+        "router until an engine has room (0: unbounded).",
+    )
+    decode_budget_sequences: int | None = setting(
+        None,
+        "--decode-budget-sequences",
+        minimum=0,
+        config="admission.decode_budget_sequences",
+        help="Sequences one decode engine may run across the router replicas (its max_num_seqs; 0: unbounded).",
+    )
+    max_queued_requests: int | None = setting(
+        None,
+        "--max-queued-requests",
+        minimum=1,
+        config="admission.max_queued_requests",
+        help="Requests waiting in the router at once; beyond, fair shares decide who is refused (429).",
+    )
+    max_queue_seconds: float | None = setting(
+        None,
+        "--max-queue-seconds",
+        minimum=0,
+        config="admission.max_queue_seconds",
+        help="Longest wait for an engine with room before 503 with Retry-After.",
+    )
+    ttft_target_seconds: float | None = setting(
+        None,
+        "--ttft-target-seconds",
+        minimum=0,
+        config="admission.ttft_target_seconds",
+        help="TTFT target: waiting requests that can still meet it go first.",
+    )
+    router_replicas: int | None = setting(
+        None,
+        "--router-replicas",
+        minimum=1,
+        config="admission.router_replicas",
+        help="Router replicas sharing the engines' budgets (each takes its part).",
+    )
+    client_header: str | None = setting(
+        None,
+        "--client-header",
+        config="admission.client_header",
+        help="Header naming the client for fair queueing, set by a trusted proxy (default: Authorization, hashed, "
+        "else the peer address).",
+    )
     log_level: LogLevel = setting("info", "--log-level", help="Log level.")
     access_log: bool = setting(False, "--access-log/--no-access-log", help="Log every request line (costs CPU).")
 

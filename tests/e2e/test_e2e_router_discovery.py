@@ -44,6 +44,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 NAME = "disc"
 ROUTER = f"{NAME}-router"
 TOPOLOGY = f"{NAME}-router-topology"
+CONTROL = f"{NAME}-router-control"
 # A label of the process node that EndpointSlices do not carry: the operator must read the node and publish it.
 TOPOLOGY_KEY = "pdserve.io/process-node"
 NEW_IMAGE = "vllm/vllm-openai:v0.32.1"
@@ -173,6 +174,8 @@ def test_the_router_service_account_holds_exactly_its_discovery_reads(cluster: C
         ("endpointslices.discovery.k8s.io", "", "watch"),
         ("configmaps", TOPOLOGY, "list"),
         ("configmaps", TOPOLOGY, "watch"),
+        ("configmaps", CONTROL, "list"),
+        ("configmaps", CONTROL, "watch"),
     }
     for verb, resource in [
         ("get", "pods"),
@@ -200,6 +203,36 @@ def test_the_router_reads_the_published_node_topology(cluster: ClusterHelper, se
         timeout=30,
         message=lambda: f"the router read the node topology; its log:\n{service.router_log.read_text()[-3000:]}",
     )
+    assert "Failed watching" not in service.router_log.read_text()
+
+
+def test_the_router_applies_the_published_threshold_and_counts_the_router_replicas(
+    cluster: ClusterHelper, service: Service
+) -> None:
+    """As its ServiceAccount, the router reads the router control ConfigMap (issue 19: the autoscaler publishes the
+    PD threshold there; here the test does) and its Service's EndpointSlices (the ready router pods, the N that
+    divides every engine's budget: the one router pod the operator runs)."""
+    document = {"disaggregationThreshold": 777, "reason": "the e2e test", "decidedAt": "2026-12-02T10:00:00Z"}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": CONTROL},
+        "data": {"control.json": json.dumps(document)},
+    }
+    cluster.apply(config_map, namespace=service.namespace)
+
+    def shown(name: str) -> float:
+        return metric_value(scrape_sync(service.metrics + "/metrics"), name)
+
+    def log() -> str:
+        return f"router log:\n{service.router_log.read_text()[-3000:]}"
+
+    wait_for(lambda: shown("pdserve_router_disaggregation_threshold") == 777, timeout=30, message=log)
+    ready_routers = [pod for pod in cluster.pods(service.namespace, "pdserve.io/role=router") if _ready(pod)]
+    assert ready_routers
+    wait_for(lambda: shown("pdserve_router_replicas") == len(ready_routers), timeout=30, message=log)
+    cluster.kubectl("delete", "configmap", CONTROL, f"--namespace={service.namespace}")
+    wait_for(lambda: shown("pdserve_router_disaggregation_threshold") == 64, timeout=30, message="static again")
     assert "Failed watching" not in service.router_log.read_text()
 
 

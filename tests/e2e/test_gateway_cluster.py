@@ -248,6 +248,7 @@ async def test_the_reference_picker_and_pdserves_pick_valid_ready_endpoints_of_t
     bodies = [{"model": "tiny-llama", "prompt": f"{i} " + (LONG if i % 2 else "hi"), "max_tokens": 4}
               for i in range(8)]  # fmt: skip
     for label, address in (("lwepp", lwepp), ("pdserve", _picker_address(cluster, namespace))):
+        bodies = [{**body, "prompt": f"{label} {body['prompt']}"} for body in bodies]
         before = _sidecar_requests(cluster, namespace)
         async with (
             gateway(cluster, namespace, deployed, address, label, body_mode="buffered") as envoy,

@@ -133,31 +133,10 @@ def prometheus_operator_crds(log: Callable[[str], None] = print) -> list[Path]:
     paths = [out_dir / name for name in PROMETHEUS_OPERATOR_CRDS]
     if all(path.is_file() for path in paths):
         return paths
-    go, _ = build.check_go()
     module = f"{PROMETHEUS_OPERATOR_MODULE}@{versions.PROMETHEUS_OPERATOR_VERSION}"
     with build._locked(tools_dir() / ".build.lock"):
         log(f"  prometheus-operator CRDs  downloading {module} ...")
-        proc = subprocess.run(
-            [str(go), "mod", "download", "-json", module],
-            env=build.go_env(),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=600,
-        )
-        # `go mod download -json` reports a refusal inside the JSON (field Error) and exits non-zero.
-        try:
-            info = json.loads(proc.stdout or "{}")
-        except ValueError:
-            info = {}
-        if proc.returncode != 0 or info.get("Error"):
-            reason = info.get("Error") or proc.stderr.strip()
-            raise build.BuildError(f"the Go module proxy did not provide {module}: {reason}")
-        if info.get("Sum") != versions.PROMETHEUS_OPERATOR_SUM:
-            raise build.BuildError(
-                f"{module} has hash {info.get('Sum')}, expected {versions.PROMETHEUS_OPERATOR_SUM} (versions.py)"
-            )
-        source = Path(info["Dir"]) / PROMETHEUS_OPERATOR_CRD_DIR
+        source = _download(module, versions.PROMETHEUS_OPERATOR_SUM) / PROMETHEUS_OPERATOR_CRD_DIR
         out_dir.mkdir(parents=True, exist_ok=True)
         for path in paths:
             partial = path.with_name(f".{path.name}.partial")
@@ -168,7 +147,8 @@ def prometheus_operator_crds(log: Callable[[str], None] = print) -> list[Path]:
 
 
 def _download(module: str, expected_sum: str) -> Path:
-    """`go mod download` of one module at a version given by name; its directory, checked against `expected_sum`."""
+    """`go mod download` of one module at a version given by name; its directory, checked against `expected_sum`.
+    `go mod download -json` reports a refusal inside the JSON (field Error) and exits non-zero."""
     go, _ = build.check_go()
     proc = subprocess.run(
         [str(go), "mod", "download", "-json", module],

@@ -1,16 +1,19 @@
 """The router: Deployment, Service, ConfigMap (its RouterConfig), ServiceAccount, Role and RoleBinding.
 
-The router discovers engines itself and reads nothing but what `render.discovery` publishes for it: EndpointSlices
-(the pools' per-kv-compat Services, whose labels say which kv-compat value their engines carry) and, when topology
-needs node labels, the one node topology ConfigMap. Its Role is exactly that: list and watch EndpointSlices in its
-namespace, and list and watch that ConfigMap by name; no Pods (their env would be readable by an internet-facing
-process), no Nodes, no Secrets. It never gets a single object (every read is a list + watch), so no `get`.
+The router discovers engines itself and reads nothing but what the operator publishes for it: EndpointSlices
+(the pools' per-kv-compat Services, whose labels say which kv-compat value their engines carry, and its own
+Service's, whose ready endpoints are the router replicas sharing every engine's budget), the router control
+ConfigMap (the autoscaler's disaggregation threshold) and, when topology needs node labels, the one node topology
+ConfigMap. Its Role is exactly that: list and watch EndpointSlices in its namespace, and list and watch those
+ConfigMaps by name; no Pods (their env would be readable by an internet-facing process), no Nodes, no Secrets. It
+never gets a single object (every read is a list + watch), so no `get`.
 The router serves Prometheus `/metrics` on a port of its own, named `metrics` on the container (the PodMonitor
 scrapes it there), never on the client port: the metrics name every engine and its load. The client Service
 publishes only the client port (a LoadBalancer Service would otherwise put the metrics on the internet).
 A hash of the rendered config is a pod annotation: changing routing settings rolls the router pods, which is
-simpler and more predictable than hot reload. The node topology ConfigMap changes as pods move and is watched,
-not mounted, so it never rolls the router.
+simpler and more predictable than hot reload. The node topology and router control ConfigMaps change as pods move
+and as the autoscaler decides: they are watched, not mounted, so they never roll the router (nor does the router
+replica count, which the routers read from their Service).
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ from typing import Any
 import yaml
 
 from pdserve.api.defaults import EffectiveSpec
-from pdserve.api.router_config import EndpointSelector, NodeTopologySource, RouterConfig, RoutingPolicyConfig
+from pdserve.api.router_config import (
+    AdmissionConfig,
+    EndpointSelector,
+    NodeTopologySource,
+    RouterConfig,
+    RouterControlSource,
+    RouterPeers,
+    RoutingPolicyConfig,
+)
 from pdserve.api.v1alpha1 import PDService
-from pdserve_operator.names import child_name, labels, selector_labels
+from pdserve_operator.names import child_name, labels, router_control_name, selector_labels
 from pdserve_operator.render import discovery
 from pdserve_operator.render.objects import metadata
 
@@ -36,6 +47,12 @@ _SPREAD_KEY = "kubernetes.io/hostname"
 # The router's metrics port (the next one when the client port is this one), and its container port's name.
 METRICS_PORT = 9090
 METRICS_PORT_NAME = "metrics"
+# vLLM's max_num_batched_tokens when the spec leaves it to vLLM (its default for the OpenAI server on GPUs of 70 GiB
+# or more); the prefill budget is one and a half of it: a full step running, most of the next one ready, nothing
+# more waiting in the engine (what a request arriving behind a burst waits for).
+VLLM_MAX_NUM_BATCHED_TOKENS = 8192
+# The label the EndpointSlice controller puts on every slice of a Service.
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 def metrics_port(spec: EffectiveSpec) -> int:
@@ -47,6 +64,21 @@ def router_endpoint(pds: PDService, spec: EffectiveSpec) -> str:
     """The in-cluster URL clients use; reported in status.routerEndpoint."""
     service = child_name(pds, "router")
     return f"http://{service}.{pds.metadata.namespace}.svc:{spec.router.port}"
+
+
+def admission(pds: PDService, spec: EffectiveSpec) -> AdmissionConfig:
+    """Late binding: budgets from the pools' engine limits, deadlines from the SLO, the replicas from the Service."""
+    step = spec.prefill.max_num_batched_tokens or VLLM_MAX_NUM_BATCHED_TOKENS
+    ttft = spec.slo.ttft_milliseconds
+    return AdmissionConfig(
+        prefill_budget_tokens=step * 3 // 2,
+        # Only when the spec states it: a guess below the engine's own limit would cap decode throughput.
+        decode_budget_sequences=spec.decode.max_num_seqs or 0,
+        ttft_target_seconds=ttft / 1000 if ttft is not None else None,
+        peers=RouterPeers(
+            namespace=pds.metadata.namespace, label_selector=f"{SERVICE_NAME_LABEL}={child_name(pds, 'router')}"
+        ),
+    )
 
 
 def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
@@ -80,6 +112,8 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
             fallback_to_decode=routing.fallback_to_decode,
             kv_store=spec.engine.kv_cache.store.enabled,
         ),
+        admission=admission(pds, spec),
+        router_control=RouterControlSource(namespace=namespace, name=router_control_name(pds)),
     )
 
 
@@ -107,13 +141,16 @@ def service_account(pds: PDService) -> dict[str, Any]:
 
 
 def role(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
-    """What the router's discovery reads (list, then watch), and nothing else."""
+    """What the router reads (list, then watch), and nothing else: EndpointSlices (the engines' and its own
+    Service's, for the other router replicas), the router control ConfigMap, and the node topology one when
+    topology needs node labels."""
     watch = ["list", "watch"]
     rules: list[dict[str, Any]] = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": watch}]
+    names = [router_control_name(pds)]
     if discovery.node_topology_labels(spec):
-        # A list or watch is authorised against resourceNames when it selects metadata.name (the router does).
-        name = discovery.topology_config_map_name(pds)
-        rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": watch})
+        names.append(discovery.topology_config_map_name(pds))
+    # A list or watch is authorised against resourceNames when it selects metadata.name (the router does).
+    rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": names, "verbs": watch})
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",

@@ -59,9 +59,14 @@ def parse_host_port(value: str) -> tuple[str, int] | None:
 
 
 def sidecar_config(config: RouterConfig) -> RouterConfig:
-    """The router config as the sidecar runs it: one prefill try (the picker named one engine), then local prefill."""
+    """The router config as the sidecar runs it: one prefill try (the picker named one engine), then local prefill.
+
+    No admission budgets: the picker has bound the request to its engines already, and the sidecar's table knows
+    only its own decode engine, so a queue here could only re-plan wrongly; the router's gate passes every request
+    straight through when its budgets are unbounded (`router.gate`)."""
     policy = config.policy.model_copy(update={"max_prefill_attempts": 1, "fallback_to_decode": True})
-    return config.model_copy(update={"policy": policy})
+    admission = config.admission.model_copy(update={"prefill_budget_tokens": 0, "decode_budget_sequences": 0})
+    return config.model_copy(update={"policy": policy, "admission": admission})
 
 
 class SidecarProxy(Proxy):

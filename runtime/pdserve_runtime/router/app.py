@@ -20,12 +20,15 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.api.router_config import RouterConfig
+from pdserve_runtime.router.control import ControlWatch, Threshold, ThresholdCollector
 from pdserve_runtime.router.discovery import Discovery
+from pdserve_runtime.router.discovery.peers import PeerWatch
 from pdserve_runtime.router.discovery.static import StaticDiscovery
 from pdserve_runtime.router.endpoints import ROLES, EndpointState, EndpointTable, KvEventSource
 from pdserve_runtime.router.engine_metrics import EngineMetricsScraper
 from pdserve_runtime.router.engine_models import ContextLengthLearner
 from pdserve_runtime.router.errors import error_body
+from pdserve_runtime.router.gate import Gate
 from pdserve_runtime.router.kvhub import KvEventsCollector, KvEventsHub
 from pdserve_runtime.router.metrics import RouterMetrics
 from pdserve_runtime.router.policy.scheduler import Scheduler
@@ -127,9 +130,20 @@ class RouterApp:
         )
         self.metrics = RouterMetrics(self.table)
         KvEventsCollector(self.kv_events).register(self.metrics.registry)
+        self.gate = Gate(
+            config.admission,
+            self.table,
+            self.scheduler,
+            self.metrics.registry,
+            fallback_to_decode=policy.fallback_to_decode,
+            retry_after_s=config.retry_after_seconds,
+        )
+        self.threshold = Threshold(self.scheduler)
+        self.metrics.registry.register(ThresholdCollector(self.scheduler))
         self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
-        self.proxy = proxy_class(config, self.scheduler, self.tracker, self.metrics, self.client)
+        self.proxy = proxy_class(config, self.scheduler, self.tracker, self.metrics, self.client, gate=self.gate)
         self.discovery = discovery or default_discovery(config, self.table, self.client)
+        self._watches: list[PeerWatch | ControlWatch] = []
         limits = server_limits(config)
         self.server = HttpServer(limits, error_body=error_body, access_log=access_log)
         if serve_generation:
@@ -142,7 +156,16 @@ class RouterApp:
         self.metrics_server.route("GET", "/metrics", self.prometheus)
         self._tasks: list[asyncio.Task[None]] = []
         interval = config.engine_metrics_interval_seconds
-        self._scraper = EngineMetricsScraper(self.table, interval) if interval else None
+        self._scraper = (
+            EngineMetricsScraper(
+                self.table,
+                interval,
+                prefill=config.admission.prefill_budget_tokens > 0,
+                on_scraped=self.gate.dispatch,
+            )
+            if interval
+            else None
+        )
         self.context_lengths = ContextLengthLearner(
             self.table, config.served_model_name, config.connect_timeout_seconds
         )
@@ -170,6 +193,7 @@ class RouterApp:
         if self.config.policy.kv_events:
             self.kv_events.start()
         await self.discovery.start()
+        self._start_watches()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="pdserve-router-prober"))
         if self._scraper is not None:
             self._scraper.start(self.client)
@@ -187,8 +211,29 @@ class RouterApp:
         host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
         return f"http://{host}:{self.metrics_port}"
 
+    def _start_watches(self) -> None:
+        """Kubernetes mode: the other router replicas (budget shares) and the router control ConfigMap."""
+        config = self.config
+        peers, control = config.admission.peers, config.router_control
+        if config.discovery != "kubernetes" or (peers is None and control is None):
+            return
+        from pdserve.api.kubeclient import new_api_client  # lazy: static mode never loads the kubernetes client
+
+        api = new_api_client()
+        if peers is not None:
+            self._watches.append(PeerWatch(peers, self._set_replicas, api))
+        if control is not None:
+            self._watches.append(ControlWatch(control, self.threshold, api))
+        for watch in self._watches:
+            watch.start()
+
+    def _set_replicas(self, count: int) -> None:
+        self.gate.replicas = count
+
     async def stop(self, grace: float = 0.0) -> None:
-        """Stop listening, let answers under way finish for up to `grace` seconds, stop everything."""
+        """Stop listening, tell every waiting request to retry elsewhere (503), let answers under way finish for up
+        to `grace` seconds, stop everything."""
+        self.gate.close()
         await self.server.stop(grace)
         await self.metrics_server.stop(0.0)
         await self.context_lengths.stop()
@@ -199,6 +244,8 @@ class RouterApp:
         if self._scraper is not None:
             await self._scraper.stop()
         await self.discovery.stop()
+        for watch in self._watches:
+            watch.stop()
         await self.kv_events.stop()
         await self.client.close()
 
@@ -258,3 +305,4 @@ class RouterApp:
             ok = False
         if state.breaker.record_probe(ok):
             log.info("Restored %s endpoint=%s after a good health probe", state.endpoint.role, state.endpoint.label)
+            self.gate.dispatch()

@@ -72,6 +72,15 @@ class EndpointState:
     kv_cache_usage_at: float = 0.0
     # The engine's context length (its /v1/models `max_model_len`; see engine_models), None until read.
     max_model_len: int | None = None
+    # Requests (and their uncached prompt tokens) the admission gate bound to this engine that have not started
+    # yet (`gate.Binding`): counted against the engine's room like requests in flight.
+    reserved: int = 0
+    reserved_tokens: int = 0
+    # Requests the engine itself reports (running + waiting, from its /metrics; see engine_metrics), when it was
+    # read, and how many of this router's were in flight then: the difference is someone else's load.
+    reported_requests: int | None = None
+    reported_at: float = 0.0
+    own_at_report: int = 0
 
     @property
     def url(self) -> str:
@@ -121,6 +130,8 @@ class EndpointTable:
         # Snapshots are rebuilt on change so that the per-request path only reads a tuple.
         self._snapshots: dict[Role, tuple[EndpointState, ...]] = {role: () for role in ROLES}
         self.version = 0
+        # Called after every change of a pool (the admission gate: a new engine takes waiting requests at once).
+        self.listeners: list[Callable[[], None]] = []
 
     def replace(self, role: Role, endpoints: Iterable[Endpoint]) -> None:
         """Make `endpoints` the whole `role` pool, keeping the live state of URLs already known."""
@@ -141,7 +152,9 @@ class EndpointTable:
         self._keep_budget(role)
         self.version += 1
         if self.on_changed is not None:
-            self.on_changed()
+            self.on_changed()  # the KV-event indexes follow the table first: a dispatch pass may route on them
+        for listener in self.listeners:
+            listener()
 
     def _keep_budget(self, role: Role) -> None:
         """Undo the ejections the pool's new shape no longer allows (see `record_failure` for the budget).

@@ -3,7 +3,8 @@
 - `pdserve_router_requests_total{route,outcome}`: every generation request once, when it ends. route is
   pd / decode-only / fallback / none (refused before routing); outcome is success, client_error (4xx from the
   router or an engine), upstream_error (engines failed), unavailable (no engine could take it), cancelled
-  (client went away) or timeout.
+  (client went away), timeout, or shed (answered 429/503 by the admission gate: `pdserve_router_shed_total` says
+  why).
 - `pdserve_router_time_to_first_token_seconds{route}`, `pdserve_router_inter_token_latency_seconds{route}`,
   `pdserve_router_e2e_request_latency_seconds{route}`: measured at the router, so they include prefill, the
   KV handoff and the router itself: what a client sees. Buckets follow vLLM's so dashboards can overlay them;
@@ -48,7 +49,7 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
                     0.1, 0.25, 0.5, 1.0)  # fmt: skip
-OUTCOMES = ("success", "client_error", "upstream_error", "unavailable", "cancelled", "timeout")
+OUTCOMES = ("success", "client_error", "upstream_error", "unavailable", "shed", "cancelled", "timeout")
 
 ROUTE_LABELS = (*(route.value for route in Route), "none")
 

@@ -37,8 +37,10 @@ import orjson
 
 from pdserve.api.router_config import RouterConfig
 from pdserve_runtime.router import context
+from pdserve_runtime.router.admission import Shed
 from pdserve_runtime.router.endpoints import EndpointState, EndpointTable, Role
 from pdserve_runtime.router.errors import error_payload, stream_error_event
+from pdserve_runtime.router.gate import Binding, Gate, client_key
 from pdserve_runtime.router.messages import (
     Body,
     decode_body,
@@ -111,6 +113,12 @@ class _Flow:
     # Seconds spent waiting on engines before the first byte (successful and failed tries alike).
     upstream_wait: float = 0.0
     relayed: bool = False  # the client has seen bytes of the answer
+    binding: Binding | None = None  # the engines the admission gate gave it, and the room it still holds
+
+    def lease_began(self, state: EndpointState) -> None:
+        """The request's lease on `state` began: the room the gate reserved there becomes the lease."""
+        if self.binding is not None:
+            self.binding.started(state)
 
     def engine_headers(self) -> bytes:
         self.attempt += 1
@@ -176,8 +184,11 @@ class Proxy:
         tracker: PrefixTracker,
         metrics: RouterMetrics,
         client: EngineClient,
+        *,
+        gate: Gate,
     ) -> None:
         self.config = config
+        self.gate = gate
         self.scheduler = scheduler
         self.table: EndpointTable = scheduler.table
         self.tracker = tracker
@@ -223,6 +234,8 @@ class Proxy:
             flow.outcome = "cancelled"
             raise
         finally:
+            if flow.binding is not None:
+                flow.binding.release()
             self.metrics.count_request(flow.route, flow.outcome)
             self.metrics.e2e_by_route[flow.route].observe(perf_counter() - flow.started)
 
@@ -281,15 +294,25 @@ class Proxy:
         kv: tuple[dict[str, Any], EndpointState] | None = None
         if plan.route is not Route.DECODE_ONLY and not await self._fits_context(flow, plan.decode, plan.prefill):
             return
-        if plan.route is not Route.DECODE_ONLY:
-            outcome = await self._prefill(flow, plan.decode, plan.prefill)
+        # Late binding: wait for engines with room (at once when they have it), or be told why not.
+        client = client_key(flow.request.headers, flow.request.client, self.config.admission.client_header)
+        admitted = await self.gate.admit(plan, prompt, client)
+        if isinstance(admitted, Shed):
+            flow.outcome = "shed"
+            self._error(flow, admitted.status, admitted.message, (("Retry-After", str(admitted.retry_after)),))
+            return
+        flow.binding = admitted
+        route, decode = admitted.route, admitted.decode
+        flow.route = route.value
+        if route is not Route.DECODE_ONLY:
+            outcome = await self._prefill(flow, decode, admitted.prefill)
             if outcome is None:
                 return  # answered (a relayed 4xx, or refused)
             if isinstance(outcome, str):
                 flow.route = Route.FALLBACK.value
             else:
                 kv = outcome
-        await self._decode(flow, plan.decode, kv)
+        await self._decode(flow, decode, kv)
 
     def _plan(self, request: Request, prompt: PromptInfo) -> Plan:
         """The routing decision (the PD sidecar overrides this: the gateway's picker has made it)."""
@@ -402,6 +425,7 @@ class Proxy:
         exchange: Exchange | None = None
         try:
             with state.lease(flow.uncached):
+                flow.lease_began(state)
                 deadline = asyncio.get_running_loop().time() + config.first_byte_timeout_seconds
                 exchange = await self.client.send(state.url, "POST", flow.request.path, flow.engine_headers(), body)
                 data = await exchange.read_all(config.max_prefill_answer_bytes, deadline)
@@ -416,6 +440,7 @@ class Proxy:
             if exchange is not None:
                 exchange.close()
             flow.upstream_wait += perf_counter() - waited
+            self.gate.dispatch()  # the engine has room again: a waiting request may take it
         if status >= 400:
             # The engine refused the request itself (a prompt too long, an unknown model): the client's error.
             flow.outcome = "client_error"
@@ -430,6 +455,7 @@ class Proxy:
         if self.config.policy.kv_store:
             # Prefill answers only once the prompt is in the store (vLLM saves before it finishes the request).
             self.tracker.record(STORE, flow.prompt.key, now)
+        self.gate.observe_prefill(flow.uncached, perf_counter() - waited)
         return checked
 
     # -- decode ---------------------------------------------------------------------------------------------
@@ -509,8 +535,9 @@ class Proxy:
         loop = asyncio.get_running_loop()
         exchange: Exchange | None = None
         waited = perf_counter()
-        with state.lease():
-            try:
+        try:
+            with state.lease():
+                flow.lease_began(state)
                 try:
                     # A stream's first chunk must come in time; a whole answer only within the request deadline.
                     deadline = loop.time() + config.first_byte_timeout_seconds if flow.stream else None
@@ -526,11 +553,13 @@ class Proxy:
                     return failure
                 finally:
                     flow.upstream_wait += perf_counter() - waited
+                self.gate.observe_first_chunk(perf_counter() - waited)
                 await self._relay(flow, state, exchange, status, first)
                 return None
-            finally:
-                if exchange is not None:
-                    exchange.close()
+        finally:
+            if exchange is not None:
+                exchange.close()
+            self.gate.dispatch()  # the engine has room again: a waiting request may take it
 
     async def _relay(self, flow: _Flow, state: EndpointState, exchange: Exchange, status: int, first: bytes) -> None:
         """Pass the decode engine's answer to the client: the first chunk now, the rest as it comes."""

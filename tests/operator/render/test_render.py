@@ -232,8 +232,29 @@ def test_router_objects() -> None:
     assert pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
     role = by_kind(objects, "Role", "svc-router")
     assert role["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["svc-router-control"],
+            "verbs": ["list", "watch"],
+        },
     ]
+    # Late binding (issue 19): the budgets and the deadline come from the spec, the replicas from the Service.
+    assert config.router_control is not None and config.router_control.name == "svc-router-control"
+    admission = config.admission
+    assert (admission.prefill_budget_tokens, admission.decode_budget_sequences) == (12288, 0)
+    assert admission.peers is not None
+    assert admission.peers.label_selector == "kubernetes.io/service-name=svc-router"
+    assert admission.router_replicas == 1  # not the spec's 3: scaling the routers must not roll them
+    tuned = render(
+        validate(pds(prefill={"maxNumBatchedTokens": 4096}, decode={"maxNumSeqs": 128}, slo={"ttftMilliseconds": 800}))
+    )
+    admission = RouterConfig.model_validate(
+        yaml.safe_load(by_kind(tuned, "ConfigMap", "svc-router")["data"]["router.yaml"])
+    ).admission
+    assert (admission.prefill_budget_tokens, admission.decode_budget_sequences) == (6144, 128)
+    assert admission.ttft_target_seconds == 0.8
     # A routing change rolls the router through the config hash annotation.
     other = render(validate(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 200}})))
     annotation = "pdserve.io/config-hash"

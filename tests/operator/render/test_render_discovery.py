@@ -109,21 +109,24 @@ def test_node_labels_are_published_only_when_slices_lack_them(topology_key: str 
     assert config.topology_labels == [topology_key or "topology.kubernetes.io/zone"]
     role = objects_of("Role", objects)["svc-router"]
     slices = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
+
+    def config_maps(*names: str) -> dict[str, object]:
+        return {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": list(names),
+            "verbs": ["list", "watch"],
+        }
+
     if published:
         assert "svc-router-topology" in objects_of("ConfigMap", objects)
         assert config.node_topology is not None
         assert (config.node_topology.namespace, config.node_topology.name) == ("ns", "svc-router-topology")
-        one_config_map = {
-            "apiGroups": [""],
-            "resources": ["configmaps"],
-            "resourceNames": ["svc-router-topology"],
-            "verbs": ["list", "watch"],
-        }
-        assert role["rules"] == [slices, one_config_map]
+        assert role["rules"] == [slices, config_maps("svc-router-control", "svc-router-topology")]
     else:
         assert "svc-router-topology" not in objects_of("ConfigMap", objects)
         assert config.node_topology is None
-        assert role["rules"] == [slices]
+        assert role["rules"] == [slices, config_maps("svc-router-control")]
 
 
 def test_the_topology_config_map_lists_the_observed_nodes_labels_sorted() -> None:

@@ -113,7 +113,8 @@ def test_render_never_crashes_and_owns_everything(spec: dict[str, Any], name: st
         o["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL] for o in objects if o["kind"] == "StatefulSet"
     }
     assert len(compat) == 1
-    # The router, whatever the spec, reads EndpointSlices and at most its one topology ConfigMap, never a Pod.
+    # The router, whatever the spec, reads EndpointSlices, its control ConfigMap and at most its topology one, never
+    # a Pod.
     [role] = [o for o in objects if o["kind"] == "Role"]
     for rule in role["rules"]:
         assert set(rule["verbs"]) == {"list", "watch"}
@@ -122,4 +123,7 @@ def test_render_never_crashes_and_owns_everything(spec: dict[str, Any], name: st
             ([""], ["configmaps"]),
         )
         if rule["resources"] == ["configmaps"]:
-            assert rule["resourceNames"] == [f"{name}-router-topology"]
+            assert rule["resourceNames"] in (
+                [f"{name}-router-control"],
+                [f"{name}-router-control", f"{name}-router-topology"],
+            )

@@ -127,6 +127,8 @@ class Scheduler:
         self.tracker = tracker
         self.kv = kv
         self.policy = policy
+        # The disaggregation threshold in use: the policy's, until the operator publishes another (`control`).
+        self.threshold = policy.disaggregation_threshold_tokens
         self._decode = decode_profile(policy, rng)
         self._prefill = prefill_profile(policy, topology_labels, rng)
 
@@ -159,9 +161,10 @@ class Scheduler:
         decode: EndpointState,
         *,
         excluded: Collection[str] = (),
+        candidates: Sequence[EndpointState] | None = None,
     ) -> EndpointState | None:
         ctx = PickContext(prompt=prompt, held=held, peer=decode, excluded=excluded)
-        return self._prefill.pick(ctx, self.table.states("prefill"))
+        return self._prefill.pick(ctx, self.table.states("prefill") if candidates is None else candidates)
 
     def _holder_instead(
         self,
@@ -199,7 +202,7 @@ class Scheduler:
         endpoint subset narrows it (`pdserve_runtime.gateway`).
         """
         held = self.held_by(prompt, now)
-        threshold = self.policy.disaggregation_threshold_tokens
+        threshold = self.threshold
         decode = self.pick_decode(prompt, held, candidates=decode_candidates)
         if decode is None:
             return Plan(Route.DECODE_ONLY, None, None, 0, held)

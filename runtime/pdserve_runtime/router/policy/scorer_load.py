@@ -15,13 +15,14 @@ from pdserve_runtime.router.policy.base import PickContext
 
 
 def in_flight_requests(state: EndpointState) -> float:
-    """Requests the router has sent to the endpoint and not finished (decode load)."""
-    return float(state.in_flight)
+    """Requests the router has sent to the endpoint (or bound to it, about to be sent) and not finished (decode
+    load)."""
+    return float(state.in_flight + state.reserved)
 
 
 def in_flight_tokens(state: EndpointState) -> float:
-    """Uncached prompt tokens being prefilled on the endpoint (prefill load)."""
-    return float(state.in_flight_tokens)
+    """Uncached prompt tokens being prefilled on the endpoint, or bound to it (prefill load)."""
+    return float(state.in_flight_tokens + state.reserved_tokens)
 
 
 class LeastLoadScorer:
