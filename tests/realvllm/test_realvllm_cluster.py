@@ -566,13 +566,16 @@ def test_scaling_down_each_pool_under_load_loses_no_request(deployment: Deployme
 
 
 @pytest.mark.realvllm_slow
+@pytest.mark.timeout(1800)  # two engines per pool, then four start-ups one at a time per pool
 def test_a_rolling_update_changing_kv_compat_mixes_no_pair(deployment: Deployment) -> None:
     """The block size (128 -> 64: the API allows up to 128, CPU attention a multiple of 32) changes both pdserve's
     kv-compat hash and vLLM's own NIXL compatibility hash, so a pair of an old and a new engine would fail vLLM's
     handshake check ("NIXL compatibility check failed"). Both pools roll while a checked mix runs: no request fails,
     none falls back, no decode engine logs a failed check, and every handshake a decode engine made was with engines
-    of one configuration (one hash each; the new decode's differs from the old's)."""
-    _shape(deployment, 1, 1)
+    of one configuration (one hash each; the new decode's differs from the old's). Two engines per pool: a pool of one
+    cannot roll without an outage (a StatefulSet deletes a pod before it creates its successor, and a real engine
+    starts in minutes: at 1/1 the router answered "no decode engine is available" for the whole start-up)."""
+    _shape(deployment, 2, 2)
     before = deployment.pds()["status"]["kvCompatHash"]
     old_decode_log = deployment.cluster.logs(deployment.namespace, "real-decode-0", "vllm")
     old_hashes = set(HANDSHAKE.findall(old_decode_log))
@@ -588,9 +591,9 @@ def test_a_rolling_update_changing_kv_compat_mixes_no_pair(deployment: Deploymen
                 pods = deployment.pods("prefill") + deployment.pods("decode")
                 new = [p for p in pods if p["metadata"]["labels"].get("pdserve.io/kv-compat") != before]
                 ready = deployment.ips("prefill") + deployment.ips("decode")
-                return len(pods) == 2 and len(new) == 2 and len(ready) == 2
+                return len(pods) == 4 and len(new) == 4 and len(ready) == 4
 
-            await asyncio.to_thread(wait_for, rolled, 600, 2.0, "both pools rolled to the new kv-compat value")
+            await asyncio.to_thread(wait_for, rolled, 900, 2.0, "both pools rolled to the new kv-compat value")
             await load.wait_succeeded(load.results.sent + 6, within=300)
             return await load.stop()
 
