@@ -29,7 +29,7 @@ from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.names import MANAGED_BY, MANAGED_BY_LABEL
 from pdserve_operator.nodes import NodeLabelCache, NodeLabels
 from pdserve_operator.observed import OwnerKey
-from pdserve_operator.reconcile import RetryLaterError, reconcile
+from pdserve_operator.reconcile import ForeignPods, RetryLaterError, reconcile, utc_now
 from pdserve_operator.store import Store
 from pdserve_operator.view import SpecViews
 from pdserve_operator.workqueue import WorkQueue
@@ -56,11 +56,13 @@ class Controller:
         applier: Executor | None = None,
         scaling: ScalingBoard | None = None,
         nodes: NodeLabels | None = None,
+        now: Callable[[], str] = utc_now,
     ) -> None:
         """`views`: each PDService's validation result under the administrator's policy, shared with the
         autoscaler's loops. `workers`, `resync_seconds`, `relist_seconds`, `crash_window`, `namespaces`: the
         process settings of the same names (`pdserve.api.settings.OperatorSettings`; `crash_window` is
-        `crash_recovery_seconds`; no namespace: cluster-wide)."""
+        `crash_recovery_seconds`; no namespace: cluster-wide). `now`: the clock of every pass (the API server's
+        one-second timestamps; a test freezes it to decide whether a crash is inside its recovery window)."""
         self.api = api
         self.metrics = metrics if metrics is not None else api.metrics
         self.applier = applier
@@ -73,10 +75,13 @@ class Controller:
         self.is_leader = is_leader
         self.views = views
         self.crash_window = crash_window
+        self.now = now
         # The autoscaler loops' reports (the runner's board; None: an operator without the autoscaler wiring).
         self.scaling = scaling
         # Node labels for the router's topology, read through the reconcile's own API client (so counted with it).
         self.nodes = nodes if nodes is not None else NodeLabelCache(api)
+        # Pods carrying a PDService's labels that it does not own, already reported (one Event each).
+        self.reported = ForeignPods()
         # Set once the first list of every watched kind is in the cache (`run`): no pass runs before.
         self.synced = asyncio.Event()
 
@@ -209,11 +214,13 @@ class Controller:
                 name,
                 self.store,
                 self.api,
+                self.now,
                 views=self.views,
                 crash_window=self.crash_window,
                 applier=self.applier,
                 scaling=self.scaling,
                 nodes=self.nodes,
+                reported=self.reported,
             )
         except NotLeaderError:
             log.warning("Stopped reconciling: leadership lost pdservice=%s/%s", namespace, name)

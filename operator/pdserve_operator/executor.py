@@ -10,6 +10,9 @@ executor.go to plan.py's planner.go.
   global), or one after the other in the calling thread without one.
 - A refused write never stops the pass: it is collected, as `refused` (the API server said no: the status reports
   it) or `transient` (connection, 5xx, 409, 429: the pass is retried with backoff), and the other writes go on.
+- A plan with conflicts (names held by other owners, `plan.Conflict`) makes no write: they are collected as
+  `conflicts` (status: Degraded/ChildConflict), except names held by a deleted predecessor of the same name, which
+  the garbage collector frees by itself (`transient`: retried with backoff).
 - Leadership lost (`NotLeaderError` from any write) propagates at once: no further write is made.
 - One Event per pass and verb ("Created ...", "Updated ...", "Deleted ..."), not per object: Events are API
   writes too.
@@ -43,6 +46,7 @@ class Executed:
     events: list[str] = field(default_factory=list)  # "Type Reason: message"
     refused: list[str] = field(default_factory=list)  # refused for good (4xx): Degraded/ApplyFailed
     transient: list[str] = field(default_factory=list)  # worth a retry with backoff
+    conflicts: list[str] = field(default_factory=list)  # names held by other owners: Degraded/ChildConflict
 
 
 def post_event(
@@ -74,6 +78,13 @@ def execute(
     meta = body["metadata"]
     namespace, name = meta.get("namespace", "default"), meta["name"]
     done = Executed()
+    for conflict in plan.conflicts:
+        text = conflict.describe()
+        if conflict.holder.predecessor:
+            done.transient.append(f"waiting for the garbage collector to delete {text}")
+        else:
+            done.conflicts.append(text)
+        log.warning("Refused to take over a child pdservice=%s/%s conflict=%s", namespace, name, text)
     verbs: dict[str, list[str]] = {}
     apply_all = applier.map if applier is not None else map
     for wave in plan.waves():

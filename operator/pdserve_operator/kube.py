@@ -61,8 +61,8 @@ class NotLeaderError(Exception):
 
 
 class KubeIO(Protocol):
-    """The writes a reconcile (and the autoscaler's loop) makes, and nothing else: the seam between them and the
-    API server.
+    """The writes a reconcile (and the autoscaler's loop) makes, and the one read a reconcile needs besides its
+    cache (`read`: whether a child's name is free): the seam between them and the API server.
 
     `KubeApi` implements it over HTTP. The reconcile unit tests implement it in memory
     (`pdserve_dev.testing.fake_kube.FakeKube`); the contract both keep: every write raises `NotLeaderError` (and
@@ -71,6 +71,8 @@ class KubeIO(Protocol):
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]: ...
 
+    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None: ...
+
     def delete(self, kind: Kind, namespace: str, name: str, uid: str) -> None: ...
 
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]: ...
@@ -78,8 +80,6 @@ class KubeIO(Protocol):
     def post_event(self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str) -> None: ...
 
     def scale(self, kind: Kind, namespace: str, name: str, replicas: int) -> dict[str, Any]: ...
-
-    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -158,17 +158,6 @@ class KubeApi:
     @property
     def total_writes(self) -> int:
         return sum(self.writes.values())
-
-    # --------------------------------------------------------------------------------------------------- reads
-
-    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
-        """GET one object of a kind the informers do not watch (the InferencePool); None when it does not exist."""
-        try:
-            return self._request("GET", kind.object_path(namespace, name), kind.kind).body
-        except ApiError as exc:
-            if exc.code == 404:
-                return None
-            raise
 
     # -------------------------------------------------------------------------------------------------- writes
 
@@ -258,6 +247,20 @@ class KubeApi:
             log.warning("Failed to post event reason=%s pdservice=%s/%s error=%s", reason, namespace, meta["name"], exc)
 
     # --------------------------------------------------------------------------------------------------- reads
+
+    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object by name, None when there is none: what a child's name holds before the operator creates it
+        (the informer cache only holds objects with pdserve's labels; `reconcile.look_up`), or an object of a kind
+        the informers do not watch (the InferencePool)."""
+        try:
+            body = self._request("GET", kind.object_path(namespace, name), kind.kind).body
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+        body.setdefault("apiVersion", kind.api_version)
+        body.setdefault("kind", kind.kind)
+        return body
 
     def node(self, name: str) -> dict[str, Any]:
         """One Node (its labels name the topology domain of the engines on it; `nodes.NodeLabelCache`)."""

@@ -1,4 +1,5 @@
-"""The labels of the nodes engine pods run on, read by name and cached: what the node topology ConfigMap publishes.
+"""The labels of the nodes engine pods run on, read by name and cached: what the router's discovery ConfigMap
+publishes.
 
 Why read by name rather than watch: a Node watch streams every node of the cluster, with its whole status, into the
 operator, for a few labels of the few nodes that host engines. Topology labels (zone, rack, NVLink domain) are set

@@ -16,6 +16,17 @@ Algorithm:
 3. Every observed child that this PDService controls (controller ownerReference with its UID) but that the render
    no longer produces is pruned. Objects carrying our labels but owned by another UID (a PDService of the same name
    that was deleted and re-created, waiting for garbage collection) are left alone.
+4. Never take over what another owner created (Helm's rule for a release): a desired object whose name is held by
+   an object this PDService does not control (`ownership`: its controller reference, not its labels) is a
+   `Conflict`, and a plan with a conflict applies and prunes nothing at all. The children name each other (the
+   router Deployment mounts the router ConfigMap and runs as its ServiceAccount, the RoleBinding grants the
+   Role), so applying around one refused name could run the router with another user's configuration or bind
+   another user's Role. Applying over it would be worse: a forced server-side apply replaces the fields it sets
+   (a Role's rules, a RoleBinding's subjects) and adds this PDService's controller reference, after which
+   deleting the PDService garbage-collects the other user's object. The object is adopted only once it carries
+   this PDService's controller reference (someone handed it over). A name held by a deleted predecessor of the
+   same name (its controller reference names this PDService's kind and name with the old UID) is a conflict
+   that resolves by itself: the garbage collector deletes it.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from pdserve_operator import drift
 from pdserve_operator.kinds import MANAGED, Kind, kind_of
 from pdserve_operator.names import ENGINE_ROLES, ROLE_LABEL
 from pdserve_operator.observed import ObjectKey, key_of
+from pdserve_operator.ownership import Holder, controlled_by, holder_of
 
 WORKLOAD_KINDS = frozenset({"StatefulSet", "Deployment"})
 
@@ -55,10 +67,25 @@ class Prune:
     uid: str
 
 
+@dataclass(frozen=True)
+class Conflict:
+    """A desired object whose name is held by an object this PDService does not control (module docstring, 4)."""
+
+    kind: str
+    name: str
+    holder: Holder
+
+    def describe(self) -> str:
+        """`ConfigMap victim-router exists and is not controlled by any owner, written by kubectl-create`."""
+        return f"{self.kind} {self.name} exists and is {self.holder.describe()}"
+
+
 @dataclass
 class Plan:
     applies: list[Apply] = field(default_factory=list)
     prunes: list[Prune] = field(default_factory=list)
+    #: Names held by other owners; a plan with any makes no write at all.
+    conflicts: list[Conflict] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -106,22 +133,35 @@ def desired_objects(
     return result
 
 
-def controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
-    """True when `obj` has a controller ownerReference to `owner_uid`."""
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(ref.get("uid") == owner_uid and ref.get("controller") for ref in refs)
-
-
-def make_plan(desired: Iterable[dict[str, Any]], observed: Mapping[ObjectKey, dict[str, Any]], owner_uid: str) -> Plan:
-    """Applies for desired objects that differ from what is observed; prunes for owned leftovers."""
+def make_plan(
+    desired: Iterable[dict[str, Any]],
+    observed: Mapping[ObjectKey, dict[str, Any]],
+    owner_uid: str,
+    foreign: Mapping[ObjectKey, dict[str, Any]] | None = None,
+) -> Plan:
+    """Applies for desired objects that differ from what is observed; prunes for owned leftovers; or, when an
+    object of a desired name is held by another owner (in `foreign`, or in `observed` without this PDService's
+    controller reference), only the conflicts (module docstring, 4)."""
     plan = Plan()
     wanted: set[ObjectKey] = set()
+    held = dict(foreign or {})
     for obj in desired:
         key = key_of(obj)
         wanted.add(key)
-        reason = drift.apply_reason(obj, observed.get(key))
+        current = observed.get(key)
+        if current is not None and not controlled_by(current, owner_uid):
+            held[key] = current
+        other = held.get(key)
+        if other is not None:
+            owner = _owner_ref(obj)
+            plan.conflicts.append(Conflict(key[0], key[2], holder_of(other, owner[0], owner[1])))
+            continue
+        reason = drift.apply_reason(obj, current)
         if reason is not None:
             plan.applies.append(Apply(obj, reason))
+    if plan.conflicts:
+        plan.applies.clear()
+        return plan
     managed_kinds = {kind.kind: kind for kind in MANAGED}
     for key, obj in sorted(observed.items()):
         kind = managed_kinds.get(key[0])
@@ -129,3 +169,11 @@ def make_plan(desired: Iterable[dict[str, Any]], observed: Mapping[ObjectKey, di
             continue
         plan.prunes.append(Prune(kind, key[1], key[2], obj["metadata"]["uid"]))
     return plan
+
+
+def _owner_ref(obj: Mapping[str, Any]) -> tuple[str, str]:
+    """(kind, name) of the PDService a rendered object names as its controller."""
+    for ref in obj.get("metadata", {}).get("ownerReferences") or ():
+        if ref.get("controller"):
+            return str(ref.get("kind")), str(ref.get("name"))
+    return "", ""

@@ -4,7 +4,11 @@ It never asks why it runs (create, update, a child's event, a resync timer, a re
 from the informer cache and runs three steps, each a function of its own:
 
 1. plan (pure, `plan_writes`): render the validated spec (`view.SpecViews`: validated once per stored version,
-   its effective spec derived once) against what the cluster shows, and plan the applies and prunes (`plan.py`);
+   its effective spec derived once) against what the cluster shows, and plan the applies and prunes (`plan.py`).
+   A child's name the cache does not hold is looked up first (`look_up`, one GET each): the cache only holds
+   objects with pdserve's labels, and the planner must never create over an object another owner made under
+   that name (`plan.Conflict`: Degraded/ChildConflict, nothing applied). Once the children exist, a pass reads
+   nothing;
 2. execute (IO, `executor.execute`): make exactly the writes the plan contains, with their Events;
 3. status: what the spec asks as values (pure, `status_intent`: desired replicas, the router endpoint, the
    autoscaler's view), the status computed from them and the observed children (`status.py`), written only when
@@ -32,7 +36,8 @@ The objects of one wave are applied concurrently on `applier`, the runner's thre
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -47,11 +52,12 @@ from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
 from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard, ScalingReport, kept_view, status_view
 from pdserve_operator.executor import Executed, RetryLaterError, execute, post_event, write_status
-from pdserve_operator.kinds import INFERENCE_POOL
+from pdserve_operator.kinds import INFERENCE_POOL, MANAGED
 from pdserve_operator.kube import ApiError, KubeIO
 from pdserve_operator.names import ENGINE_ROLES, ROLE_LABEL, EngineRole, child_name
 from pdserve_operator.nodes import NodeLabels
-from pdserve_operator.observed import Snapshot
+from pdserve_operator.observed import ObjectKey, Snapshot, key_of
+from pdserve_operator.ownership import controlled_by, controller_of
 from pdserve_operator.render import Observed, render
 from pdserve_operator.render import gateway as gateway_render
 from pdserve_operator.render.discovery import node_topology_labels
@@ -61,17 +67,26 @@ from pdserve_operator.store import Store
 from pdserve_operator.view import SpecViews
 
 __all__ = [
+    "ForeignPods",
     "Outcome",
     "RetryLaterError",
+    "desired_children",
+    "look_up",
     "observe",
+    "plan_for",
     "plan_writes",
     "reconcile",
+    "report_foreign_pods",
     "status_intent",
     "transition_events",
+    "unknown_names",
     "update_status",
 ]
 
 log = logging.getLogger("pdserve.operator.reconcile")
+
+#: Seconds until a pass blocked by a ChildConflict looks at the names in the way again.
+CONFLICT_RECHECK_S = 10.0
 
 
 @dataclass
@@ -104,6 +119,7 @@ def reconcile(
     applier: Executor | None = None,
     scaling: ScalingBoard | None = None,
     nodes: NodeLabels | None = None,
+    reported: ForeignPods | None = None,
 ) -> Outcome:
     """One pass for one PDService: plan -> execute -> status. Raises RetryLaterError (transient failure) or
     NotLeaderError (leadership lost).
@@ -113,7 +129,8 @@ def reconcile(
     (`--crash-recovery-seconds`). `applier`: the thread pool a wave's applies share (None: one after the other).
     `scaling`: the autoscaler loops' reports, placed in status as they are (None: an operator without an
     autoscaler, like one started without --prometheus-url). `nodes`: where node labels come from
-    (`nodes.NodeLabelCache`); None reads none (the topology ConfigMap then lists no node)."""
+    (`nodes.NodeLabelCache`); None reads none (the discovery ConfigMap then lists no node). `reported`: the foreign
+    pods already reported (`ForeignPods`: each gets one Warning Event); None reports none."""
     body = store.owner(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
@@ -121,9 +138,16 @@ def reconcile(
     if checked.ok:
         snapshot = store.snapshot(namespace, name)
         spec = checked.require()[1]
-        writes = plan_writes(checked, snapshot, observe(snapshot.pods, spec, nodes), body["metadata"]["uid"])
-        done = execute(writes, body, store, api, applier=applier, now=now)
-        outcome = Outcome("noop" if writes.empty else "applied", done.applied, done.pruned, events=done.events)
+        facts = observe(snapshot.pods, spec, nodes, services=snapshot.uids("Service"))
+        desired = desired_children(checked, snapshot, facts)
+        found, unreadable = look_up(api, unknown_names(desired, snapshot), applier)
+        if unreadable:
+            done = Executed(transient=unreadable)  # cannot tell whether a name is free: write nothing, retry
+            outcome = Outcome("noop")
+        else:
+            writes = plan_for(desired, snapshot, body["metadata"]["uid"], found)
+            done = execute(writes, body, store, api, applier=applier, now=now)
+            outcome = Outcome("noop" if writes.empty else "applied", done.applied, done.pruned, events=done.events)
     else:
         _log_rejected(body, checked)
         done, outcome = Executed(), Outcome("invalid")
@@ -139,18 +163,74 @@ def reconcile(
         report=scaling.get((namespace, name)) if scaling is not None else None,
         configured=scaling is not None and scaling.configured,
     )
+    if reported is not None:
+        outcome.events.extend(report_foreign_pods(body, store.snapshot(namespace, name), reported, api, now))
     if done.transient:
         raise RetryLaterError("; ".join(done.transient))
     return outcome
 
 
+class ForeignPods:
+    """The pods carrying a PDService's labels that it does not own (`Snapshot.foreign_pods`) and that were already
+    reported, by UID, so each is reported once: thread-safe (reconcile workers share it), and it forgets a pod once
+    it is gone (its memory is bounded by the foreign pods that exist)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str], set[str]] = {}
+
+    def new(self, key: tuple[str, str], pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """The pods of `pods` not reported before for PDService `key`; remembers `pods` as the ones reported."""
+        uids = {str(p["metadata"].get("uid") or p["metadata"]["name"]): p for p in pods}
+        with self._lock:
+            seen = self._seen.get(key, set())
+            if uids:
+                self._seen[key] = set(uids)
+            else:
+                self._seen.pop(key, None)
+        return [pod for uid, pod in uids.items() if uid not in seen]
+
+
+def report_foreign_pods(
+    body: dict[str, Any], snapshot: Snapshot, reported: ForeignPods, api: KubeIO, now: Callable[[], str]
+) -> list[str]:
+    """One Warning Event (and a log line) per pod that carries the PDService's labels but is not its workloads'
+    (`ownership`): such a pod is ignored (status, the autoscaler, the router's engines), and its owner should know."""
+    meta = body["metadata"]
+    events = []
+    for pod in reported.new((meta.get("namespace", "default"), meta["name"]), snapshot.foreign_pods):
+        pod_meta = pod["metadata"]
+        role = (pod_meta.get("labels") or {}).get(ROLE_LABEL, "")
+        controller = controller_of(pod)
+        held = (
+            f"its controller is {controller.get('kind')} {controller.get('name')}"
+            if controller
+            else "it has no controller"
+        )
+        message = (
+            f"Ignored pod {pod_meta['name']} (pdserve.io/role={role}): it carries this PDService's labels but {held}, "
+            "not one of this PDService's StatefulSets or its router's ReplicaSets; it is not counted in status or by "
+            "the autoscaler, and the router sends it nothing"
+        )
+        log.warning("Ignored foreign pod pdservice=%s/%s pod=%s reason=%s", meta.get("namespace"), meta["name"],
+                    pod_meta["name"], held)  # fmt: skip
+        events.append(post_event(api, body, "Warning", "ForeignPodIgnored", message, now=now))
+    return events
+
+
 # ------------------------------------------------------------------------------------------------------ 1. plan
 
 
-def observe(pods: Iterable[dict[str, Any]], spec: EffectiveSpec, nodes: NodeLabels | None) -> Observed:
+def observe(
+    pods: Iterable[dict[str, Any]],
+    spec: EffectiveSpec,
+    nodes: NodeLabels | None,
+    services: Mapping[str, str] | None = None,
+) -> Observed:
     """The cluster facts the render needs: per pool, the kv-compat values its pods carry (every pod the cache holds,
-    terminating ones too: they still serve); and the labels of the nodes they run on, only if the router's topology
-    needs node labels (`nodes` None: none are read, as in tests without nodes)."""
+    terminating ones too: they still serve); the labels of the nodes they run on, only if the router's topology
+    needs node labels (`nodes` None: none are read, as in tests without nodes); and the Services the PDService
+    controls, by UID (`services`: what the router is told it may trust)."""
     values: dict[EngineRole, set[str]] = {role: set() for role in ENGINE_ROLES}
     node_names: set[str] = set()
     for pod in pods:
@@ -163,15 +243,74 @@ def observe(pods: Iterable[dict[str, Any]], spec: EffectiveSpec, nodes: NodeLabe
         if (pod.get("spec") or {}).get("nodeName"):
             node_names.add(pod["spec"]["nodeName"])
     node_labels = nodes.labels(node_names) if nodes is not None and node_topology_labels(spec) else {}
-    return Observed(kv_compat={role: frozenset(found) for role, found in values.items()}, node_labels=node_labels)
+    return Observed(
+        kv_compat={role: frozenset(found) for role, found in values.items()},
+        node_labels=node_labels,
+        services=dict(services or {}),
+    )
 
 
-def plan_writes(checked: Validated, snapshot: Snapshot, observed: Observed, owner_uid: str) -> planner.Plan:
+def plan_writes(
+    checked: Validated,
+    snapshot: Snapshot,
+    observed: Observed,
+    owner_uid: str,
+    found: Mapping[ObjectKey, dict[str, Any] | None] | None = None,
+) -> planner.Plan:
     """The applies and prunes that bring the children of a valid PDService (owned by `owner_uid`) to what its
-    spec renders to, given the children the cache holds (`snapshot`) and the cluster facts the render reads."""
-    spec = checked.require()[1]
-    desired = planner.desired_objects(spec, render(checked, observed), snapshot.children)
-    return planner.make_plan(desired, snapshot.children, owner_uid)
+    spec renders to, given the children the cache holds (`snapshot`), the cluster facts the render reads, and what
+    the API server holds under the names the cache lacks (`found`, from `look_up`)."""
+    return plan_for(desired_children(checked, snapshot, observed), snapshot, owner_uid, found)
+
+
+def desired_children(checked: Validated, snapshot: Snapshot, observed: Observed) -> list[dict[str, Any]]:
+    """Every child the valid spec renders to, stamped, with the fields left to others adjusted (`plan.py`)."""
+    return planner.desired_objects(checked.require()[1], render(checked, observed), snapshot.children)
+
+
+def unknown_names(desired: Iterable[dict[str, Any]], snapshot: Snapshot) -> list[ObjectKey]:
+    """The desired children the cache holds nothing under (owned or not): the names to look up before creating."""
+    return [key for key in map(key_of, desired) if key not in snapshot.children and key not in snapshot.foreign]
+
+
+def look_up(
+    api: KubeIO, keys: Sequence[ObjectKey], pool: Executor | None
+) -> tuple[dict[ObjectKey, dict[str, Any] | None], list[str]]:
+    """What the API server holds under each name (None: free), read concurrently on `pool`; and the reads that
+    failed (then no name is known to be free, and the pass writes nothing). The InferencePool (router mode
+    gateway) is never in the cache (not watched: its CRD is optional), so it is read on every pass."""
+    kinds = {kind.kind: kind for kind in (*MANAGED, INFERENCE_POOL)}
+
+    def read(key: ObjectKey) -> tuple[ObjectKey, dict[str, Any] | None, str | None]:
+        try:
+            return key, api.read(kinds[key[0]], key[1], key[2]), None
+        except ApiError as exc:
+            return key, None, f"read {key[0]} {key[2]}: {exc}"
+
+    found: dict[ObjectKey, dict[str, Any] | None] = {}
+    failed: list[str] = []
+    for key, obj, error in (pool.map if pool is not None else map)(read, keys):
+        if error is not None:
+            failed.append(error)
+        else:
+            found[key] = obj
+    return found, failed
+
+
+def plan_for(
+    desired: Sequence[dict[str, Any]],
+    snapshot: Snapshot,
+    owner_uid: str,
+    found: Mapping[ObjectKey, dict[str, Any] | None] | None = None,
+) -> planner.Plan:
+    """The plan over the cache's children and foreign objects plus what `look_up` found: an object found under a
+    child's name is the child (observed, maybe drifted) when this PDService controls it, a conflict otherwise."""
+    observed = dict(snapshot.children)
+    foreign = dict(snapshot.foreign)
+    for key, obj in (found or {}).items():
+        if obj is not None:
+            (observed if controlled_by(obj, owner_uid) else foreign)[key] = obj
+    return planner.make_plan(desired, observed, owner_uid, foreign)
 
 
 # ---------------------------------------------------------------------------------------------------- 3. status
@@ -278,11 +417,16 @@ def update_status(
         intent,
         problems=checked.problems,
         apply_errors=done.refused,
+        conflicts=done.conflicts,
         applied=bool(done.applied or done.pruned),
         now=moment,
     )
     if checked.ok:
         outcome.requeue_after = status_mod.next_check_seconds(facts, moment)
+        if done.conflicts:
+            # The object in the way is seldom ours to watch (no pdserve labels): look again soon after its owner
+            # may have removed it, rather than only at the next resync.
+            outcome.requeue_after = min(outcome.requeue_after or CONFLICT_RECHECK_S, CONFLICT_RECHECK_S)
         pds, spec = checked.require()
         if spec.router.mode == "gateway":
             _report_inference_pool(api, pds, new_status, outcome)

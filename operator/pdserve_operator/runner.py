@@ -4,8 +4,8 @@ Everything a process has one of is created here and passed down: the API client 
 order: --kubeconfig, $KUBECONFIG, in-cluster), the metrics and their registry (served on --metrics-port), the
 thread pool that applies a wave's objects concurrently, the validated view of every PDService shared by the
 reconcile and the autoscaler (`view.SpecViews`), and, with --prometheus-url, the SLO autoscaler's loops
-(`autoscaler.loop.Autoscalers`) with their own thread pool for Prometheus queries and /scale writes (both pools are
-shut down on exit). Importing the operator's modules creates none of them.
+(`autoscaler.loop.Autoscalers`) with their own thread pool for /scale writes (both pools are shut down on exit).
+Importing the operator's modules creates none of them.
 
 The settings come from one table (`pdserve.api.settings.OperatorSettings`); this is where they are read, resolved
 against the environment (`resolved`) and handed down as plain values: nothing below has a default of its own.
@@ -47,7 +47,8 @@ log = logging.getLogger("pdserve.operator")
 
 # Concurrent applies across all reconciles; the API server, not this pool, is the bottleneck.
 APPLY_THREADS = 8
-# The threads the autoscaler's loops share for Prometheus queries, /scale writes and their Events.
+# The threads the autoscaler's loops share for /scale writes and their Events (the Kubernetes client is synchronous;
+# Prometheus queries are awaited on the event loop, each loop with its own connection: `autoscaler.prometheus`).
 AUTOSCALER_THREADS = 4
 
 
@@ -199,7 +200,7 @@ def autoscaler_loops(
         controller.store,
         api,
         board,
-        lambda: Collector(connect(url, options.prometheus_timeout)),
+        lambda: Collector(connect(url), deadline_s=options.prometheus_timeout),
         views=controller.views,
         metrics=metrics,
         settings=settings,

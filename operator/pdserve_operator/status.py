@@ -10,7 +10,9 @@ Conditions (metav1.Condition shape, the Deployment convention):
 - Progressing: a child is missing, being applied, scaling, or rolling out (StatefulSet revisions differ, the
   controllers have not observed the latest generation, or not all replicas are updated and ready). False/Complete
   once all of that is done, False/ApplyFailed instead when the API server refused a child (it runs the old spec).
-- Degraded: the first of InvalidSpec, ApplyFailed, PodsPending (the scheduler's own message), CrashLooping,
+- Degraded: the first of InvalidSpec, ChildConflict (a child's name is held by an object another owner created:
+  the operator takes nothing over and applies nothing, `plan.py`), ApplyFailed, PodsPending (the scheduler's own
+  message), CrashLooping,
   EngineCrashed/RouterCrashed, ImagePullFailed, RouterUnavailable (the router Deployment gave up:
   ProgressDeadlineExceeded/ReplicaFailure). False/AsExpected otherwise. Not-yet-ready pods that are simply starting
   are Progressing, not Degraded.
@@ -33,8 +35,9 @@ be re-run when that window ends (`next_check_seconds`): nothing else would trigg
 GitOps conditions (kstatus, the rules Flux, kpt and cli-utils apply; Argo CD's health check in gitops/ reads them
 too), derived from the three above so that exactly one of them is True at any time:
 - Ready: Available, nothing progressing, nothing degraded. kstatus reads Ready=True as Current.
-- Stalled: the operator cannot make progress without a human: InvalidSpec, ApplyFailed (the API server refused a
-  child), CrashLooping containers, RouterUnavailable (the router Deployment gave up). kstatus: Failed.
+- Stalled: the operator cannot make progress without a human: InvalidSpec, ChildConflict, ApplyFailed (the API
+  server refused a child), CrashLooping containers, RouterUnavailable (the router Deployment gave up). kstatus:
+  Failed.
 - Reconciling: everything else that is not Ready: children being applied or rolling out, pods pending (a cluster
   autoscaler may still add the GPU nodes), images being pulled, a container that crashed once and is being
   restarted (EngineCrashed/RouterCrashed), endpoints not ready yet. kstatus: InProgress.
@@ -75,7 +78,7 @@ READY = "Ready"
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
 CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED, READY, RECONCILING, STALLED)
-STALLED_REASONS = frozenset({"InvalidSpec", "ApplyFailed", "CrashLooping", "RouterUnavailable"})
+STALLED_REASONS = frozenset({"InvalidSpec", "ChildConflict", "ApplyFailed", "CrashLooping", "RouterUnavailable"})
 """Degraded reasons that need a human (kstatus' Stalled); other Degraded reasons resolve on their own."""
 # How many offending pods a condition message names before it says "and N more".
 _MAX_PODS_IN_MESSAGE = 3
@@ -362,7 +365,16 @@ def available_condition(facts: Facts) -> Condition:
     return Condition(AVAILABLE, "True", "MinimumReplicasAvailable", message)
 
 
-def progressing_condition(facts: Facts, applied: bool, apply_errors: Sequence[str] = ()) -> Condition:
+def progressing_condition(
+    facts: Facts, applied: bool, apply_errors: Sequence[str] = (), conflicts: Sequence[str] = ()
+) -> Condition:
+    if conflicts:
+        return Condition(
+            PROGRESSING,
+            "False",
+            "ChildConflict",
+            "children were left unchanged: another owner holds a child's name; see the Degraded condition",
+        )
     if applied:
         return Condition(PROGRESSING, "True", "Applying", "the operator applied changed children")
     if facts.progress:
@@ -376,9 +388,18 @@ def progressing_condition(facts: Facts, applied: bool, apply_errors: Sequence[st
     return Condition(PROGRESSING, "False", "Complete", "all children are up to date")
 
 
-def degraded_condition(facts: Facts, apply_errors: Sequence[str], previous_reason: str | None = None) -> Condition:
+def degraded_condition(
+    facts: Facts, apply_errors: Sequence[str], previous_reason: str | None = None, conflicts: Sequence[str] = ()
+) -> Condition:
     """The first Degraded reason that applies. `previous_reason` is the Degraded reason of the current status: a
-    crash loop stays CrashLooping between the kubelet's back-offs (see the module docstring)."""
+    crash loop stays CrashLooping between the kubelet's back-offs (see the module docstring). `conflicts`: the
+    children whose names other owners hold (`plan.Conflict`)."""
+    if conflicts:
+        message = (
+            f"{_summarise(list(conflicts))}; pdserve does not take over objects it did not create: delete or "
+            "rename them, or hand one over by giving it this PDService's controller reference"
+        )
+        return Condition(DEGRADED, "True", "ChildConflict", message)
     if apply_errors:
         return Condition(DEGRADED, "True", "ApplyFailed", _summarise(list(apply_errors)))
     if facts.pending:
@@ -495,12 +516,14 @@ def compute_status(
     *,
     problems: Sequence[Problem] = (),
     apply_errors: Sequence[str] = (),
+    conflicts: Sequence[str] = (),
     applied: bool = False,
     now: str,
 ) -> dict[str, Any]:
     """The complete `.status` for a PDService from the facts of this pass (`facts_of`) and what its spec asks
     (`intent`). `problems`: why the spec is invalid (nothing was applied); `apply_errors`: children the API server
-    refused; `applied`: whether this pass applied or pruned children."""
+    refused; `conflicts`: children whose names other owners hold (nothing was applied); `applied`: whether this
+    pass applied or pruned children."""
     old: Mapping[str, Any] = body.get("status") or {}
     generation = body["metadata"].get("generation")
     available = available_condition(facts)
@@ -511,11 +534,11 @@ def compute_status(
         )
         degraded = Condition(DEGRADED, "True", "InvalidSpec", message)
     else:
-        progressing = progressing_condition(facts, applied, apply_errors)
+        progressing = progressing_condition(facts, applied, apply_errors, conflicts)
         previous: Mapping[str, Any] = next(
             (c for c in old.get("conditions") or [] if c.get("type") == DEGRADED and c.get("status") == "True"), {}
         )
-        degraded = degraded_condition(facts, apply_errors, previous.get("reason"))
+        degraded = degraded_condition(facts, apply_errors, previous.get("reason"), conflicts)
     conditions = [
         available,
         progressing,

@@ -18,8 +18,7 @@ from typing import Any
 
 from pdserve_operator.names import INSTANCE_LABEL, child_name
 from pdserve_operator.observed import ObjectKey, OwnerKey, Snapshot, key_of
-
-_SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+from pdserve_operator.ownership import controlled_by, is_service_slice, split_pods
 
 
 def _version(value: str | None) -> int:
@@ -142,21 +141,27 @@ class Store:
         return len(stale)
 
     def snapshot(self, namespace: str, name: str) -> Snapshot:
-        """Observed children, pods and router endpoint slices of one PDService (copies are not needed: callers
-        only read, and the store replaces whole objects rather than mutating them)."""
+        """Observed children, pods and router endpoint slices of one PDService, split into what it provably owns
+        and what merely carries its labels (`ownership`; nothing is owned while the PDService itself is not in
+        the cache). No copies: callers only read, and the store replaces whole objects rather than mutating them."""
         with self._lock:
             keys = list(self._by_owner.get((namespace, name), ()))
             objects = [self._objects[k] for k in keys if k in self._objects]
-        router_service = child_name(name, "router")
-        children = {key_of(o): o for o in objects if o["kind"] not in ("Pod", "EndpointSlice")}
-        pods = [o for o in objects if o["kind"] == "Pod"]
-        slices = [
-            o
-            for o in objects
-            if o["kind"] == "EndpointSlice"
-            and (o["metadata"].get("labels") or {}).get(_SERVICE_NAME_LABEL) == router_service
-        ]
-        return Snapshot(children=children, pods=pods, endpoint_slices=slices)
+            owner = self._owners.get((namespace, name))
+        uid = ((owner or {}).get("metadata") or {}).get("uid")
+        children: dict[ObjectKey, dict[str, Any]] = {}
+        foreign: dict[ObjectKey, dict[str, Any]] = {}
+        for obj in objects:
+            if obj["kind"] not in ("Pod", "EndpointSlice"):
+                (children if controlled_by(obj, uid) else foreign)[key_of(obj)] = obj
+        statefulsets = [children[key] for key in children if key[0] == "StatefulSet"]
+        deployments = [key[2] for key in children if key[0] == "Deployment"]  # the router's, the KV store's
+        pods = split_pods((o for o in objects if o["kind"] == "Pod"), statefulsets, deployments)
+        router_service = children.get(("Service", namespace, child_name(name, "router")))
+        slices = [o for o in objects if o["kind"] == "EndpointSlice" and is_service_slice(o, router_service)]
+        return Snapshot(
+            children=children, pods=pods.owned, endpoint_slices=slices, foreign=foreign, foreign_pods=pods.foreign
+        )
 
     def size(self) -> int:
         with self._lock:

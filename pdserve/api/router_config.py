@@ -6,19 +6,28 @@ the router (runtime) parses it. Field names are camelCase in YAML, like every ot
 A setting that is also a PDService field takes its default from the spec's defaults table (`defaults.py`, read
 as the view classes' attributes), so a router started from a hand-written file behaves like a rendered one.
 
-Kubernetes discovery reads EndpointSlices and, when topology needs node labels, one ConfigMap: never Pods (a Pod's
-spec carries its env, secrets included, and the router faces clients). What the router pairs and scores on reaches
-it through objects the operator controls:
+Kubernetes discovery reads EndpointSlices and one ConfigMap the operator publishes for it: never Pods (a Pod's spec
+carries its env, secrets included, and the router faces clients). What the router pairs and scores on reaches it
+through objects the operator controls:
 - kv-compat: the operator keeps one headless Service per pool and kv-compat value present among the pool's pods,
   labelled with that value and selecting it; the EndpointSlice controller copies a Service's labels onto its
   slices, so every slice the router selects says which kv-compat value all of its endpoints carry.
+- ownership: labels prove nothing (anyone with `edit` in the namespace writes them, on a Service of their own
+  too), so the router takes engines only from slices the EndpointSlice controller made (`MANAGED_BY_SLICE_LABEL`;
+  `edit` may not write EndpointSlices) for a Service the operator owns: the operator publishes those Services'
+  names and UIDs (`OwnedServices`, key `OWNED_SERVICES_KEY`), and a slice's controller reference must carry the
+  UID. Of such a slice it takes only endpoints whose pod is a member of the pool's StatefulSet by name
+  (`EndpointSelector.statefulset`, `is_member_pod`): a Service selects pods by label, so a pod of anyone's that
+  copies the labels would otherwise be listed in the operator's own Services' slices.
 - topology: a slice endpoint carries its zone and node name; other node labels (a rack, an NVLink domain) are
-  published by the operator, which reads the nodes its engine pods run on, in the ConfigMap `nodeTopology` names
-  (`NodeTopology`, under the key `NODE_TOPOLOGY_KEY`).
+  published by the operator, which reads the nodes its engine pods run on (`NodeTopology`, key
+  `NODE_TOPOLOGY_KEY`).
+Both published documents are keys of the ConfigMap `discoveryConfigMap` names.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -32,9 +41,24 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 SLICE_TOPOLOGY_LABELS = (ZONE_LABEL, HOSTNAME_LABEL)
 """Node labels every EndpointSlice endpoint carries already (as `zone` and `nodeName`)."""
 NODE_TOPOLOGY_KEY = "nodes.json"
-"""The node topology ConfigMap's one key (its value is a `NodeTopology` as JSON)."""
+"""The discovery ConfigMap's key holding a `NodeTopology` as JSON."""
+OWNED_SERVICES_KEY = "services.json"
+"""The discovery ConfigMap's key holding an `OwnedServices` as JSON."""
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+"""The label the EndpointSlice controller gives every slice it makes: the name of the slice's Service."""
+MANAGED_BY_SLICE_LABEL = "endpointslice.kubernetes.io/managed-by"
+ENDPOINT_SLICE_CONTROLLER = "endpointslice-controller.k8s.io"
+"""The `MANAGED_BY_SLICE_LABEL` value of the slices the EndpointSlice controller makes (it overwrites both labels
+if a Service sets them)."""
 ROUTER_CONTROL_KEY = "control.json"
 """The router control ConfigMap's one key (its value is a `RouterControl` as JSON)."""
+_ORDINAL = re.compile(r"0|[1-9][0-9]*")
+
+
+def is_member_pod(pod_name: str, statefulset: str) -> bool:
+    """Whether `pod_name` is one a StatefulSet named `statefulset` gives its pods: `<statefulset>-<ordinal>`."""
+    prefix = f"{statefulset}-"
+    return pod_name.startswith(prefix) and _ORDINAL.fullmatch(pod_name[len(prefix) :]) is not None
 
 
 class _Model(BaseModel):
@@ -68,6 +92,11 @@ class EndpointSelector(_Model):
         "of the pool's per-kv-compat Services.",
     )
     port_name: str = Field(default="http", description="Name of the engine's HTTP port in the EndpointSlice.")
+    statefulset: str | None = Field(
+        default=None,
+        description="The pool's StatefulSet: only endpoints whose pod is one of its members (`<statefulset>-<n>`) "
+        "are taken (unset: any pod of the selected slices).",
+    )
     kv_events_ports: list[KvEventsPortNames] = Field(
         default_factory=list,
         description="The engines' KV event ports by name in the EndpointSlice, one entry per data-parallel rank "
@@ -75,18 +104,28 @@ class EndpointSelector(_Model):
     )
 
 
-class NodeTopologySource(_Model):
-    """The ConfigMap holding the topology labels of the nodes a PDService's engines run on."""
+class DiscoveryConfigMap(_Model):
+    """The ConfigMap the operator publishes for the router: the Services it owns and the nodes' topology labels."""
 
     namespace: str = Field(description="Namespace of the ConfigMap.")
     name: str = Field(min_length=1, description="Name of the ConfigMap (the router may read only this one).")
 
 
 class NodeTopology(_Model):
-    """The content of the node topology ConfigMap (key `nodes.json`): written by the operator, read by the router."""
+    """The discovery ConfigMap's `nodes.json`: written by the operator, read by the router."""
 
     nodes: dict[str, dict[str, str]] = Field(
         default_factory=dict, description="Node name -> topology label -> value, for the nodes engines run on."
+    )
+
+
+class OwnedServices(_Model):
+    """The discovery ConfigMap's `services.json`: the Services the operator owns whose EndpointSlices hold engines."""
+
+    services: dict[str, str] = Field(
+        default_factory=dict,
+        description="Service name -> its UID. A slice is trusted only when its Service is listed here and its "
+        "controller reference carries that UID.",
     )
 
 
@@ -364,12 +403,14 @@ class RouterConfig(_Model):
         default_factory=lambda: [ZONE_LABEL],
         description="Node labels that name a topology domain (zone, rack, NVLink domain); a prefill engine in the "
         f"decode engine's domain is preferred. {ZONE_LABEL} and {HOSTNAME_LABEL} come from the EndpointSlices, "
-        "others from nodeTopology.",
+        "others from the discovery ConfigMap.",
     )
-    node_topology: NodeTopologySource | None = Field(
+    discovery_config_map: DiscoveryConfigMap | None = Field(
         default=None,
-        description="Where the topology labels EndpointSlices do not carry are published (kubernetes discovery); "
-        "unset: only the slices' zone and node name.",
+        description="Where the operator publishes the Services it owns (only their EndpointSlices are trusted: the "
+        "pools have no engine until it is read) and the topology labels EndpointSlices do not carry (kubernetes "
+        "discovery). Unset (a hand-written configuration): every slice the selectors select is trusted, and only "
+        "the slices' zone and node name are known.",
     )
     policy: RoutingPolicyConfig = Field(default_factory=RoutingPolicyConfig, description="Routing policy.")
     request_timeout_seconds: float = Field(

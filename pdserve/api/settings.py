@@ -133,7 +133,11 @@ class OperatorSettings:
         chart_default="",  # the chart passes the flag only when the value is not empty
     )
     prometheus_timeout: float = setting(
-        5.0, "--prometheus-timeout", minimum=0.1, help="Seconds one Prometheus query may take."
+        5.0,
+        "--prometheus-timeout",
+        minimum=0.1,
+        help="Seconds the autoscaler's Prometheus queries of one tick may take together (one deadline for all of "
+        "them; the query in flight when it passes is cancelled and the tick holds).",
     )
     autoscaler_interval_seconds: float = setting(
         15.0,

@@ -20,7 +20,8 @@ Algorithm (one iteration of ``Engine._run``, the shape of vLLM v1's scheduler):
    token to every request that finished its prefill or decoded, and finish requests at their limit.
 
 A prefill-only request (PD prefill, ``do_remote_decode``) keeps its KV blocks after it finishes, for a lease
-of ``kv_lease_seconds``, until a decode engine pulls them (then they are freed) or the lease expires.
+of ``kv_lease_seconds``, until a decode engine has read them and notified (then they are freed) or the lease
+expires. A pull that fails midway frees nothing, as in vLLM's NixlConnector.
 
 With a KV store (``kvstore``): a writer engine puts a finished request's full prompt blocks into the store
 behind the answer (``EngineRequest.store_put``, as vLLM's connector queues the save), and every engine loads the
@@ -218,7 +219,7 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.remote_waiting: dict[str, EngineRequest] = {}
         self.held: dict[str, HeldKV] = {}
-        #: Held KV not released yet: waiting for its pull, or being sent (taken from `held`, not yet freed).
+        #: Held KV not released yet (in `held` until a reader's notification or the lease frees it).
         self.kv_outstanding = 0
         self._kv_settled = asyncio.Event()
         self._kv_settled.set()
@@ -301,15 +302,32 @@ class Engine:
     # ----------------------------------------------------------------------------------------------------
     # Held KV (prefill side of PD)
 
-    def take_held(self, request_id: str) -> HeldKV | str:
-        """Hand held KV to a puller, or the reason it is not available ("unknown_request" / "expired")."""
-        held = self.held.pop(request_id, None)
+    def lend_held(self, request_id: str) -> HeldKV | str:
+        """Held KV for a puller to read, or why there is none ("unknown_request", "expired", "already_pulled").
+
+        Reading does not free the KV: like NIXL's one-sided READ, a pull leaves the blocks where they are until the
+        reader's completion notification (`sent`) or the lease's end. A pull that fails or times out midway therefore
+        leaves the KV pullable, by a retry of the same decode engine or by another one, as vLLM's prefill keeps
+        blocks it got no notification for until `kv_lease_duration` runs out.
+        """
+        held = self.held.get(request_id)
         if held is None:
             return self.gone.get(request_id, "unknown_request")
+        return held
+
+    def sent(self, held: HeldKV) -> bool:
+        """A reader notified that it has `held`'s KV: free the blocks. False when they were freed before (the
+        lease ran out during the read, or a duplicate request id replaced them): vLLM then logs that potentially
+        invalid blocks were read, and so does the simulator."""
+        if self.held.get(held.request_id) is not held:
+            log.warning("Got a transfer notification for KV no longer held request_id=%s", held.request_id)
+            return False
+        del self.held[held.request_id]
         if held.timer is not None:
             held.timer.cancel()
-        self._remember_gone(request_id, "already_pulled")
-        return held
+        self._remember_gone(held.request_id, "already_pulled")
+        self.release_held(held)
+        return True
 
     def release_held(self, held: HeldKV) -> None:
         """Free the blocks of held KV once it was sent (or expired, or replaced)."""

@@ -5,7 +5,8 @@ Faults (all off by default):
 - ``latency_s``: extra delay before each generation request is processed.
 - ``stall_after_tokens``: streams stop after K tokens and hang (until the fault is cleared or the client
   goes away); non-streaming requests hang the same way.
-- ``disconnect_after_tokens``: streams are cut (the connection is aborted, no [DONE]) after K tokens.
+- ``disconnect_after_tokens``: streams are cut (the connection is aborted, no [DONE]) after K tokens; with K = 0
+  once the first token is computed but before it is sent (a PD decode has pulled its KV by then).
 - ``drop_side_channel``: the side channel closes every connection without answering (decode pulls time out).
 - ``unready``: ``/health`` answers 503 (the process keeps serving).
 - ``crash_after_requests``: the process exits (status 70, no cleanup) when the Nth generation request

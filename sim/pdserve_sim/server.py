@@ -501,6 +501,10 @@ class SimServer:
         while True:
             cut = faults.disconnect_after_tokens
             if cut is not None and sent >= cut and request.transport is not None:
+                if sent == 0:
+                    # Cut before the first token only once the engine has computed it: a PD decode has read its KV
+                    # by then (what a router must not reuse), as when an engine dies after its transfer.
+                    await req.wait_beyond(0)
                 # Injected connection loss mid-stream: no [DONE], no chunked terminator.
                 request.transport.abort()
                 return

@@ -10,12 +10,18 @@ connections), and either side may close an idle connection (the client then simp
                         "block_ids": [...]}
     prefill -> decode   one JSON line: {"ok": true, "bytes": N, "num_tokens": T} then exactly N bytes,
                         or {"ok": false, "error": <reason>, "message": ...} and close.
+    decode -> prefill   once all N bytes are read: {"op": "done", "remote_request_id": ...} (NIXL's
+                        notification of a completed READ); no answer.
 
 Reasons: ``kv_compat_mismatch`` (the engines' kv-compat ids differ, like a failed NIXL compatibility check),
 ``tp_unsupported`` (prefill TP larger than decode TP), ``engine_mismatch`` (remote_engine_id names another
 engine), ``unknown_request``, ``expired`` (the lease ran out), ``already_pulled``, ``block_mismatch``,
 ``bad_request``. The payload is ``kv_payload_bytes_per_token x tokens`` bytes, so the transfer costs real
-socket time. The prefill engine frees the blocks once the payload is written.
+socket time. The prefill engine frees the blocks on the reader's "done", not when it has written them: as with
+vLLM's NixlConnector (the prefill frees blocks on the decode's notification, or when ``kv_lease_duration`` runs
+out), a pull that times out, is cut off or is abandoned midway leaves the KV held, so a retry (by this decode
+engine or, through the router, another one) can still read it. "done" counts only on the connection that was sent
+the KV, so nobody frees another reader's KV.
 
 The client retries connection failures (engine not up, connection reset, closed without an answer) with
 exponential backoff until ``kv_transfer_timeout_s`` runs out; a refusal from a live peer is final.
@@ -30,7 +36,7 @@ import logging
 import time
 from typing import Any
 
-from pdserve_sim.engine import Engine, EngineRequest, KVLoadError
+from pdserve_sim.engine import Engine, EngineRequest, HeldKV, KVLoadError
 from pdserve_sim.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -107,6 +113,8 @@ class SideChannelServer:
         if task is not None:
             self._conns.add(task)
         self.accepted += 1
+        #: KV sent on this connection whose reader has not notified yet, by request id.
+        lent: dict[str, HeldKV] = {}
         try:
             while True:
                 try:
@@ -120,12 +128,17 @@ class SideChannelServer:
                     return  # closed by the peer, or the fault: close without answering
                 try:
                     msg = json.loads(line)
-                    if not isinstance(msg, dict) or msg.get("op") != "pull":
-                        raise ValueError("expected a pull request")
+                    if not isinstance(msg, dict) or msg.get("op") not in ("pull", "done"):
+                        raise ValueError("expected a pull request or a notification")
                 except ValueError:
                     await self._refuse(writer, "bad_request", "malformed side-channel request")
                     return
-                await self._serve_pull(msg, writer)
+                if msg["op"] == "done":
+                    held = lent.pop(str(msg.get("remote_request_id")), None)
+                    if held is not None:
+                        self.engine.sent(held)
+                    continue
+                await self._serve_pull(msg, writer, lent)
         except (ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
             pass
         finally:
@@ -135,7 +148,7 @@ class SideChannelServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _serve_pull(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    async def _serve_pull(self, msg: dict[str, Any], writer: asyncio.StreamWriter, lent: dict[str, HeldKV]) -> None:
         engine = self.engine
         cfg = engine.config
         compat = cfg.effective_kv_compat_id
@@ -160,28 +173,26 @@ class SideChannelServer:
             await self._refuse(writer, "engine_mismatch", f"this is engine {cfg.engine_id}, not {remote_engine}")
             return
         request_id = str(msg.get("remote_request_id"))
-        held = engine.take_held(request_id)
+        held = engine.lend_held(request_id)
         if isinstance(held, str):
             await self._refuse(writer, held, f"no KV held for request {request_id}: {held}")
             return
-        try:
-            wanted = msg.get("block_ids")
-            if wanted is not None and list(wanted) != held.blocks:
-                await self._refuse(writer, "block_mismatch", "block ids do not match the held KV")
-                return
-            size = cfg.timing.kv_payload_bytes_per_token * held.num_tokens
-            header = {"ok": True, "bytes": size, "num_tokens": held.num_tokens}
-            writer.write(json.dumps(header).encode() + b"\n")
-            view = memoryview(_ZEROS)
-            left = size
-            while left > 0:
-                n = min(left, len(_ZEROS))
-                writer.write(view[:n])
-                left -= n
-                await writer.drain()
+        wanted = msg.get("block_ids")
+        if wanted is not None and list(wanted) != held.blocks:
+            await self._refuse(writer, "block_mismatch", "block ids do not match the held KV")
+            return
+        lent[request_id] = held
+        size = cfg.timing.kv_payload_bytes_per_token * held.num_tokens
+        header = {"ok": True, "bytes": size, "num_tokens": held.num_tokens}
+        writer.write(json.dumps(header).encode() + b"\n")
+        view = memoryview(_ZEROS)
+        left = size
+        while left > 0:
+            n = min(left, len(_ZEROS))
+            writer.write(view[:n])
+            left -= n
             await writer.drain()
-        finally:
-            engine.release_held(held)
+        await writer.drain()
 
     @staticmethod
     async def _refuse(writer: asyncio.StreamWriter, reason: str, message: str) -> None:
@@ -316,7 +327,14 @@ async def _pull_once(
             if not chunk:
                 raise _TransientError("the side channel closed mid-transfer")
             left -= len(chunk)
-        healthy = True
+        # The KV is here: notify the prefill engine so it frees the blocks. A lost notification does not undo
+        # the transfer; the prefill engine then frees them when the lease runs out (vLLM counts it the same way).
+        try:
+            writer.write(json.dumps({"op": "done", "remote_request_id": remote.request_id}).encode() + b"\n")
+            await writer.drain()
+            healthy = True
+        except ConnectionError:
+            engine.metrics.nixl_failed_notifications.inc()
         return size, posted
     except (ConnectionError, asyncio.IncompleteReadError, _TransientError) as exc:
         if reused and not answered:

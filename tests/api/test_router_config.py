@@ -21,9 +21,10 @@ decode:
   namespace: llm
   labelSelector: app.kubernetes.io/instance=llama,pdserve.io/role=decode,pdserve.io/kv-compat
   portName: http
+  statefulset: llama-decode
 kvCompatLabel: pdserve.io/kv-compat
 topologyLabels: [pdserve.io/rack]
-nodeTopology: {namespace: llm, name: llama-router-topology}
+discoveryConfigMap: {namespace: llm, name: llama-router-discovery}
 kvSideChannelPorts: [5600, 5601]
 policy: {disaggregationThresholdTokens: 512, prefixAware: true, blockSizeTokens: 16, fallbackToDecode: false}
 circuitBreaker: {failureThreshold: 5}
@@ -35,7 +36,8 @@ def test_the_rendered_shape_loads() -> None:
     assert config.decode is not None and config.decode.label_selector.endswith(
         "pdserve.io/role=decode,pdserve.io/kv-compat"
     )
-    assert config.node_topology is not None and config.node_topology.name == "llama-router-topology"
+    assert config.discovery_config_map is not None and config.discovery_config_map.name == "llama-router-discovery"
+    assert config.decode.statefulset == "llama-decode"
     assert config.kv_side_channel_ports == [5600, 5601]
     assert config.policy.disaggregation_threshold_tokens == 512
     assert config.policy.fallback_to_decode is False

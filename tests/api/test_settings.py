@@ -151,7 +151,7 @@ ALIASES = {
     "interval_s": "autoscaler_interval_seconds",
     "window_s": "autoscaler_window_seconds (the interval)",
     "warmup_s": "spec.autoscaling.warmupSeconds",
-    "timeout_s": "prometheus_timeout",
+    "deadline_s": "prometheus_timeout",
     "server_timeout": "watch_timeout",
     "client_timeout": "watch_timeout",
 }

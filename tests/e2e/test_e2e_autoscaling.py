@@ -8,6 +8,8 @@ cuts to play a Prometheus outage without stopping the Prometheus other tests sha
 
 One PDService goes through the phases in order (the tests of this module run in file order and share it):
 
+0. A namespace user's own engine, labelled as a prefill engine and loaded beyond what one engine serves: the
+   autoscaler does not count it (issue 18 item 2); nothing scales.
 1. Prometheus unreachable while prefill is overloaded: nothing scales; ScalingActive=False says why.
 2. Prometheus back, long prompts: the TTFT breach scales prefill (an Event says so), and TTFT recovers.
 3. Many decode-only streams with long outputs: decode scales on its ITL and demand, and prefill is not scaled
@@ -188,6 +190,61 @@ def service(
 
 
 # ---------------------------------------------------------------------------------------------------- phases
+
+
+def prefill_decisions(service: Service) -> float:
+    """The autoscaler's decisions for the prefill pool so far, whatever their reason (one per tick)."""
+    return sum(
+        value
+        for key, value in service.operator.metrics().items()
+        if key.startswith("pdserve_autoscaler_decisions_total{") and 'pool="prefill"' in key
+    )
+
+
+async def test_a_tenants_engine_under_load_is_not_counted(
+    service: Service, prometheus: PrometheusHelper, tmp_path: Path
+) -> None:
+    """Issue 18 item 2, as a tenant would do it: a namespace user holding `edit` runs an engine of their own (the
+    prefill pool's pod template, copied: `edit` reads StatefulSets) with the pool's labels, so Prometheus scrapes
+    it as one of `scale`'s prefill engines, and loads it directly beyond what one engine serves. The autoscaler
+    counts only pods the pool's StatefulSet controls: prefill stays at 1 over ticks that saw that load in
+    Prometheus, and the pod is reported once."""
+    namespace = service.namespace
+    tenant = service.cluster.edit_user(namespace, "tenant", tmp_path / "tenant.kubeconfig")
+    template = service.cluster.get_json("statefulset", f"{NAME}-prefill", f"--namespace={namespace}")["spec"]
+    rogue = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "rogue", "labels": template["template"]["metadata"]["labels"]},
+        "spec": template["template"]["spec"],
+    }
+    tenant.apply(rogue, namespace=namespace)
+    try:
+
+        def ready_ip() -> str | None:
+            status = service.cluster.get_json("pod", "rogue", f"--namespace={namespace}").get("status") or {}
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+            return str(status["podIP"]) if ready and status.get("podIP") else None
+
+        ip = await until(service, ready_ip, 120, "the tenant's engine ready")
+        port = template["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+        await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}",pod="rogue"', 1)
+        forged = f'sum(rate(vllm:prompt_tokens_total{{namespace="{namespace}",pod="rogue"}}[6s]))'
+        async with Load(f"http://{ip}:{port}", MODEL, seed=0) as load:
+            load.arrivals(2 * PD_RATE, PD_PROMPT, 1, stream=False)
+            # The counted events: Prometheus holds the forged load (pool="prefill", instance="scale": what an
+            # autoscaler counting by labels would add up), then three more prefill decisions are made after it.
+            await until(service, lambda: (prometheus.value(forged) or 0.0) > PD_RATE * PD_PROMPT / 2, 60,
+                        "the tenant's load in Prometheus")  # fmt: skip
+            decided = await asyncio.to_thread(prefill_decisions, service)
+            await until(service, lambda: prefill_decisions(service) >= decided + 3, 60, "three more decisions")
+            assert (prometheus.value(forged) or 0.0) > PD_RATE * PD_PROMPT / 2
+        assert await asyncio.to_thread(service.replicas, "prefill") == 1
+        assert await asyncio.to_thread(service.events, "Scaled") == []
+        ignored = await asyncio.to_thread(service.events, "ForeignPodIgnored")
+        assert [e["message"].split(" (")[0] for e in ignored] == ["Ignored pod rogue"]
+    finally:
+        tenant.kubectl("delete", "pod", "rogue", f"--namespace={namespace}", "--wait=false", check=False)
 
 
 async def test_prometheus_unreachable_nothing_scales_and_the_condition_says_why(service: Service) -> None:

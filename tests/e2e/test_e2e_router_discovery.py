@@ -1,6 +1,8 @@
 """End to end on the local cluster: the router finds and pairs engines with nothing but its own Role, which holds
-EndpointSlices and its one topology ConfigMap and no Pods, and a rolling update of the engine image (a new
-kv-compat value) never pairs a prefill engine with a decode engine of another value.
+EndpointSlices and its one discovery ConfigMap and no Pods; a namespace user holding `edit` cannot get a prompt
+routed to a pod of theirs (their own Service with the pool's labels, their pod carrying them, a hand-made
+EndpointSlice); and a rolling update of the engine image (a new kv-compat value) never pairs a prefill engine with
+a decode engine of another value.
 
 Real: the API server and its RBAC, the operator (a process), the StatefulSet and EndpointSlice controllers, the
 engines (the process node runs the vLLM image as the simulator, with the renderer's command line and its
@@ -43,7 +45,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
 NAME = "disc"
 ROUTER = f"{NAME}-router"
-TOPOLOGY = f"{NAME}-router-topology"
+TOPOLOGY = f"{NAME}-router-discovery"
 CONTROL = f"{NAME}-router-control"
 # A label of the process node that EndpointSlices do not carry: the operator must read the node and publish it.
 TOPOLOGY_KEY = "pdserve.io/process-node"
@@ -246,6 +248,84 @@ def test_a_pd_request_pairs_through_the_service_account_router(cluster: ClusterH
     assert headers["X-Pdserve-Route"] == "pd"
     pulled = prompt_tokens_by_source(cluster, service.namespace).get("external_kv_transfer", 0.0)
     assert pulled - pulled_before == body["usage"]["prompt_tokens"]
+
+
+def test_a_tenants_rogue_engine_gets_no_prompt(cluster: ClusterHelper, service: Service, tmp_path: Path) -> None:
+    """Issue 18 item 1, as the tenant did it: a namespace user holding `edit` runs an engine of their own (the decode
+    pool's pod template, copied: `edit` reads StatefulSets) carrying the decode pool's labels, and a headless
+    Service of their own with the labels the router's selector looks for. The cluster admin adds a hand-made
+    EndpointSlice with them too (`edit` may not). Before: 4 of 12 prompts reached the tenant's pod (6 of 12 with the
+    hand-made slice). Now the router says it ignores all three, and 0 of 12 reach it."""
+    namespace = service.namespace
+    tenant = cluster.edit_user(namespace, "tenant", tmp_path / "tenant.kubeconfig")
+    value = cluster.get_json(f"pds/{NAME}", "-n", namespace)["status"]["kvCompatHash"]
+    template = cluster.get_json("statefulset", f"{NAME}-decode", "-n", namespace)["spec"]["template"]
+    pool = {"app.kubernetes.io/instance": NAME, "pdserve.io/role": "decode", "pdserve.io/kv-compat": value}
+    labels = {**template["metadata"]["labels"], **pool, "tenant": "rogue"}
+    rogue = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "rogue", "labels": labels},
+        "spec": template["spec"],
+    }
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "rogue", "labels": pool},
+        "spec": {"clusterIP": "None", "selector": {"tenant": "rogue"}, "ports": [{"name": "http", "port": 8000}]},
+    }
+    tenant.apply([rogue, headless], namespace=namespace)
+    try:
+
+        def ready_rogue() -> dict[str, Any] | None:
+            found: dict[str, Any] = cluster.get_json("pod", "rogue", "-n", namespace)
+            return found if _ready(found) else None
+
+        pod = wait_for(ready_rogue, timeout=120, message="the tenant's engine ready")
+        ip, port = pod["status"]["podIP"], template["spec"]["containers"][0]["ports"][0]["containerPort"]
+        handmade = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {"name": "rogue-handmade", "labels": {**pool, "kubernetes.io/service-name": "rogue-handmade"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": [ip], "conditions": {"ready": True}, "targetRef": {"kind": "Pod", "name": "rogue"}}
+            ],
+        }
+        refused = tenant.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(handmade), check=False)
+        assert refused.returncode != 0 and "forbidden" in refused.stderr.lower()
+        cluster.apply(handmade, namespace=namespace)
+
+        def rogue_usable() -> bool:
+            up = series(scrape_sync(f"{service.metrics}/metrics"), "pdserve_router_endpoint_up", role="decode")
+            return any(labels.get("endpoint") == "rogue" and value == 1 for labels, value in up)
+
+        reasons = (
+            "slice rogue-",  # the tenant's own Service's slice
+            "slice rogue-handmade: not made by the EndpointSlice controller",
+            f"endpoint rogue of slice {NAME}-decode-{value}-",  # the operator's own Service selects the rogue pod
+        )
+
+        def decided() -> bool:
+            log = service.router_log.read_text()
+            ignored = all(f"Ignored untrusted decode engines {reason}" in log for reason in reasons)
+            return ignored or rogue_usable()
+
+        wait_for(
+            decided, timeout=60, message=lambda: f"the router's verdict; log:\n{service.router_log.read_text()[-3000:]}"
+        )
+        assert not rogue_usable()
+        prompt = " ".join(f"rogue{i}" for i in range(400))
+        for n in range(12):
+            body = {"model": "tiny-llama", "prompt": f"{n} {prompt}", "max_tokens": 4}
+            status, _, answer = _post(f"{service.router}/v1/completions", body)
+            assert status == 200, answer
+        served = metric_value(scrape_sync(f"http://{ip}:{port}/metrics"), "vllm:request_success_total")
+        assert served == 0, f"{served:.0f} of 12 prompts reached the tenant's pod"
+    finally:
+        cluster.kubectl("delete", "endpointslice", "rogue-handmade", "-n", namespace, "--ignore-not-found")
+        tenant.kubectl("delete", "pod,service", "rogue", "-n", namespace, "--ignore-not-found", "--wait=false")
 
 
 @dataclass

@@ -89,12 +89,18 @@ class KubectlNodes:
 
 
 def rendered(cluster: ClusterHelper, namespace: str, name: str) -> list[dict[str, Any]]:
-    """What the operator renders now: from the spec and, as the operator does, the engine pods' kv-compat values
-    and the labels of their nodes (`reconcile.observe`)."""
+    """What the operator renders now: from the spec and, as the operator does, the engine pods' kv-compat values,
+    the labels of their nodes and the Services the PDService controls (`reconcile.observe`)."""
     body = pds_get(cluster, namespace, name)
     checked = validate({k: v for k, v in body.items() if k != "status"})
     pods = cluster.pods(namespace, f"app.kubernetes.io/instance={name}")
-    return render(checked, observe(pods, checked.require()[1], KubectlNodes(cluster)))
+    uid = body["metadata"]["uid"]
+    services = {
+        s["metadata"]["name"]: s["metadata"]["uid"]
+        for s in cluster.get_json("services", f"--namespace={namespace}")["items"]
+        if any(r.get("uid") == uid and r.get("controller") for r in s["metadata"].get("ownerReferences") or [])
+    }
+    return render(checked, observe(pods, checked.require()[1], KubectlNodes(cluster), services=services))
 
 
 def pdservice_count(cluster: ClusterHelper, namespace: str) -> int:

@@ -8,7 +8,7 @@ again then, with no event at all.
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,19 +17,28 @@ import yaml
 from pdserve.api.policy import DEFAULT_POLICY
 from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
+from pdserve_dev.testing.owners import controlled
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_operator.controller import Controller
 from pdserve_operator.kinds import OBSERVED
 from pdserve_operator.kube import ApiError, KubeApi
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.reconcile import utc_now
 from pdserve_operator.view import SpecViews
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama-8b"
+#: When the crashed engine of the requeue test became ready again, and the moment that test's passes run at.
+READY_AT = "2026-01-01T00:00:00Z"
 
 
-def new_controller(kube: FakeKube, crash_window: float = OperatorSettings.crash_recovery_seconds) -> Controller:
-    """A controller over `kube` with the operator's default settings (`OperatorSettings`)."""
+def new_controller(
+    kube: FakeKube,
+    crash_window: float = OperatorSettings.crash_recovery_seconds,
+    now: Callable[[], str] = utc_now,
+) -> Controller:
+    """A controller over `kube` with the operator's default settings (`OperatorSettings`), its passes reading the
+    clock `now`."""
     defaults = OperatorSettings()
     # FakeKube implements the writes a reconcile makes (KubeIO); the controller's relist, not used here, would
     # need the real KubeApi.
@@ -42,12 +51,15 @@ def new_controller(kube: FakeKube, crash_window: float = OperatorSettings.crash_
         crash_window=crash_window,
         namespaces=(),
         metrics=OperatorMetrics(),
+        now=now,
     )
 
 
-def controller(crash_window: float = OperatorSettings.crash_recovery_seconds) -> tuple[Controller, FakeKube]:
+def controller(
+    crash_window: float = OperatorSettings.crash_recovery_seconds, now: Callable[[], str] = utc_now
+) -> tuple[Controller, FakeKube]:
     kube = FakeKube()
-    return new_controller(kube, crash_window), kube
+    return new_controller(kube, crash_window, now), kube
 
 
 def pod(owner: str, *, ready_at: str | None = None) -> dict[str, Any]:
@@ -91,11 +103,17 @@ async def test_a_pod_event_queues_its_pdservice() -> None:
 
 
 async def test_a_pass_that_asks_to_run_again_is_run_again_without_an_event() -> None:
-    ctl, kube = controller(crash_window=1.0)
+    # The pass's clock stands still at the moment the crashed engine became ready again, so the pass always sees
+    # the crash inside its one-second recovery window (timestamps have one-second resolution: with the real clock,
+    # a pass that ran in the next second saw the window over and asked for nothing). It asks to run again once
+    # the window is over: in int(1) + 1 = 2 s.
+    ctl, kube = controller(crash_window=1.0, now=lambda: READY_AT)
     ctl.on_owner_event({"type": "ADDED", "object": kube.add_owner(yaml.safe_load(EXAMPLE.read_text()))})
     key = await asyncio.wait_for(ctl.queue.get(), 1)
-    # The crashed engine is ready again as of now: the pass reports it and asks to run again when the window ends.
-    ctl.store.put(pod(NAME, ready_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")))
+    await ctl._process(key)  # creates the children
+    # The crashed engine (of the decode StatefulSet) is ready again as of the passes' clock.
+    decode = kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-decode")]
+    ctl.store.put(controlled(pod(NAME, ready_at=READY_AT), decode))
     await ctl._process(key)
     ctl.queue.done(key)
     assert len(ctl.queue) == 0

@@ -38,6 +38,7 @@ def first_plan(body: dict[str, Any]) -> Plan:
 def test_every_planned_object_is_applied_in_waves_cached_and_announced_once() -> None:
     kube, store = FakeKube(), Store()
     body = owner(kube)
+    store.put_owner(body)
     plan = first_plan(body)
     done = execute(plan, body, store, kube, applier=None, now=lambda: NOW)
     applies = [call for call in kube.calls if call.verb == "apply"]

@@ -82,6 +82,9 @@ def test_reconcile_applies_the_pool_once_and_reports_what_its_gateway_wrote() ->
     assert any(label.startswith("InferencePool llama") for label in first.applied)
     assert world.status()["inferencePool"] == {"name": "llama", "parents": []}
     assert first.requeue_after is not None and first.requeue_after <= REFRESH_SECONDS
+    # The discovery ConfigMap lists the owned Services' UIDs, known once they exist: one more pass publishes them.
+    settle = world.reconcile()
+    assert settle.applied == ["ConfigMap llama-router-discovery (changed)"]
     # A gateway accepts the pool (it writes the pool's status; the operator does not watch pools).
     pool = world.kube.objects[(INFERENCE_POOL.kind, NAMESPACE, NAME)]
     pool["status"] = {"parents": [parent("public", "True", "True")]}
@@ -92,3 +95,23 @@ def test_reconcile_applies_the_pool_once_and_reports_what_its_gateway_wrote() ->
     ]
     third = world.reconcile()
     assert not third.status_written
+
+
+def test_an_inference_pool_another_owner_made_under_the_pools_name_is_a_conflict() -> None:
+    """The pool is never in the informer cache (its CRD is optional, so it is not watched): it is read by name on
+    every pass, and one of that name without this PDService's controller reference is never taken over."""
+    world = World()
+    theirs = world.kube.add_object(
+        {
+            "apiVersion": INFERENCE_POOL.api_version,
+            "kind": INFERENCE_POOL.kind,
+            "metadata": {"name": NAME, "namespace": NAMESPACE},
+            "spec": {"selector": {"matchLabels": {"team": "b"}}, "targetPorts": [{"number": 8000}]},
+        }
+    )
+    outcome = world.reconcile()
+    assert outcome.applied == []
+    assert world.kube.objects[(INFERENCE_POOL.kind, NAMESPACE, NAME)] == theirs
+    degraded = next(c for c in world.status()["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ChildConflict")
+    assert f"InferencePool {NAME} exists and is not controlled by any owner" in degraded["message"]

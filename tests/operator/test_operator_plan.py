@@ -147,3 +147,39 @@ def test_waves_put_workloads_after_what_they_reference() -> None:
     assert {a.obj["kind"] for a in second} == {"StatefulSet", "Deployment"}
     assert not {a.obj["kind"] for a in first} & {"StatefulSet", "Deployment"}
     assert len(first) + len(second) == len(result.applies)
+
+
+def test_a_name_held_by_another_owner_is_a_conflict_and_nothing_is_written() -> None:
+    """Objects of a child's name that the PDService does not control (no controller reference, or another
+    owner's, or a deleted predecessor's) are never applied over; a plan with one applies and prunes nothing."""
+    pds = example()
+    desired = desired_of(pds, {})
+    observed = as_observed(desired)
+    leftover = copy.deepcopy(observed[("ConfigMap", "default", "llama-8b-router")])
+    leftover["metadata"]["name"] = "llama-8b-leftover"
+    observed[key_of(leftover)] = leftover  # an owned leftover: would be pruned
+    role = ("Role", "default", "llama-8b-router")
+    theirs = copy.deepcopy(observed[role])
+    theirs["metadata"]["ownerReferences"] = []
+    theirs["metadata"]["managedFields"] = [{"manager": "kubectl-create"}, {"manager": "kubectl-edit"}]
+    other = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "team-b", "uid": "u-b", "controller": True}
+    service = ("Service", "default", "llama-8b-router")
+    held_by_deployment = copy.deepcopy(observed[service])
+    held_by_deployment["metadata"]["ownerReferences"] = [other]
+    config = ("ConfigMap", "default", "llama-8b-router")
+    predecessor = copy.deepcopy(observed[config])
+    predecessor["metadata"]["ownerReferences"][0]["uid"] = "deleted"
+
+    result = plan.make_plan(
+        desired, {**observed, role: theirs}, UID, {service: held_by_deployment, config: predecessor}
+    )
+    assert result.applies == [] and result.prunes == []
+    assert sorted(conflict.kind for conflict in result.conflicts) == ["ConfigMap", "Role", "Service"]
+    by_kind = {conflict.kind: conflict for conflict in result.conflicts}
+    assert by_kind["Role"].describe() == (
+        "Role llama-8b-router exists and is not controlled by any owner, written by kubectl-create, kubectl-edit"
+    )
+    assert by_kind["Service"].describe() == (
+        "Service llama-8b-router exists and is controlled by Deployment team-b (uid u-b)"
+    )
+    assert by_kind["ConfigMap"].holder.predecessor and not by_kind["Role"].holder.predecessor

@@ -24,10 +24,13 @@ from pdserve.api.policy import DEFAULT_POLICY
 from pdserve.api.settings import OperatorSettings
 from pdserve.api.validation import validate
 from pdserve_dev.testing.fake_kube import Call, FakeKube
+from pdserve_dev.testing.owners import controlled
 from pdserve_operator.kube import NotLeaderError
 from pdserve_operator.observed import Snapshot, key_of
 from pdserve_operator.plan import WORKLOAD_KINDS
 from pdserve_operator.reconcile import (
+    CONFLICT_RECHECK_S,
+    ForeignPods,
     Outcome,
     RetryLaterError,
     plan_writes,
@@ -41,6 +44,9 @@ from pdserve_operator.view import SpecViews, spec_document
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"
 NAMESPACE, NAME = "default", "llama-8b"
+# The first pass creates the per-kv-compat Services; the next one publishes their UIDs in the router's discovery
+# ConfigMap (`render.discovery.owned_services`: a UID is known only once its Service exists).
+PUBLISH_UIDS = f"apply ConfigMap {NAME}-router-discovery ok"
 REFUSAL = 'StatefulSet.apps "llama-8b-decode" is invalid: spec.template.spec.containers[0].image: Required value'
 
 
@@ -79,6 +85,11 @@ class World:
         """`kubectl apply` of the PDService, and its watch event reaching the cache."""
         self.store.put_owner(self.kube.add_owner(doc))
 
+    def pool_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """`pod` as its pool's StatefulSet (which must exist) made it: controlled by it."""
+        role = pod["metadata"]["labels"]["pdserve.io/role"]
+        return controlled(pod, self.kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-{role}")])
+
     def watch(self, objects: list[dict[str, Any]]) -> None:
         """Watch events of objects changed by someone else (the workload controllers)."""
         for obj in objects:
@@ -102,8 +113,10 @@ class World:
         return outcome, self.kube.calls_since(mark)
 
     def converge(self) -> None:
-        """Create everything, let the controllers roll it out, record the final status."""
+        """Create everything, publish the Services' UIDs, let the controllers roll it out, record the final
+        status."""
         self.put_spec(document())
+        self.reconcile()
         self.reconcile()
         self.watch(self.kube.finish_rollouts())
         self.reconcile()
@@ -195,6 +208,7 @@ def test_a_refused_apply_is_reported_once(world: World, code: int) -> None:
 
     # The next passes try the refused object again (an event or resync may have fixed its cause) and post nothing
     # more; once the status has settled, that attempt is the only request a pass makes.
+    assert PUBLISH_UIDS in verbs(world.pass_calls()[1])
     events = len(world.kube.events)
     world.reconcile()
     outcome, calls = world.pass_calls()
@@ -219,6 +233,155 @@ def test_a_refusal_that_goes_away_recovers(world: World) -> None:
     ]
 
 
+# ------------------------------------------------------------------------------- names held by other owners
+
+
+def foreign_role(labelled: bool = False, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Role `llama-8b-router` as another namespace user made it (`kubectl create role`), before the
+    PDService existed: with pdserve's labels copied onto it (`labelled`: then the informer cache holds it too) or a
+    controller reference of its own (`owner`)."""
+    meta: dict[str, Any] = {
+        "name": f"{NAME}-router",
+        "namespace": NAMESPACE,
+        "managedFields": [{"manager": "kubectl-create", "operation": "Update"}],
+    }
+    if labelled:
+        meta["labels"] = {"app.kubernetes.io/instance": NAME, "app.kubernetes.io/managed-by": "pdserve-operator"}
+    if owner is not None:
+        meta["ownerReferences"] = [{**owner, "controller": True}]
+    rules = [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules}
+
+
+@pytest.mark.parametrize("labelled", [False, True], ids=["unlabelled", "labelled-like-ours"])
+def test_a_childs_name_held_by_another_owner_is_refused_and_nothing_is_written(world: World, labelled: bool) -> None:
+    """Helm's rule: never take over what another owner created. The other user's Role keeps its rules and gets no
+    controller reference of ours (so deleting the PDService can never garbage-collect it), and no other child is
+    applied either (the router would run under a RoleBinding to a Role that is not ours)."""
+    theirs = world.kube.add_object(foreign_role(labelled))
+    if labelled:
+        world.watch([theirs])
+    world.put_spec(document())
+    outcome, calls = world.pass_calls()
+    assert verbs(calls, lambda call: call.verb in ("apply", "delete")) == []
+    assert world.kube.objects[("Role", NAMESPACE, f"{NAME}-router")] == theirs
+    degraded = world.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ChildConflict")
+    assert (
+        f"Role {NAME}-router exists and is not controlled by any owner, written by kubectl-create"
+        in (degraded["message"])
+    )
+    assert (world.condition("Stalled")["status"], world.condition("Progressing")["reason"]) == ("True", "ChildConflict")
+    assert [e["message"] for e in world.warnings("ChildConflict")] == [degraded["message"]]
+    assert outcome.requeue_after == CONFLICT_RECHECK_S  # the Role may go without an event the operator sees
+
+    # Passes while the Role stays write nothing more (no second Event).
+    outcome, calls = world.pass_calls()
+    assert calls == [] and outcome.result == "noop"
+
+    # Its owner deletes it: the next pass creates every child and the PDService recovers.
+    del world.kube.objects[("Role", NAMESPACE, f"{NAME}-router")]
+    if labelled:
+        world.store.delete(theirs)
+    outcome = world.reconcile()
+    assert len(outcome.applied) == children_count()
+    assert world.condition("Degraded")["reason"] == "AsExpected"
+    assert world.kube.events[-1]["reason"] == "Recovered"
+
+
+def test_an_object_handed_over_with_this_pdservices_controller_reference_is_adopted(world: World) -> None:
+    world.put_spec(document())
+    uid = world.kube.owner(NAMESPACE, NAME)["metadata"]["uid"]
+    ours = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDService", "name": NAME, "uid": uid}
+    world.kube.add_object(foreign_role(owner=ours))
+    outcome = world.reconcile()
+    assert f"Role {NAME}-router (changed)" in outcome.applied  # read, found ours, brought to the render
+    assert world.kube.objects[("Role", NAMESPACE, f"{NAME}-router")]["rules"] != foreign_role()["rules"]
+    assert world.condition("Degraded")["reason"] != "ChildConflict"
+
+
+def test_a_name_held_by_a_deleted_predecessor_is_waited_for_not_reported(world: World) -> None:
+    """`kubectl delete pds` then `kubectl apply` at once: the old children (controlled by the old UID) are still
+    there until the garbage collector deletes them; the new PDService waits, retrying with backoff, and reports no
+    conflict (the collector deletes them by itself)."""
+    world.put_spec(document())
+    old = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDService", "name": NAME, "uid": "deleted-uid"}
+    world.kube.add_object(foreign_role(owner=old))
+    with pytest.raises(RetryLaterError, match=f"waiting for the garbage collector to delete Role {NAME}-router"):
+        world.reconcile()
+    assert not [call for call in world.kube.calls if call.verb in ("apply", "delete")]
+    assert world.condition("Degraded")["status"] == "False"
+
+
+def test_a_name_that_cannot_be_read_writes_nothing_and_retries(world: World) -> None:
+    world.kube.fail("read", 503, "etcd leader changed", kind="Role", times=1)
+    world.put_spec(document())
+    with pytest.raises(RetryLaterError, match=f"read Role {NAME}-router"):
+        world.reconcile()
+    assert not [call for call in world.kube.calls if call.verb in ("apply", "delete")]
+    assert len(world.reconcile().applied) == children_count()
+
+
+def test_only_names_the_cache_lacks_are_read(world: World) -> None:
+    world.put_spec(document())
+    world.reconcile()
+    assert len(world.kube.reads) == children_count()  # creation: every name looked up once
+    world.watch(world.kube.finish_rollouts())
+    world.reconcile()
+    assert len(world.kube.reads) == children_count()  # every child cached (its apply answer): no read
+
+
+def test_a_foreign_pod_is_ignored_by_status_and_reported_once(world: World) -> None:
+    """An `edit` user's pod with the pool's labels (unschedulable: it asks for GPUs no node has) never holds the
+    PDService at PodsPending; it gets one Warning Event, not one per pass."""
+    world.converge()
+    reported = ForeignPods()
+    labels = {"app.kubernetes.io/instance": NAME, "app.kubernetes.io/managed-by": "pdserve-operator"}
+    intruder: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "intruder",
+            "namespace": NAMESPACE,
+            "uid": "u-intruder",
+            "labels": {**labels, "pdserve.io/role": "prefill"},
+        },
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/9 nodes"}
+            ],
+        },
+    }
+    world.watch([intruder])
+
+    def run() -> Outcome:
+        return reconcile(
+            NAMESPACE,
+            NAME,
+            world.store,
+            world.kube,
+            world.now,
+            views=world.views,
+            crash_window=OperatorSettings.crash_recovery_seconds,
+            applier=world.applier,
+            reported=reported,
+        )
+
+    outcome = run()
+    assert world.condition("Degraded")["reason"] == "AsExpected"  # not PodsPending
+    warnings = world.warnings("ForeignPodIgnored")
+    assert len(warnings) == 1 and warnings[0]["message"].startswith("Ignored pod intruder (pdserve.io/role=prefill)")
+    assert outcome.events == [f"Warning ForeignPodIgnored: {warnings[0]['message']}"]
+    assert run().events == [] and len(world.warnings("ForeignPodIgnored")) == 1
+    # Gone and back (a new pod of that name): reported again.
+    world.store.delete(intruder)
+    run()
+    world.watch([{**intruder, "metadata": {**intruder["metadata"], "uid": "u-intruder-2"}}])
+    run()
+    assert len(world.warnings("ForeignPodIgnored")) == 2
+
+
 # ------------------------------------------------------------------------------------------------ transient
 
 
@@ -240,7 +403,7 @@ def test_a_transient_apply_error_writes_status_then_retries(world: World, code: 
     # The work queue's retry: the missing object is applied and the pass ends normally.
     outcome, calls = world.pass_calls()
     assert "StatefulSet llama-8b-decode (missing)" in outcome.applied
-    assert verbs(calls, lambda call: call.verb == "apply") == ["apply StatefulSet llama-8b-decode ok"]
+    assert verbs(calls, lambda call: call.verb == "apply") == [PUBLISH_UIDS, "apply StatefulSet llama-8b-decode ok"]
 
 
 @pytest.mark.parametrize("code", [0, 500, 409])
@@ -249,9 +412,9 @@ def test_a_transient_status_error_retries(world: World, code: int) -> None:
     world.put_spec(document())
     with pytest.raises(RetryLaterError, match="status"):
         world.reconcile()
-    # Children were applied; the retry only needs to write the status.
+    # Children were applied; the retry only needs to write the status (and the Services' UIDs, now known).
     _, calls = world.pass_calls()
-    assert verbs(calls, lambda call: call.verb != "event") == [f"status PDService {NAME} ok"]
+    assert verbs(calls, lambda call: call.verb != "event") == [PUBLISH_UIDS, f"status PDService {NAME} ok"]
 
 
 def test_a_transient_prune_error_writes_status_then_retries(world: World) -> None:
@@ -399,7 +562,7 @@ def test_a_crashed_engine_is_reported_once_and_recovers_after_the_window(world: 
         )
         return outcome, world.kube.calls_since(mark)
 
-    world.watch([engine_pod("restarting")])
+    world.watch([world.pool_pod(engine_pod("restarting"))])
     outcome, calls = run_at("2026-01-01T09:00:01Z")
     assert verbs(calls) == [f"status PDService {NAME} ok", f"event Event {NAME} ok"]
     assert outcome.requeue_after is None  # not ready yet: its readiness will come as a pod event
@@ -409,7 +572,7 @@ def test_a_crashed_engine_is_reported_once_and_recovers_after_the_window(world: 
     assert [e["message"] for e in world.warnings("EngineCrashed")] == [degraded["message"]]
 
     # Ready again at 09:00:10: nothing to write, but the pass must run again once the window is over (09:00:40).
-    world.watch([engine_pod("ready", ready_at="2026-01-01T09:00:10Z")])
+    world.watch([world.pool_pod(engine_pod("ready", ready_at="2026-01-01T09:00:10Z"))])
     outcome, calls = run_at("2026-01-01T09:00:12Z")
     assert calls == []
     assert outcome.requeue_after == 29.0

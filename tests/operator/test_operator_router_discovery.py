@@ -18,6 +18,7 @@ from pdserve.api.policy import DEFAULT_POLICY
 from pdserve.api.settings import OperatorSettings
 from pdserve.api.v1alpha1 import PDService
 from pdserve_dev.testing.fake_kube import FakeKube
+from pdserve_dev.testing.owners import controlled
 from pdserve_operator.nodes import NodeLabelCache
 from pdserve_operator.reconcile import Outcome, reconcile
 from pdserve_operator.store import Store
@@ -26,7 +27,7 @@ from pdserve_operator.view import SpecViews
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pdservice.yaml"  # topologyKey: pdserve.io/rack
 NAMESPACE, NAME = "default", "llama-8b"
 RACK = "pdserve.io/rack"
-TOPOLOGY = f"{NAME}-router-topology"
+TOPOLOGY = f"{NAME}-router-discovery"
 
 
 def document(image: str = "vllm/vllm-openai:v0.32.0") -> dict[str, Any]:
@@ -72,6 +73,11 @@ class World:
     def put_spec(self, doc: dict[str, Any]) -> None:
         self.store.put_owner(self.kube.add_owner(doc))
 
+    def put_pod(self, pod: dict[str, Any]) -> None:
+        """A pod of its pool's StatefulSet (which must exist) reaching the cache."""
+        role = pod["metadata"]["labels"]["pdserve.io/role"]
+        self.store.put(controlled(pod, self.kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-{role}")]))
+
     def reconcile(self) -> Outcome:
         return reconcile(
             NAMESPACE,
@@ -90,6 +96,16 @@ class World:
     def labels(self, key: tuple[str, str, str]) -> dict[str, str]:
         return dict(self.kube.objects[key]["metadata"].get("labels") or {})
 
+    def owned(self) -> dict[str, str]:
+        """The Services the discovery ConfigMap tells the router it may take engines from (name -> UID)."""
+        parsed: dict[str, str] = json.loads(
+            self.kube.objects[("ConfigMap", NAMESPACE, TOPOLOGY)]["data"]["services.json"]
+        )["services"]
+        return parsed
+
+    def uid(self, kind: str, name: str) -> str:
+        return str(self.kube.objects[(kind, NAMESPACE, name)]["metadata"]["uid"])
+
     def topology(self) -> dict[str, Any]:
         parsed: dict[str, Any] = json.loads(self.kube.objects[("ConfigMap", NAMESPACE, TOPOLOGY)]["data"]["nodes.json"])
         return parsed
@@ -103,7 +119,7 @@ def test_a_rollout_keeps_a_service_for_each_value_until_its_last_pod_is_gone() -
     world.reconcile()
     assert world.services() == {f"{NAME}-prefill-{old}", f"{NAME}-decode-{old}"}
     for pod in [engine_pod("prefill", 0, old), engine_pod("decode", 0, old), engine_pod("decode", 1, old)]:
-        world.store.put(pod)
+        world.put_pod(pod)
 
     # The image changes: the new value's Services come in the same pass as the StatefulSets' new template (the
     # wave before them), the old ones stay while old pods run.
@@ -114,21 +130,21 @@ def test_a_rollout_keeps_a_service_for_each_value_until_its_last_pod_is_gone() -
 
     # Prefill rolled over; one old decode pod remains (terminating pods count too: they still serve).
     world.store.delete(engine_pod("prefill", 0, old))
-    world.store.put(engine_pod("prefill", 0, new))
+    world.put_pod(engine_pod("prefill", 0, new))
     world.store.delete(engine_pod("decode", 0, old))
-    world.store.put(engine_pod("decode", 0, new))
+    world.put_pod(engine_pod("decode", 0, new))
     outcome = world.reconcile()
     assert outcome.pruned == [f"Service {NAME}-prefill-{old}"]
     assert world.services() == {f"{NAME}-prefill-{new}", f"{NAME}-decode-{old}", f"{NAME}-decode-{new}"}
 
     world.store.delete(engine_pod("decode", 1, old))
-    world.store.put(engine_pod("decode", 1, new))
+    world.put_pod(engine_pod("decode", 1, new))
     outcome = world.reconcile()
     assert outcome.pruned == [f"Service {NAME}-decode-{old}"]
     assert world.services() == {f"{NAME}-prefill-{new}", f"{NAME}-decode-{new}"}
 
     # A rollback brings old pods back before the spec says so (the cache is the truth): their Service returns.
-    world.store.put(engine_pod("decode", 2, old))
+    world.put_pod(engine_pod("decode", 2, old))
     world.reconcile()
     assert f"{NAME}-decode-{old}" in world.services()
 
@@ -150,7 +166,7 @@ def test_node_labels_are_read_once_per_node_and_published() -> None:
         engine_pod("decode", 1, value, "gpu-b"),
         engine_pod("decode", 2, value),  # not scheduled
     ]:
-        world.store.put(pod)
+        world.put_pod(pod)
     world.reconcile()
     assert world.topology() == {"nodes": {"gpu-a": {RACK: "rack-1"}, "gpu-b": {RACK: "rack-2"}}}
     assert sorted(world.kube.node_reads) == ["gpu-a", "gpu-b"]
@@ -177,7 +193,8 @@ def test_a_node_that_cannot_be_read_is_left_out_and_retried_later() -> None:
     world.kube.fail("node", 403, 'nodes "gpu-a" is forbidden')
     doc = document()
     world.put_spec(doc)
-    world.store.put(engine_pod("decode", 0, value_of(doc), "gpu-a"))
+    world.reconcile()
+    world.put_pod(engine_pod("decode", 0, value_of(doc), "gpu-a"))
     world.reconcile()
     world.reconcile()
     assert world.topology() == {"nodes": {}}
@@ -197,7 +214,31 @@ def test_without_a_topology_key_no_node_is_read() -> None:
     del doc["spec"]["placement"]["topologyKey"]
     doc["spec"]["placement"]["colocation"] = "none"
     world.put_spec(doc)
-    world.store.put(engine_pod("decode", 0, value_of(doc), "gpu-a"))
+    world.reconcile()
+    world.put_pod(engine_pod("decode", 0, value_of(doc), "gpu-a"))
     world.reconcile()
     assert world.kube.node_reads == []
-    assert ("ConfigMap", NAMESPACE, TOPOLOGY) not in world.kube.objects
+    assert world.topology() == {"nodes": {}}
+
+
+def test_the_router_is_told_the_services_the_operator_created_by_uid() -> None:
+    """The first pass creates the per-kv-compat Services; the next lists them with their UIDs (long before a pod
+    of theirs can be ready). Through a rollout the new value's Service is listed from the pass after it is created,
+    and a pruned one is dropped in the pass that prunes it."""
+    world = World()
+    old_doc, new_doc = document(), document("vllm/vllm-openai:v0.32.1")
+    old, new = value_of(old_doc), value_of(new_doc)
+    world.put_spec(old_doc)
+    world.reconcile()
+    assert world.owned() == {}
+    world.reconcile()
+    services = [f"{NAME}-prefill-{old}", f"{NAME}-decode-{old}"]
+    assert world.owned() == {name: world.uid("Service", name) for name in services}
+    world.put_pod(engine_pod("decode", 0, old))
+
+    world.put_spec(new_doc)
+    world.reconcile()
+    world.reconcile()
+    services = [f"{NAME}-{pool}-{value}" for pool in ("prefill", "decode") for value in (old, new)]
+    services.remove(f"{NAME}-prefill-{old}")  # no prefill pod carries the old value: pruned
+    assert world.owned() == {name: world.uid("Service", name) for name in services}

@@ -46,6 +46,7 @@ def compute(
     now: str,
     problems: list[Problem] | None = None,
     apply_errors: list[str] | None = None,
+    conflicts: list[str] | None = None,
     crash_window: float = CRASH_WINDOW,
 ) -> dict[str, Any]:
     """The status the reconcile computes for the example PDService (its spec valid unless `problems`) over `snap`:
@@ -54,7 +55,15 @@ def compute(
     checked = Validated(model, effective(model.spec), tuple(problems or ()))
     intent = status_intent(stored, checked, snap, report=None, configured=False)
     facts = st.facts_of(stored, snap, intent, now, crash_window)
-    return st.compute_status(stored, facts, intent, problems=checked.problems, apply_errors=apply_errors or [], now=now)
+    return st.compute_status(
+        stored,
+        facts,
+        intent,
+        problems=checked.problems,
+        apply_errors=apply_errors or [],
+        conflicts=conflicts or [],
+        now=now,
+    )
 
 
 def next_check(snap: Snapshot, now: str, crash_window: float = CRASH_WINDOW) -> float | None:
@@ -553,6 +562,22 @@ def test_refused_apply_is_not_reported_as_complete() -> None:
     assert conditions(status)["Reconciling"] == ("False", "Stalled")
 
 
+def test_a_child_conflict_is_stalled_and_names_the_object() -> None:
+    """Another owner holds a child's name: nothing was applied, a human must act (delete, rename or hand it over)."""
+    held = ["Role llama-8b-router exists and is not controlled by any owner, written by kubectl-create"]
+    status = compute(body(), healthy(), apply_errors=["ignored: a conflict outranks it"], conflicts=held, now=T0)
+    assert conditions(status) == {
+        "Available": ("True", "MinimumReplicasAvailable"),
+        "Progressing": ("False", "ChildConflict"),
+        "Degraded": ("True", "ChildConflict"),
+        "Ready": ("False", "ChildConflict"),
+        "Reconciling": ("False", "Stalled"),
+        "Stalled": ("True", "ChildConflict"),
+    }
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"].startswith(held[0] + "; pdserve does not take over objects it did not create")
+
+
 def _kstatus(objects: list[dict[str, Any]]) -> list[dict[str, str]]:
     """kstatus' own verdict (sigs.k8s.io/cli-utils pkg/kstatus, built from the Go module proxy and cached)."""
     binary = tools.kstatus_binary()
@@ -574,6 +599,8 @@ def test_kstatus_reads_every_status_as_the_conditions_say() -> None:
         expected.append(next(verdict[t] for t in verdict if conds[t][0] == "True"))
     problems = [Problem("spec.prefill.gpusPerPod", "too few")]
     objects.append(body(compute(body(), healthy(), problems=problems, now=T0)))
+    expected.append("Failed")
+    objects.append(body(compute(body(), healthy(), conflicts=["Role llama-8b-router exists"], now=T0)))
     expected.append("Failed")
     # The user edited the spec (generation 4) and the operator has not acted on it yet: the Ready status it wrote
     # for generation 3 must not count.

@@ -4,6 +4,7 @@ drives vLLM (KNOWLEDGE.md's 3-step flow), and the ways a KV pull fails."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -220,6 +221,108 @@ async def test_a_second_pull_of_the_same_kv_is_refused(http: aiohttp.ClientSessi
         async with http.post(url, json=dict(body, kv_transfer_params=params)) as resp:
             assert resp.status == 500
             assert "already_pulled" in (await resp.json())["error"]["message"]
+
+
+COMPAT = "layout-a"
+
+
+class SideChannelPeer:
+    """A hand-driven decode side of the side channel: one connection, each protocol step on request."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def pull(self, params: dict[str, Any], *, read_payload: bool = True) -> dict[str, Any]:
+        """Send a pull for `params`' KV; return the answer's header (and read the payload unless told not to)."""
+        request = {
+            "v": 1,
+            "op": "pull",
+            "kv_compat_id": COMPAT,
+            "engine_id": "hand-driven",
+            "tp_size": 1,
+            "remote_engine_id": params["remote_engine_id"],
+            "remote_request_id": params["remote_request_id"],
+            "block_ids": params["remote_block_ids"][0],
+        }
+        await self.send(request)
+        header: dict[str, Any] = json.loads(await self.reader.readline())
+        if header["ok"] and read_payload:
+            await self.reader.readexactly(header["bytes"])
+        return header
+
+    async def done(self, params: dict[str, Any]) -> None:
+        await self.send({"op": "done", "remote_request_id": params["remote_request_id"]})
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.writer.write(json.dumps(message).encode() + b"\n")
+        await self.writer.drain()
+
+
+@contextlib.asynccontextmanager
+async def side_channel_peer(port: int) -> AsyncIterator[SideChannelPeer]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        yield SideChannelPeer(reader, writer)
+    finally:
+        writer.close()
+
+
+async def held_kv(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(url + "/sim/state") as resp:
+        return int((await resp.json())["held_kv"])
+
+
+async def test_a_pull_cut_off_midway_leaves_the_kv_for_the_next_reader(http: aiohttp.ClientSession) -> None:
+    """vLLM's prefill frees KV on the reader's completion notification, never because a read started: a decode
+    engine whose pull timed out or broke off must not make the KV unreadable for a retry on another engine."""
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+    async with (
+        sim_in_process(role="prefill", kv_compat_id=COMPAT) as prefill,
+        sim_in_process(role="decode", kv_compat_id=COMPAT) as decode,
+    ):
+        params = await prefill_step(http, prefill.url, body)
+        # A reader that got the answer, then went away mid-transfer (its deadline passed, it was killed, ...).
+        async with side_channel_peer(prefill.side_channel_port) as gone:
+            assert (await gone.pull(params, read_payload=False))["ok"]
+        # Another reads it all but never notifies: still held (until the lease, as vLLM).
+        async with side_channel_peer(prefill.side_channel_port) as silent:
+            assert (await silent.pull(params))["ok"]
+        assert await held_kv(http, prefill.url) == 1
+        async with http.post(decode.url + "/v1/completions", json=dict(body, kv_transfer_params=params)) as resp:
+            assert resp.status == 200, await resp.text()
+        decoded = await scrape(decode.url)
+        assert metric_value(decoded, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+        assert metric_value(decoded, "vllm:nixl_num_failed_transfers_total") == 0
+        # The completed read's notification freed the blocks: the KV is gone for any later reader.
+        await wait_for_async(
+            lambda: _no_held_kv(http, prefill.url), within=20, message="the prefill engine to free the pulled KV"
+        )
+        async with side_channel_peer(prefill.side_channel_port) as late:
+            assert (await late.pull(params))["error"] == "already_pulled"
+
+
+async def _no_held_kv(http: aiohttp.ClientSession, url: str) -> bool:
+    return await held_kv(http, url) == 0
+
+
+async def test_only_the_reader_of_the_kv_can_free_it(http: aiohttp.ClientSession) -> None:
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+    async with sim_in_process(role="prefill", kv_compat_id=COMPAT) as prefill:
+        params = await prefill_step(http, prefill.url, body)
+        async with (
+            side_channel_peer(prefill.side_channel_port) as reader,
+            side_channel_peer(prefill.side_channel_port) as stranger,
+        ):
+            assert (await reader.pull(params))["ok"]
+            # A notification on a connection that was not sent this KV frees nothing. The pull behind it on the
+            # same connection is answered only after the server handled the notification: a counted order.
+            await stranger.done(params)
+            assert (await stranger.pull(params))["ok"]
+            assert await held_kv(http, prefill.url) == 1
+            await reader.done(params)
+            assert (await reader.pull(params))["error"] == "already_pulled"
+            assert await held_kv(http, prefill.url) == 0
 
 
 async def test_chat_requests_follow_the_same_flow(http: aiohttp.ClientSession) -> None:

@@ -222,6 +222,52 @@ class ClusterHelper:
 
         return new_api_client(self.kubeconfig)
 
+    def edit_user(self, namespace: str, name: str, path: Path) -> ClusterHelper:
+        """A namespace user holding the built-in `edit` ClusterRole in `namespace` and nothing else but PDServices
+        (which the chart aggregates into `edit`: its `-edit` ClusterRole, granted here by a Role of the same
+        rule so no cluster-wide role changes): a ServiceAccount bound to both, returned as a ClusterHelper that
+        authenticates with its TokenRequest token (kubeconfig written to `path`). The hostile tenant of the
+        security tests: whatever it does, it does with exactly these permissions."""
+        self.kubectl("create", "serviceaccount", name, f"--namespace={namespace}")
+        self.kubectl("create", "rolebinding", f"{name}-edit", "--clusterrole=edit",
+                     f"--serviceaccount={namespace}:{name}", f"--namespace={namespace}")  # fmt: skip
+        self.apply(
+            [
+                {
+                    "apiVersion": "rbac.authorization.k8s.io/v1",
+                    "kind": "Role",
+                    "metadata": {"name": f"{name}-pdservices"},
+                    "rules": [
+                        {
+                            "apiGroups": ["pdserve.io"],
+                            "resources": ["pdservices"],
+                            "verbs": [
+                                "get",
+                                "list",
+                                "watch",
+                                "create",
+                                "update",
+                                "patch",
+                                "delete",
+                                "deletecollection",
+                            ],
+                        }
+                    ],
+                },
+                {
+                    "apiVersion": "rbac.authorization.k8s.io/v1",
+                    "kind": "RoleBinding",
+                    "metadata": {"name": f"{name}-pdservices"},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-pdservices"},
+                    "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+                },
+            ],
+            namespace=namespace,
+        )
+        return ClusterHelper(
+            kubeconfig=self.service_account_kubeconfig(namespace, name, path), kubectl_path=self.kubectl_path
+        )
+
     def service_account_kubeconfig(self, namespace: str, name: str, path: Path, duration: str = "2h") -> Path:
         """A kubeconfig that authenticates as ServiceAccount `namespace/name` with a TokenRequest token, written to
         `path`: to run a component (the operator) under exactly the RBAC its pod would get."""

@@ -12,8 +12,10 @@ without a cluster. What it keeps of `KubeApi`'s contract:
   spec changes) and refuses with 409 an object whose `metadata.resourceVersion` is set and stale (the optimistic
   lock the planner relies on), status patch merge-patches the PDService's `.status` and returns the whole object,
   scale sets a stored object's `spec.replicas` and returns a Scale.
-- `node` (the one read, `nodes.NodeReader`) answers from `nodes` and counts each read in `node_reads`; a missing
+- `node` (a read, `nodes.NodeReader`) answers from `nodes` and counts each read in `node_reads`; a missing
   node is a 404, and `fail("node", code)` makes reads fail like writes.
+- `read` (whether a child's name is free) answers from the stored objects (None when absent) and records each read
+  in `reads`; `fail("read", code)` makes it fail. `add_object` stores an object another user created.
 
 What it does not model (the API server's validation, defaulting, field ownership, admission, watches) is what the
 cluster tests cover against the real kube-apiserver. Every write attempt is recorded in `calls`, in order, with
@@ -98,6 +100,7 @@ class FakeKube:
         self._writes_left: int | None = None  # leadership ends after this many more successful writes
         self.nodes: dict[str, dict[str, Any]] = {}
         self.node_reads: list[str] = []
+        self.reads: list[str] = []
 
     # ------------------------------------------------------------------------------------------- test controls
 
@@ -107,12 +110,24 @@ class FakeKube:
         meta = stored.setdefault("metadata", {})
         meta.setdefault("namespace", "default")
         with self._lock:
-            meta.setdefault("uid", f"uid-{next(self._uids)}")
-            meta["resourceVersion"] = str(next(self._versions))
             previous = self.objects.get(_key(stored))
+            # An update keeps the object's UID, as the API server does; only a new object gets one.
+            meta.setdefault("uid", previous["metadata"]["uid"] if previous else f"uid-{next(self._uids)}")
+            meta["resourceVersion"] = str(next(self._versions))
             meta["generation"] = _next_generation(previous, stored)
             if previous is not None and "status" in previous:
                 stored["status"] = previous["status"]
+            self.objects[_key(stored)] = stored
+        return copy.deepcopy(stored)
+
+    def add_object(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store an object as another user's create would (uid, resourceVersion), not as an apply of ours."""
+        stored = copy.deepcopy(obj)
+        meta = stored.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        with self._lock:
+            meta.setdefault("uid", f"uid-{next(self._uids)}")
+            meta["resourceVersion"] = str(next(self._versions))
             self.objects[_key(stored)] = stored
         return copy.deepcopy(stored)
 
@@ -230,12 +245,6 @@ class FakeKube:
                 "status": {"replicas": int((current.get("status") or {}).get("replicas", 0))},
             }
 
-    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
-        """A GET (reads need no leadership); None when the object does not exist."""
-        with self._lock:
-            current = self.objects.get((kind.kind, namespace, name))
-            return copy.deepcopy(current) if current is not None else None
-
     def set_replicas(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Another writer (HPA, `kubectl scale`) sets an object's replicas; returns the object for the cache."""
         with self._lock:
@@ -255,6 +264,18 @@ class FakeKube:
             self.events.append({"type": type_, "reason": reason, "message": message, "time": now})
 
     # ------------------------------------------------------------------------------------------------- reads
+
+    def read(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """A GET (reads need no leadership); None when the object does not exist."""
+        with self._lock:
+            self.reads.append(f"{kind.kind} {name}")
+            for failure in self.failures:
+                if failure.matches("read", kind.kind, name):
+                    if failure.times is not None:
+                        failure.times -= 1
+                    raise ApiError(failure.code, failure.message, _REASONS.get(failure.code, "Error"))
+            found = self.objects.get((kind.kind, namespace, name))
+            return copy.deepcopy(found) if found is not None else None
 
     def add_node(self, name: str, labels: dict[str, str]) -> None:
         with self._lock:

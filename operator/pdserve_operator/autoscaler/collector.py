@@ -1,31 +1,35 @@
-"""The collector (IO): PromQL (`queries.py`) through `prometheus-api-client` -> `ServiceSignals`.
+"""The collector (IO): PromQL (`queries.py`) through `prometheus.PrometheusClient` -> `ServiceSignals`.
 
 `Collector.collect(target, pods, now)` evaluates every query at the instant `now` (all of a tick's queries see
-the same moment), restricted to the pods that exist now (`pods`, from the operator's cache), and folds the
-answers into typed signals. It never raises for Prometheus: a failed or refused query leaves the signals it feeds
-at None and is listed in `ServiceSignals.errors`, which the policy turns into a fail-static hold. Freshness is the
-age of each ready pod's last successful scrape (`timestamp(up == 1)`), completeness the share of ready pods
-scraped at all.
+the same moment), restricted to the pods that exist now and that the pools own (`pods`, from the operator's cache:
+`ownership` keeps out pods that merely carry a pool's labels; the pod regex lists them by name, so a pod of
+another owner never counts, at no cost beyond the regex the queries had already), and folds the answers into
+typed signals. It never raises for Prometheus: a failed or refused query leaves the signals it feeds at None and
+is listed in `ServiceSignals.errors`, which the policy turns into a fail-static hold. Freshness is the age of each
+ready pod's last successful scrape (`timestamp(up == 1)`), completeness the share of ready pods scraped at all.
 
-The client is synchronous (requests); the operator's loop calls `collect` in a worker thread. Retries are the
-loop's business (the next tick), so the client is built without its own retry adapter, with a short timeout,
-and with POST queries (a pod regex of hundreds of pods outgrows a URL). Once a query of a tick finds Prometheus
-unreachable (connection refused or timed out), the tick's remaining queries are not sent: they fail at once with
-the same error, so an outage costs one timeout per tick rather than one per query.
+What makes a tick's signals missing rather than zero:
+- a query that failed, or was not sent: once one finds Prometheus unreachable the rest are not sent (an outage
+  costs one failure per tick, not one per query); once the tick's one deadline (`deadline_s`,
+  `--prometheus-timeout`, for all its queries together) has passed, the rest are not sent either, and the query
+  in flight is cancelled (`prometheus.py`: a Prometheus that trickles its answer cannot stretch a tick);
+- a query that must have a series for every pod Prometheus scrapes (`Query.per_scraped_pod`: the engines create
+  those series at start) but has none for a scraped ready pod: the metric is missing (renamed by a new vLLM, not
+  exported), and reading it as zero load once dropped both pools to their minimum.
+
+Retries are the loop's business (the next tick).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import requests
-from prometheus_api_client import PrometheusConnect
-from urllib3.util.retry import Retry
-
+from pdserve_operator.autoscaler.prometheus import PrometheusClient, PrometheusConnectionError
 from pdserve_operator.autoscaler.queries import BY_NAME, Query, Scope, render
 from pdserve_operator.autoscaler.signals import (
     ROLES,
@@ -41,20 +45,17 @@ from pdserve_operator.autoscaler.signals import (
 
 
 class PromQL(Protocol):
-    """The part of `PrometheusConnect` the collector uses."""
+    """The part of `prometheus.PrometheusClient` the collector uses."""
 
-    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]: ...
+    async def query(self, promql: str, at: float) -> list[dict[str, Any]]: ...
+
+    async def close(self) -> None: ...
 
 
-def connect(url: str, timeout_s: float) -> PrometheusConnect:
-    """A client for the collector: no retries of its own (the next tick is the retry), POST queries, `timeout_s`
-    per query (`--prometheus-timeout`)."""
-    return PrometheusConnect(
-        url=url.rstrip("/"),
-        retry=Retry(total=0, connect=0, read=0, status=0),
-        timeout=timeout_s,
-        method="POST",
-    )
+def connect(url: str) -> PrometheusClient:
+    """A client for the collector: its own session, POST queries, no timeout of its own (the collector's one
+    deadline per tick bounds it) and no retries (the next tick is the retry)."""
+    return PrometheusClient(url)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +93,13 @@ class _Tick:
     now: float
     quantile: float
     window_s: float
+    #: The event loop's time by which every query of the tick must have been answered.
+    deadline: float
     errors: list[str]
     failed: list[str] = field(default_factory=list)
-    #: Set by the first query that could not reach Prometheus: the rest of the tick is not sent.
-    unreachable: str | None = None
+    #: Set by the first query that could not reach Prometheus, or found the deadline passed: the rest of the tick
+    #: is not sent.
+    stopped: str | None = None
 
 
 @dataclass
@@ -150,23 +154,21 @@ ROUTER_QUERIES = tuple(query for query in BY_NAME.values() if query.scope is Sco
 class Collector:
     """Reads one PDService's signals from Prometheus."""
 
-    def __init__(
-        self,
-        client: PromQL,
-        *,
-        labels: SeriesLabels | None = None,
-    ) -> None:
+    def __init__(self, client: PromQL, *, deadline_s: float, labels: SeriesLabels | None = None) -> None:
+        """`deadline_s`: how long a tick's queries may take together (`--prometheus-timeout`)."""
         self.client = client
+        self.deadline_s = deadline_s
         self.labels = labels or SeriesLabels()
 
-    def collect(
+    async def collect(
         self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
     ) -> ServiceSignals:
         """The signals of `target` at `now` (Unix seconds), counting only the series of the engine `pods` and
         the router pods named in `routers` that exist now."""
-        tick = _Tick(now, target.percentile / 100.0, target.window_s, [])
-        pools = {role: self._pool(target, role, pods, tick) for role in ROLES}
-        router = self._router(target, routers, tick)
+        deadline = asyncio.get_running_loop().time() + self.deadline_s
+        tick = _Tick(now, target.percentile / 100.0, target.window_s, deadline, [])
+        pools = {role: await self._pool(target, role, pods, tick) for role in ROLES}
+        router = await self._router(target, routers, tick)
         return ServiceSignals(
             at=now,
             window_s=target.window_s,
@@ -177,6 +179,10 @@ class Collector:
             errors=tuple(tick.errors),
             failed_queries=tuple(tick.failed),
         )
+
+    async def close(self) -> None:
+        """Close the client's connections (the loop ends)."""
+        await self.client.close()
 
     # ---------------------------------------------------------------------------------------------- queries
 
@@ -189,36 +195,69 @@ class Collector:
             f'{lab.pod}=~"{names}"'
         )
 
-    def _ask(self, queries: Sequence[Query], selector: str, tick: _Tick, scope: str) -> _Answers:
+    async def _ask(self, queries: Sequence[Query], selector: str, tick: _Tick, scope: str) -> _Answers:
         answers = _Answers()
         for query in queries:
             answers.values[query.name] = None
             tick.failed.append(query.name)
-            if tick.unreachable is not None:
-                continue  # reported once, by the query that found Prometheus unreachable
+            if tick.stopped is not None:
+                continue  # reported once, by the query that found Prometheus unreachable or the deadline passed
             promql = render(query, selector=selector, window_s=tick.window_s, quantile=tick.quantile)
             try:
-                answers.values[query.name] = self.client.custom_query(promql, params={"time": tick.now})
+                async with asyncio.timeout_at(tick.deadline):
+                    answers.values[query.name] = await self.client.query(promql, tick.now)
+            except TimeoutError:
+                tick.stopped = (
+                    f"{scope} {query.name}: the tick's deadline of {self.deadline_s:g} s for its queries passed"
+                )
+                tick.errors.append(tick.stopped)
+                continue
             except Exception as exc:  # a failing dependency is reported, never raised: the policy holds
                 error = f"{scope} {query.name}: {type(exc).__name__}: {exc}"[:300]
                 tick.errors.append(error)
-                if isinstance(exc, requests.ConnectionError | requests.Timeout):
-                    tick.unreachable = error
+                if isinstance(exc, PrometheusConnectionError):
+                    tick.stopped = error
                 continue
             tick.failed.pop()
         return answers
 
+    def _require_series(
+        self, answers: _Answers, scraped: set[str], scraped_for_window: set[str], tick: _Tick, scope: str
+    ) -> None:
+        """Make each answered query that must have a series per scraped pod (`Query.per_scraped_pod`) missing when
+        it lacks one for a scraped ready pod (module docstring): the metric is not there, it is not zero. A rate
+        is only required of pods ready for the whole window (`scraped_for_window`): a pod scraped once has no
+        rate yet."""
+        for name, values in list(answers.values.items()):
+            query = BY_NAME[name]
+            if values is None or not query.per_scraped_pod:
+                continue
+            found = {series.get("metric", {}).get("pod") for series in values}
+            absent = sorted((scraped_for_window if query.spans_window else scraped) - found)
+            if absent:
+                answers.values[name] = None
+                tick.failed.append(name)
+                tick.errors.append(
+                    f"{scope} {name}: no series for pod {', '.join(absent[:3])} although Prometheus scrapes it "
+                    "(the metric is missing or renamed; not read as zero)"
+                )
+
     # ------------------------------------------------------------------------------------------------ pools
 
-    def _pool(self, target: Target, role: Role, pods: Sequence[PodState], tick: _Tick) -> PoolSignals:
+    async def _pool(self, target: Target, role: Role, pods: Sequence[PodState], tick: _Tick) -> PoolSignals:
         now = tick.now
         ready, starting, pending = count_pods(pods, role)
         desired = target.desired.get(role, ready + starting + pending)
         live = [pod for pod in pods if pod.role == role]
         if not live:
             return PoolSignals(role=role, desired=desired, ready=ready, starting=starting, pending=pending)
-        answers = self._ask(ENGINE_QUERIES, self.selector(target, role, [p.name for p in live]), tick, role)
+        answers = await self._ask(ENGINE_QUERIES, self.selector(target, role, [p.name for p in live]), tick, role)
         scraped = answers.by_pod("last_scrape")
+        scraped_ready = {pod.name for pod in live if pod.phase is PodPhase.READY} & set(scraped or {})
+        whole_window = {
+            pod.name for pod in live if pod.name in scraped_ready and (pod.ready_for_s or 0.0) >= target.window_s
+        }
+        self._require_series(answers, scraped_ready, whole_window, tick, role)
         load_query = "uncached_tokens" if role == "prefill" else "generated_tokens"
         latency_query = "engine_ttft_by_pod" if role == "prefill" else "engine_itl_by_pod"
         loads = answers.by_pod(load_query) or {}
@@ -272,11 +311,11 @@ class Collector:
             completeness=(len(ages) / ready) if ready else 0.0,
         )
 
-    def _router(self, target: Target, routers: Sequence[str], tick: _Tick) -> RouterSignals:
+    async def _router(self, target: Target, routers: Sequence[str], tick: _Tick) -> RouterSignals:
         if not routers:
             return RouterSignals()
         now = tick.now
-        answers = self._ask(ROUTER_QUERIES, self.selector(target, "router", routers), tick, "router")
+        answers = await self._ask(ROUTER_QUERIES, self.selector(target, "router", routers), tick, "router")
         scraped = answers.by_pod("router_last_scrape")
         return RouterSignals(
             ttft_s=answers.scalar("router_ttft"),

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from pdserve.api.defaults import EffectivePool, EffectiveSpec
+from pdserve_operator.autoscaler.bounds import bounded
 from pdserve_operator.autoscaler.decision import Decision, Reason
 from pdserve_operator.autoscaler.model import H200_8B, EngineProfile, ModelConfig, ModelState, Slo, estimate
 from pdserve_operator.autoscaler.policy import PolicyConfig, PolicyState, PoolBounds, decide
@@ -48,7 +49,9 @@ class Autoscaler:
         self.config = config
 
     def step(self, signals: ServiceSignals) -> Decision:
-        """One tick: signals in, decision out; the learned capacity and the history move forward."""
+        """One tick: signals in (bounded to what the replicas can physically do: `bounds`), decision out; the
+        learned capacity and the history move forward."""
+        signals = bounded(signals, self.config.model)
         model_state, estimates = estimate(self.config.model, self.model_state, signals)
         decision, policy_state = decide(
             self.config.policy, self.config.model.slo, self.policy_state, signals, estimates

@@ -12,9 +12,10 @@ reads its service from the cache, then runs collect -> decide -> actuate -> repo
    reconcile reads: validated once per stored version; an invalid spec holds, the reconcile reports it), the
    pools' StatefulSets (spec.replicas = what each pool is asked for now), the engine pods and the router pods
    that exist; then `config_from_spec` (the spec may have changed; what the model learned is kept).
-1. collect: `pod_states` (ready, starting, pending, terminating, ready for how long) and `collector.collect` in the
-   autoscaler's own thread pool (the Prometheus client is synchronous; a hung Prometheus holds a thread of that
-   pool, never a reconcile worker's).
+1. collect: `pod_states` (ready, starting, pending, terminating, ready for how long) and `collector.collect`, awaited
+   on the event loop with its own Prometheus connection and one deadline for all the tick's queries: a slow or
+   hung Prometheus answer for one PDService delays no other loop (they share no thread and no connection) and
+   no tick past its deadline.
 2. decide: `Autoscaler.step` -> `Decision` (pure).
 3. actuate: for each pool the decision changes, the actuator writes the StatefulSet's /scale, the cache adopts
    the new replicas at once (so the next reconcile's apply re-asserts the new value, not the old one), and an
@@ -23,10 +24,12 @@ reads its service from the cache, then runs collect -> decide -> actuate -> repo
    queued for a reconcile, which writes it into status (the one status writer).
 
 Failures never crash anything and are retried with backoff: a tick that raised (a bug), a /scale the API server
-refused, or Prometheus answering with errors makes the next tick come later (interval x 2^failures, at most
-`max_backoff` x interval); the first clean tick resets it. Metrics missing, stale or partial are the policy's
-fail-static hold (MetricsUnavailable), reported in status, conditions and metrics like any decision. Leadership
-lost mid-tick (a write refused with NotLeaderError) ends the loop at once.
+refused, or queries that failed (Prometheus answering with errors, unreachable, past the deadline, a metric
+missing) make the next tick come later (interval x 2^failures, at most `max_backoff` x interval); the first clean
+tick resets it. Values the bounds rejected (`bounds.py`) hold the pool for that tick but are no query failure.
+Metrics missing, stale or partial are the policy's fail-static hold (MetricsUnavailable), reported in status,
+conditions and metrics like any decision. Leadership lost mid-tick (a write refused with NotLeaderError) ends the
+loop at once.
 """
 
 from __future__ import annotations
@@ -66,11 +69,14 @@ MAX_BACKOFF = 4.0
 
 
 class SignalSource(Protocol):
-    """What the loop reads signals from: `collector.Collector` (Prometheus), or a fake in unit tests."""
+    """What the loop reads signals from: `collector.Collector` (Prometheus), or a fake in unit tests. Each loop
+    has its own (`Autoscalers.sources` is called once per loop), closed when the loop ends."""
 
-    def collect(
+    async def collect(
         self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
     ) -> ServiceSignals: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +235,13 @@ class ServiceLoop:
         }
 
     async def run(self) -> None:
+        try:
+            await self._ticks()
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.source.close())
+
+    async def _ticks(self) -> None:
         settings = self.owner.settings
         while True:
             try:
@@ -275,7 +288,7 @@ class ServiceLoop:
         decision = self.decide(config, signals)
         failed = await self.actuate(body, service, decision, now)
         self.report(self.explain(decision, signals, config, failed, now), decision, signals)
-        return not signals.errors and not failed
+        return not signals.failed_queries and not failed
 
     # ------------------------------------------------------------------------------------------------ steps
 
@@ -290,11 +303,8 @@ class ServiceLoop:
             desired=service.desired,
         )
         pods = pod_states(service.engine_pods, datetime.fromtimestamp(now, UTC))
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(
-                self.owner.executor, self.source.collect, target, pods, now, service.routers
-            )
+            return await self.source.collect(target, pods, now, service.routers)
         except Exception:
             self.owner.metrics.error(*self.key, "collect")
             raise

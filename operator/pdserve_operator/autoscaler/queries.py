@@ -38,6 +38,15 @@ class Query:
     #: The result has one series per pod (`by (pod)`), else one series for the whole selection.
     by_pod: bool
     feeds: str
+    #: Every engine creates these series at start (at 0): a pod Prometheus scrapes has one whenever the metric
+    #: exists, so an answer without it means the metric is missing (renamed, not exported), never zero.
+    per_scraped_pod: bool = False
+
+    @property
+    def spans_window(self) -> bool:
+        """Whether the query reads a range of the window (a rate): a pod has a series only once Prometheus holds
+        two of its samples in the window."""
+        return "[{w}]" in self.promql
 
 
 def _rate_by_pod(metric: str, extra: str = "") -> str:
@@ -56,6 +65,7 @@ QUERIES: tuple[Query, ...] = (
         _rate_by_pod("vllm:prompt_tokens_by_source_total", ',source="local_compute"'),
         True,
         "prompt tokens computed here per second: prefill's load (prefix hits and pulled KV excluded)",
+        per_scraped_pod=True,
     ),
     Query(
         "prompt_tokens",
@@ -63,6 +73,7 @@ QUERIES: tuple[Query, ...] = (
         _rate_by_pod("vllm:prompt_tokens_total"),
         True,
         "prompt tokens of finished requests per second (uncached share, decode's mean context)",
+        per_scraped_pod=True,
     ),
     Query(
         "generated_tokens",
@@ -70,6 +81,7 @@ QUERIES: tuple[Query, ...] = (
         _rate_by_pod("vllm:generation_tokens_total"),
         True,
         "tokens generated per second: decode's load",
+        per_scraped_pod=True,
     ),
     Query(
         "requests",
@@ -77,15 +89,24 @@ QUERIES: tuple[Query, ...] = (
         _rate_by_pod("vllm:request_success_total"),
         True,
         "finished requests per second (tokens per request)",
+        per_scraped_pod=True,
     ),
     # --------------------------------------------------------------------------------------- engine gauges
-    Query("running", Scope.ENGINE, "sum by (pod) (vllm:num_requests_running{{{sel}}})", True, "requests running"),
+    Query(
+        "running",
+        Scope.ENGINE,
+        "sum by (pod) (vllm:num_requests_running{{{sel}}})",
+        True,
+        "requests running",
+        per_scraped_pod=True,
+    ),
     Query(
         "waiting",
         Scope.ENGINE,
         "sum by (pod) (vllm:num_requests_waiting{{{sel}}})",
         True,
         "requests queued (prefill: the backlog whose growth is unserved demand)",
+        per_scraped_pod=True,
     ),
     Query(
         "waiting_by_reason",
@@ -100,6 +121,7 @@ QUERIES: tuple[Query, ...] = (
         "avg by (pod) (vllm:kv_cache_usage_perc{{{sel}}})",
         True,
         "KV-cache usage, reported (never a scaling signal: handoffs fill it without load)",
+        per_scraped_pod=True,
     ),
     Query(
         "last_scrape",

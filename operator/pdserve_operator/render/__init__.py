@@ -31,10 +31,8 @@ def render(checked: Validated, observed: Observed = NOTHING_OBSERVED) -> list[di
         router.role(pds, spec),
         router.role_binding(pds),
         router.config_map(pds, spec),
+        discovery.discovery_config_map(pds, spec, observed),
     ]
-    topology = discovery.topology_config_map(pds, spec, observed)
-    if topology is not None:
-        objects.append(topology)
     objects += kvcache.objects(pds, spec)
     for role in ENGINE_ROLES:
         objects += [

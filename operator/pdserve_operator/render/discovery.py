@@ -20,14 +20,25 @@ label. This module renders the objects that carry them to the router:
   Weighed and rejected: labels or annotations the operator writes onto EndpointSlices (the EndpointSlice
   controller owns them and rewrites them); a pod -> value map in a ConfigMap (a second source of truth that a
   recreated pod outruns: its new address can be in a slice before the map names it).
-- **topology: a ConfigMap of node labels** (`<name>-router-topology`, key `nodes.json`, a `NodeTopology`). Slice
-  endpoints carry their zone and node name; other domains (a rack, an NVLink domain) are node labels, which only a
-  reader of Nodes sees. The operator already watches the engine pods (status), reads the Nodes they run on by name
-  (cached), and publishes node -> label values for exactly those nodes; the router's Role may read that one
-  ConfigMap (resourceNames). Only rendered when a topology label is not one the slices already carry, so without a
-  `placement.topologyKey` (zone) nothing is read or published. Per-domain Services were rejected: they multiply
-  Services (values x domains) and still need the same node reads. Topology is a soft score: a stale entry can cost
-  a cross-rack transfer, never a mismatched pair.
+- **ownership: the Services the operator owns** (`<name>-router-discovery`, key `services.json`, an
+  `OwnedServices`: name -> UID). Labels are no proof: anyone with `edit` in the namespace can create a Service
+  carrying the pool's labels (and the kv-compat label), whose slices the EndpointSlice controller makes like any
+  other. The router trusts a slice only when the EndpointSlice controller made it (`edit` may not write slices)
+  for a Service listed here with the UID in the slice's controller reference, and takes from it only pods named as
+  members of the pool's StatefulSet (a Service selects by label, so anyone's pod with the pool's labels would be
+  listed by the operator's own Services too; `pdserve.api.router_config`). A Service is listed once the operator
+  has created it (the next pass, before its pods can be ready) and while it is rendered. Weighed and rejected:
+  letting the router read Services (a wider Role for a client-facing process) and trusting names alone (a Service
+  of the pool's name pattern made by someone else, e.g. right after deleting the operator's, would be trusted until
+  the operator recreates its own).
+- **topology: node labels** (the same ConfigMap, key `nodes.json`, a `NodeTopology`). Slice endpoints carry their
+  zone and node name; other domains (a rack, an NVLink domain) are node labels, which only a reader of Nodes sees.
+  The operator already watches the engine pods (status), reads the Nodes they run on by name (cached), and
+  publishes node -> label values for exactly those nodes; the router's Role may read that one ConfigMap
+  (resourceNames). Nodes are read and listed only when a topology label is not one the slices already carry, so
+  without a `placement.topologyKey` (zone) nothing is read or published. Per-domain Services were rejected: they
+  multiply Services (values x domains) and still need the same node reads. Topology is a soft score: a stale entry
+  can cost a cross-rack transfer, never a mismatched pair.
 - **KV event ports**: an engine's `--kv-events-config` publisher and replay sockets, per data-parallel rank (vLLM
   offsets both ports by the rank), named `kv-events-<rank>` and `kv-replay-<rank>` on the container and on the
   per-kv-compat Services, so they reach the router in the same slices as the HTTP port (the router's Role needs
@@ -53,13 +64,15 @@ from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, is_kv_compat_hash, kv_compat_hash
 from pdserve.api.router_config import (
     NODE_TOPOLOGY_KEY,
+    OWNED_SERVICES_KEY,
     SLICE_TOPOLOGY_LABELS,
     ZONE_LABEL,
     KvEventsPortNames,
     NodeTopology,
+    OwnedServices,
 )
 from pdserve.api.v1alpha1 import PDService
-from pdserve_operator.names import INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
+from pdserve_operator.names import ENGINE_ROLES, INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
 from pdserve_operator.render.objects import metadata
 
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
@@ -75,6 +88,8 @@ class Observed:
     """The kv-compat values the pods of each pool carry now (terminating pods included)."""
     node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: _EMPTY)
     """Node name -> its labels (at least the topology ones), for the nodes the engine pods run on."""
+    services: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    """Service name -> UID, for the Services the PDService controls (the operator's cache)."""
 
 
 NOTHING_OBSERVED = Observed()
@@ -143,29 +158,43 @@ def node_topology_labels(spec: EffectiveSpec) -> list[str]:
     return [label for label in topology_labels(spec) if label not in SLICE_TOPOLOGY_LABELS]
 
 
-def topology_config_map_name(pds: PDService) -> str:
-    return f"{child_name(pds, 'router')}-topology"
+def discovery_config_map_name(pds: PDService) -> str:
+    return f"{child_name(pds, 'router')}-discovery"
 
 
-def topology_config_map(pds: PDService, spec: EffectiveSpec, observed: Observed) -> dict[str, Any] | None:
-    """The node topology ConfigMap, or None when the slices carry every topology label the router uses.
+def owned_services(pds: PDService, spec: EffectiveSpec, observed: Observed) -> dict[str, str]:
+    """The per-kv-compat Services the router may take engines from: those the render produces now that the
+    operator has created and controls (`Observed.services`, by UID). A Service created in this pass is listed in
+    the next one, before its pods can be ready; one no longer rendered (its last pod gone) is dropped."""
+    rendered = {
+        kv_compat_service_name(pds, role, value)
+        for role in ENGINE_ROLES
+        for value in kv_compat_values(spec, observed, role)
+    }
+    return {name: uid for name, uid in sorted(observed.services.items()) if name in rendered}
 
-    Only nodes with at least one of the labels are listed; the JSON is sorted so an unchanged world renders the
-    same bytes (and the operator applies nothing)."""
+
+def discovery_config_map(pds: PDService, spec: EffectiveSpec, observed: Observed) -> dict[str, Any]:
+    """The ConfigMap the router reads besides EndpointSlices: the Services whose slices it trusts (`services.json`)
+    and, for the topology labels the slices do not carry, the labels of the nodes engines run on (`nodes.json`:
+    only nodes with at least one of them; none when the slices carry every label the router uses). The JSON is
+    sorted so an unchanged world renders the same bytes (and the operator applies nothing)."""
     wanted = node_topology_labels(spec)
-    if not wanted:
-        return None
     nodes = {}
     for node, node_labels in observed.node_labels.items():
         values = {label: node_labels[label] for label in wanted if node_labels.get(label)}
         if values:
             nodes[node] = values
-    document = NodeTopology(nodes=nodes).model_dump(mode="json")
+    topology = NodeTopology(nodes=nodes).model_dump(mode="json")
+    services = OwnedServices(services=owned_services(pds, spec, observed)).model_dump(mode="json")
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": metadata(pds, topology_config_map_name(pds), "router"),
-        "data": {NODE_TOPOLOGY_KEY: json.dumps(document, sort_keys=True, separators=(",", ":"))},
+        "metadata": metadata(pds, discovery_config_map_name(pds), "router"),
+        "data": {
+            NODE_TOPOLOGY_KEY: json.dumps(topology, sort_keys=True, separators=(",", ":")),
+            OWNED_SERVICES_KEY: json.dumps(services, sort_keys=True, separators=(",", ":")),
+        },
     }
 
 

@@ -9,7 +9,7 @@ OpenAI-compatible endpoint, and pdserve supplies what the extension asks of a mo
 - the picker: the router's own objects (ServiceAccount, Role, RoleBinding, ConfigMap, PodDisruptionBudget) with
   the Deployment running `pdserve picker` instead of `pdserve router` (its own settings as flags: the gRPC port and
   the decode pods' target port). Its Role is the router's least-privilege
-  one (list/watch EndpointSlices, the one node topology ConfigMap): the picker discovers engines exactly as the
+  one (list/watch EndpointSlices, the one discovery ConfigMap): the picker discovers engines exactly as the
   router does. Its Service exposes the gRPC port (appProtocol `kubernetes.io/h2c`, which gateways read as
   cleartext HTTP/2) and the HTTP port of `/metrics`;
 - the PD sidecar, a second container of each decode pod (`pdserve sidecar`, the router's image), listening on
@@ -30,6 +30,7 @@ from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.names import child_name, selector_labels
 from pdserve_operator.render import discovery, router
+from pdserve_operator.render.containers import RESTRICTED_NON_ROOT, http_probes
 from pdserve_operator.render.objects import metadata
 
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
@@ -139,25 +140,8 @@ def sidecar_container(spec: EffectiveSpec) -> dict[str, Any]:
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": gateway.sidecar_port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "readinessProbe": {
-            "httpGet": {"path": "/ready", "port": SIDECAR_PORT_NAME},
-            "periodSeconds": 2,
-            "failureThreshold": 2,
-        },
-        "livenessProbe": {
-            "httpGet": {"path": "/health", "port": SIDECAR_PORT_NAME},
-            "periodSeconds": 10,
-            "failureThreshold": 3,
-        },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-            "runAsGroup": 65532,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        **http_probes(SIDECAR_PORT_NAME),
+        "securityContext": dict(RESTRICTED_NON_ROOT),
     }
 
 

@@ -45,6 +45,7 @@ from pdserve.api.kubeformats import quantity_bytes
 from pdserve.api.kvcompat import kv_compat_hash
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.names import EngineRole, child_name, labels, selector_labels
+from pdserve_operator.render.containers import router_scheduling
 from pdserve_operator.render.objects import metadata
 
 STORE_CONFIG_KEY = "mooncake.json"
@@ -259,11 +260,7 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
         "enableServiceLinks": False,
         "containers": [master, store],
     }
-    router = spec.router
-    if router.node_selector:
-        pod_spec["nodeSelector"] = dict(router.node_selector)
-    if router.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in router.tolerations]
+    pod_spec.update(router_scheduling(spec.router))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -2,18 +2,19 @@
 
 The router discovers engines itself and reads nothing but what the operator publishes for it: EndpointSlices
 (the pools' per-kv-compat Services, whose labels say which kv-compat value their engines carry, and its own
-Service's, whose ready endpoints are the router replicas sharing every engine's budget), the router control
-ConfigMap (the autoscaler's disaggregation threshold) and, when topology needs node labels, the one node topology
-ConfigMap. Its Role is exactly that: list and watch EndpointSlices in its namespace, and list and watch those
-ConfigMaps by name; no Pods (their env would be readable by an internet-facing process), no Nodes, no Secrets. It
-never gets a single object (every read is a list + watch), so no `get`.
+Service's, whose ready endpoints are the router replicas sharing every engine's budget), the one discovery
+ConfigMap (the Services the operator owns, the nodes' topology labels) and the router control ConfigMap (the
+autoscaler's disaggregation threshold). Its Role is exactly that: list and watch EndpointSlices in its namespace,
+and list and watch those two ConfigMaps by name; no Pods (their env would be readable by an internet-facing
+process), no Services, no Nodes, no Secrets. It never gets a single object (every read is a list + watch), so no
+`get`.
 The router serves Prometheus `/metrics` on a port of its own, named `metrics` on the container (the PodMonitor
 scrapes it there), never on the client port: the metrics name every engine and its load. The client Service
 publishes only the client port (a LoadBalancer Service would otherwise put the metrics on the internet).
 A hash of the rendered config is a pod annotation: changing routing settings rolls the router pods, which is
-simpler and more predictable than hot reload. The node topology and router control ConfigMaps change as pods move
-and as the autoscaler decides: they are watched, not mounted, so they never roll the router (nor does the router
-replica count, which the routers read from their Service).
+simpler and more predictable than hot reload. The discovery and router control ConfigMaps change as Services and
+pods come and go and as the autoscaler decides: they are watched, not mounted, so they never roll the router (nor
+does the router replica count, which the routers read from their Service).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import yaml
 from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.router_config import (
     AdmissionConfig,
+    DiscoveryConfigMap,
     EndpointSelector,
-    NodeTopologySource,
     RouterConfig,
     RouterControlSource,
     RouterPeers,
@@ -36,6 +37,7 @@ from pdserve.api.router_config import (
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.names import child_name, labels, router_control_name, selector_labels
 from pdserve_operator.render import discovery
+from pdserve_operator.render.containers import RESTRICTED_NON_ROOT, http_probes, router_scheduling
 from pdserve_operator.render.objects import metadata
 
 CONFIG_KEY = "router.yaml"
@@ -84,9 +86,6 @@ def admission(pds: PDService, spec: EffectiveSpec) -> AdmissionConfig:
 def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
     routing = spec.router.routing
     namespace = pds.metadata.namespace
-    node_topology = None
-    if discovery.node_topology_labels(spec):
-        node_topology = NodeTopologySource(namespace=namespace, name=discovery.topology_config_map_name(pds))
     return RouterConfig(
         served_model_name=spec.model.name,
         port=spec.router.port,
@@ -95,15 +94,17 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
         prefill=EndpointSelector(
             namespace=namespace,
             label_selector=discovery.slice_selector(pds, "prefill"),
+            statefulset=child_name(pds, "prefill"),
             kv_events_ports=discovery.kv_events_selector_ports(spec, "prefill"),
         ),
         decode=EndpointSelector(
             namespace=namespace,
             label_selector=discovery.slice_selector(pds, "decode"),
+            statefulset=child_name(pds, "decode"),
             kv_events_ports=discovery.kv_events_selector_ports(spec, "decode"),
         ),
         topology_labels=discovery.topology_labels(spec),
-        node_topology=node_topology,
+        discovery_config_map=DiscoveryConfigMap(namespace=namespace, name=discovery.discovery_config_map_name(pds)),
         kv_side_channel_ports=discovery.side_channel_ports(spec),
         policy=RoutingPolicyConfig(
             disaggregation_threshold_tokens=routing.disaggregation_threshold,
@@ -142,13 +143,10 @@ def service_account(pds: PDService) -> dict[str, Any]:
 
 def role(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     """What the router reads (list, then watch), and nothing else: EndpointSlices (the engines' and its own
-    Service's, for the other router replicas), the router control ConfigMap, and the node topology one when
-    topology needs node labels."""
+    Service's, for the other router replicas), the discovery ConfigMap and the router control ConfigMap."""
     watch = ["list", "watch"]
     rules: list[dict[str, Any]] = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": watch}]
-    names = [router_control_name(pds)]
-    if discovery.node_topology_labels(spec):
-        names.append(discovery.topology_config_map_name(pds))
+    names = [discovery.discovery_config_map_name(pds), router_control_name(pds)]
     # A list or watch is authorised against resourceNames when it selects metadata.name (the router does).
     rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": names, "verbs": watch})
     return {
@@ -173,7 +171,6 @@ def role_binding(pds: PDService) -> dict[str, Any]:
 def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     router = spec.router
     name = child_name(pds, "router")
-    probe_port = "http"
     container: dict[str, Any] = {
         "name": "router",
         "image": router.image,
@@ -185,26 +182,9 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
             {"name": METRICS_PORT_NAME, "containerPort": metrics_port(spec), "protocol": "TCP"},
         ],
         "resources": router.resources.as_dict(),
-        "readinessProbe": {
-            "httpGet": {"path": "/ready", "port": probe_port},
-            "periodSeconds": 2,
-            "failureThreshold": 2,
-        },
-        "livenessProbe": {
-            "httpGet": {"path": "/health", "port": probe_port},
-            "periodSeconds": 10,
-            "failureThreshold": 3,
-        },
+        **http_probes("http"),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-            "runAsGroup": 65532,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": dict(RESTRICTED_NON_ROOT),
     }
     config_hash = hashlib.sha256(config_text(pds, spec).encode()).hexdigest()[:16]
     pod_spec: dict[str, Any] = {
@@ -222,10 +202,7 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
             }
         ],
     }
-    if router.node_selector:
-        pod_spec["nodeSelector"] = dict(router.node_selector)
-    if router.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in router.tolerations]
+    pod_spec.update(router_scheduling(router))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

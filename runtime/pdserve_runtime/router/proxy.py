@@ -474,7 +474,7 @@ class Proxy:
             failure = await self._decode_once(flow, state, body)
             if failure is None:
                 return
-            flow.tries = flow.tries.decode_failed(failure.kind)
+            flow.tries = flow.tries.decode_failed(failure.kind, answered=failure.status is not None)
             self._failed(state, "decode", failure, flow)
             peer = kv[1] if kv is not None else None
             elsewhere = self.scheduler.pick_decode(prompt, flow.held, excluded=tried, peer=peer)
@@ -548,7 +548,7 @@ class Proxy:
                         detail = await _error_detail(exchange, first, deadline)
                         raise UpstreamError(STATUS, f"decode engine answered {status}: {detail}", status)
                     if flow.stream and status < 400 and first.startswith(b'data: {"error"'):
-                        raise UpstreamError(STREAM, f"decode engine streamed an error first: {first[:200]!r}")
+                        raise UpstreamError(STREAM, f"decode engine streamed an error first: {first[:200]!r}", status)
                 except UpstreamError as failure:
                     return failure
                 finally:

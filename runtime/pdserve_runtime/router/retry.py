@@ -20,6 +20,15 @@ After a decode failure before the first byte:
   engine still gets its retry: one transient 500 must not reach the client);
 - when the attempts are spent: one fresh prefill if none was redone yet, else give up.
 
+Reusing the KV is safe only while no decode engine can have read it. vLLM's prefill frees KV blocks when a reader
+notifies that its READ completed (or when the lease runs out), never because a read failed: after a refused or
+unreachable connection (the request never arrived) or an engine's own error answer (a 5xx, or an error event
+first: a failed KV load ends that way, and leaves the KV held), the KV is still there. After a decode engine went
+silent past the first-byte deadline, cut the connection or answered garbage, it may have read the KV before it
+failed: its params could then make the next engine read freed blocks (in vLLM: silently wrong output once they are
+reused). Such KV is in doubt: the only next step is a fresh prefill, else give up (the store's one decode attempt
+comes first all the same: it reads the store, never the prefill's KV).
+
 Giving up is 503 with Retry-After when every decode failure was a refused or unreachable connection (the
 engines are down: come back later), 502 otherwise (engines answered, badly).
 """
@@ -59,16 +68,23 @@ class Tries:
     reprefilled: bool = False
     from_store: bool = False  # a decode attempt already loaded the prompt from the KV store
     only_connect_failures: bool = True  # every decode failure so far was a refused or unreachable connection
+    kv_in_doubt: bool = False  # a decode engine that failed may have read (and so freed) the KV
 
     def prefill_failed(self) -> Tries:
         return replace(self, prefill=self.prefill + 1)
 
     def prefill_succeeded(self) -> Tries:
-        return replace(self, prefill=self.prefill + 1, have_kv=True)
+        return replace(self, prefill=self.prefill + 1, have_kv=True, kv_in_doubt=False)
 
-    def decode_failed(self, kind: str) -> Tries:
+    def decode_failed(self, kind: str, *, answered: bool = False) -> Tries:
+        """Count a decode failure of `kind`; `answered`: the engine itself answered with an error (a status or an
+        error event), so it did not read the KV (see the module docstring)."""
+        untouched = kind == "connect" or answered
         return replace(
-            self, decode=self.decode + 1, only_connect_failures=self.only_connect_failures and kind == "connect"
+            self,
+            decode=self.decode + 1,
+            only_connect_failures=self.only_connect_failures and kind == "connect",
+            kv_in_doubt=self.have_kv and (self.kv_in_doubt or not untouched),
         )
 
 
@@ -83,8 +99,11 @@ def after_decode_failure(tries: Tries, policy: RetryPolicy, *, another_decode: b
     """The next step once a decode attempt failed before its first byte (`tries` already counts it)."""
     may_reprefill = tries.have_kv and not tries.reprefilled
     if policy.kv_store and tries.have_kv and not tries.from_store:
-        # The store has the prompt: one more decode attempt costs a store read, never a prefill.
+        # The store has the prompt: one more decode attempt costs a store read, never a prefill. (It reads the
+        # store, not the prefill's KV, so whether a failed engine read that KV does not matter.)
         return Step.DECODE_FROM_STORE
+    if tries.have_kv and tries.kv_in_doubt:
+        return Step.REPREFILL if may_reprefill else Step.GIVE_UP
     if tries.decode < policy.max_decode_attempts:
         if another_decode:
             return Step.DECODE_ELSEWHERE

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import pytest
 
 from pdserve.api.router_config import RouterConfig
@@ -34,11 +35,11 @@ from pdserve_operator.autoscaler.core import Autoscaler, AutoscalerConfig
 from pdserve_operator.autoscaler.decision import Reason
 from pdserve_operator.autoscaler.model import ModelConfig, Slo
 from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
-from pdserve_operator.autoscaler.signals import PodPhase, PodState, ServiceSignals
+from pdserve_operator.autoscaler.signals import PodPhase, PodState
 from pdserve_sim.config import SimConfig
 from pdserve_sim.presets import CPU_TINY
 
-# One Prometheus query may take this long (the operator's --prometheus-timeout).
+# A tick's queries may take this long together (the operator's --prometheus-timeout).
 TIMEOUT_S = OperatorSettings.prometheus_timeout
 SERVICE = "chat"
 LONG = "The history of the river valley settlements began with small farms. " * 30  # ~360 tokens: pd route
@@ -157,18 +158,15 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: Prom
         # The rate window spans the whole load however long a busy machine took to settle: a window that starts
         # after the last PD request leaves no increase to read.
         window_s = max(30.0, time.monotonic() - load_started + 15.0)
-        collector = Collector(connect(prometheus.url, TIMEOUT_S))
+        collector = Collector(connect(prometheus.url), deadline_s=TIMEOUT_S)
         target = Target(
             namespace, SERVICE, percentile=90, window_s=window_s, warmup_s=60.0, desired={"prefill": 2, "decode": 2}
         )
         live = {name: role for name, role in roles.items() if name != ghost}
         now = time.time()
-        signals: ServiceSignals = await asyncio.to_thread(
-            collector.collect, target, _pods(live), now, ("chat-router-0",)
-        )
-        with_ghost: ServiceSignals = await asyncio.to_thread(
-            collector.collect, target, _pods(roles), now, ("chat-router-0",)
-        )
+        signals = await collector.collect(target, _pods(live), now, ("chat-router-0",))
+        with_ghost = await collector.collect(target, _pods(roles), now, ("chat-router-0",))
+        await collector.close()
         for task in ghost_streams:
             task.cancel()
 
@@ -207,10 +205,11 @@ async def test_a_ready_pod_prometheus_has_not_scraped_lowers_completeness(promet
     async with sim_in_process(role="prefill", engine_id="chat-prefill-0") as sim:
         with _targets(prometheus, namespace, {"chat-prefill-0": ("prefill", sim.url.removeprefix("http://"))}):
             await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', 1)
-            collector = Collector(connect(prometheus.url, TIMEOUT_S))
+            collector = Collector(connect(prometheus.url), deadline_s=TIMEOUT_S)
             pods = _pods({"chat-prefill-0": "prefill", "chat-prefill-1": "prefill"}, ready_for_s=5.0)
             target = Target(namespace, SERVICE, 90, window_s=15.0, warmup_s=60.0)
-            signals = await asyncio.to_thread(collector.collect, target, pods, time.time())
+            signals = await collector.collect(target, pods, time.time())
+            await collector.close()
     assert signals.prefill.completeness == 0.5
     assert [p.sample_age_s is None for p in signals.prefill.pods] == [False, True]
     assert not any(p.settled for p in signals.prefill.pods), "ready 5 s < 60 s warm-up"
@@ -219,10 +218,11 @@ async def test_a_ready_pod_prometheus_has_not_scraped_lowers_completeness(promet
 @pytest.mark.timeout(60)
 async def test_prometheus_down_holds_every_pool_and_says_why() -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    collector = Collector(connect(url, timeout_s=1.0))
+    collector = Collector(connect(url), deadline_s=1.0)
     pods = _pods({"chat-prefill-0": "prefill", "chat-decode-0": "decode"})
     target = Target("team-a", SERVICE, 90, window_s=15.0, warmup_s=60.0, desired={"prefill": 3, "decode": 4})
-    signals = await asyncio.to_thread(collector.collect, target, pods, time.time(), ("chat-router-0",))
+    signals = await collector.collect(target, pods, time.time(), ("chat-router-0",))
+    await collector.close()
     assert signals.errors and all("ConnectionError" in e for e in signals.errors)
     assert signals.prefill.uncached_tokens_rate is None and signals.decode.generated_tokens_rate is None
     assert signals.router.ttft_s is None
@@ -237,3 +237,70 @@ async def test_prometheus_down_holds_every_pool_and_says_why() -> None:
     assert decision.prefill.reason is decision.decode.reason is Reason.METRICS_UNAVAILABLE
     active, _, _ = decision.conditions()
     assert active.status == "False" and "ConnectionError" in active.message
+
+
+# An engine whose load metric vLLM renamed (as a new release could): every other series is there, at zero.
+RENAMED_ENGINE_METRICS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 0
+# TYPE vllm:prompt_tokens_by_source counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 0
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",model_name="m",finished_reason="stop"} 0
+# TYPE vllm:generated_tokens counter
+vllm:generated_tokens_total{engine="0",model_name="m"} 0
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+async def test_a_metric_missing_while_prometheus_scrapes_the_pod_is_missing_not_zero(
+    prometheus: PrometheusHelper,
+) -> None:
+    """Two decode engines export everything but `vllm:generation_tokens_total` (renamed): read as zero, it once took
+    both pools to their minimum. Real Prometheus; the engines are a static exporter (the broken part under test)."""
+    namespace = f"collector-{uuid.uuid4().hex[:6]}"
+
+    async def metrics(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.Response(text=RENAMED_ENGINE_METRICS, content_type="text/plain")
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    names = {"chat-decode-0": "decode", "chat-decode-1": "decode"}
+    try:
+        with _targets(prometheus, namespace, {name: ("decode", address) for name in names}):
+            await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', 2)
+            # Two samples of each pod in the window: its rates exist (the counted event before asserting absence).
+            two = f'count_over_time(up{{namespace="{namespace}"}}[15s]) >= 2'
+            await wait_for_async(lambda: _query(prometheus, two), within=60.0, interval=0.5, message="two scrapes")
+            collector = Collector(connect(prometheus.url), deadline_s=TIMEOUT_S)
+            target = Target(namespace, SERVICE, 90, window_s=15.0, warmup_s=60.0, desired={"prefill": 0, "decode": 2})
+            signals = await collector.collect(target, _pods(names), time.time())
+            await collector.close()
+    finally:
+        await runner.cleanup()
+    assert signals.decode.generated_tokens_rate is None
+    assert signals.decode.running == 0.0 and signals.decode.request_rate == 0.0  # the series that are there: zero
+    assert signals.errors == (
+        "decode generated_tokens: no series for pod chat-decode-0, chat-decode-1 although Prometheus scrapes it "
+        "(the metric is missing or renamed; not read as zero)",
+    )
+    config = AutoscalerConfig(
+        model=ModelConfig(slo=Slo(0.8, 0.04), interval_s=15.0),
+        policy=PolicyConfig(prefill=PoolBounds(0, 10), decode=PoolBounds(1, 10)),
+        warmup_s=60.0,
+        window_s=15.0,
+    )
+    decision = Autoscaler(config).step(signals)
+    assert (decision.decode.reason, decision.decode.desired) == (Reason.METRICS_UNAVAILABLE, 2)

@@ -15,6 +15,7 @@ import asyncio
 import copy
 import itertools
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -26,8 +27,10 @@ from prometheus_client import CollectorRegistry
 from pdserve.api.policy import DEFAULT_POLICY
 from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
+from pdserve_dev.testing.fake_prometheus import fake_prometheus
 from pdserve_dev.testing.metrics import samples
-from pdserve_operator.autoscaler.collector import Target
+from pdserve_dev.testing.owners import controlled, replica_set_pod
+from pdserve_operator.autoscaler.collector import ENGINE_QUERIES, ROUTER_QUERIES, Collector, Target, connect
 from pdserve_operator.autoscaler.core import AutoscalerConfig, config_from_spec
 from pdserve_operator.autoscaler.loop import (
     CHECK_S,
@@ -71,8 +74,9 @@ class Scripted:
     broken: bool = False
     crash: bool = False
     seen: list[tuple[Target, list[PodState], list[str]]] = field(default_factory=list)
+    closed: int = 0
 
-    def collect(
+    async def collect(
         self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
     ) -> ServiceSignals:
         self.seen.append((target, list(pods), list(routers)))
@@ -100,6 +104,9 @@ class Scripted:
         decode = PoolSignals("decode", target.desired["decode"], ready=target.desired["decode"])
         router = RouterSignals(ttft_s=self.ttft_s, ttft_pd_s=self.ttft_s, itl_s=0.02, freshness_s=1.0)
         return ServiceSignals(now, target.window_s, target.percentile, prefill, decode, router)
+
+    async def close(self) -> None:
+        self.closed += 1
 
 
 def loop_settings(
@@ -180,11 +187,12 @@ class World:
         return self.kube.objects[("StatefulSet", NAMESPACE, f"{NAME}-{role}")]
 
     def add_pods(self) -> None:
-        """Ready engine pods for each StatefulSet's replicas and a router pod, as the cache would hold them."""
+        """Ready engine pods for each StatefulSet's replicas and a router pod, as the cache would hold them (their
+        controllers' owner references included)."""
         for role in ("prefill", "decode"):
             for index in range(int(self.sts(role)["spec"]["replicas"])):
-                self.store.put(pod(f"{NAME}-{role}-{index}", role))
-        self.store.put(pod(f"{NAME}-router-abc", "router"))
+                self.store.put(controlled(pod(f"{NAME}-{role}-{index}", role), self.sts(role)))
+        self.store.put(replica_set_pod(pod(f"{NAME}-router-abc", "router"), f"{NAME}-router"))
 
     def loop(self) -> ServiceLoop:
         return ServiceLoop(KEY, self.scalers)
@@ -441,7 +449,7 @@ def configured(world: World) -> AutoscalerConfig:
 
 def test_read_service_reads_the_pools_and_the_live_pods_from_the_cache() -> None:
     world = World()
-    terminating = pod(f"{NAME}-router-old", "router")
+    terminating = replica_set_pod(pod(f"{NAME}-router-old", "router"), f"{NAME}-router")
     terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     world.store.put(terminating)
     view = service_view(world)
@@ -454,6 +462,20 @@ def test_read_service_reads_the_pools_and_the_live_pods_from_the_cache() -> None
         [f"{NAME}-prefill-0", *(f"{NAME}-decode-{i}" for i in range(4))]
     )
     assert view.routers == [f"{NAME}-router-abc"]  # the terminating one serves no new request
+    # Pods that carry a pool's labels but that its StatefulSet does not control (an `edit` user's own pod, labelled
+    # and named like a pool member, or claiming the StatefulSet under a name it never gives its pods) are not
+    # the pool's: not counted, not scraped.
+    labels = {"app.kubernetes.io/managed-by": "pdserve-operator"}
+    forged = pod(f"{NAME}-prefill-1", "prefill")
+    forged["metadata"]["labels"].update(labels)
+    world.store.put(forged)
+    world.store.put(controlled(pod(f"{NAME}-prefill-evil", "prefill"), world.sts("prefill")))
+    world.store.put(pod(f"{NAME}-router-forged", "router"))
+    view = service_view(world)
+    assert sorted(p["metadata"]["name"] for p in view.engine_pods if "prefill" in p["metadata"]["name"]) == [
+        f"{NAME}-prefill-0"
+    ]
+    assert view.routers == [f"{NAME}-router-abc"]
     # A pool without its StatefulSet yet: nothing to read (the reconcile creates it first).
     world.store.delete(world.sts("decode"))
     spec = world.views.checked(world.store.owner(*KEY) or {}).require()[1]
@@ -615,6 +637,40 @@ def test_turning_autoscaling_off_removes_its_status_and_conditions() -> None:
     assert "autoscaling" not in world.status()["prefill"]
     types = {c["type"] for c in world.status()["conditions"]}
     assert not types & {"ScalingActive", "AbleToScale", "ScalingLimited"}
+
+
+# ------------------------------------------------------------------------------------------------ isolation
+
+
+@pytest.mark.timeout(120)
+async def test_a_pdservice_whose_prometheus_trickles_delays_no_other_loop() -> None:
+    """Four PDServices' queries hang (their Prometheus trickles its answers: a stand-in on a real socket,
+    `fake_prometheus`, since a real one will not hang on demand) with a deadline far off; a fifth's, to a prompt
+    Prometheus, is answered all the same: the loops share no thread pool and no connection (the operator's
+    autoscaler pool has 4 threads, the runner's AUTOSCALER_THREADS)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        world = World()
+        world.scalers.executor = pool
+        async with fake_prometheus(trickle="body") as slow, fake_prometheus() as prompt:
+            collectors = [Collector(connect(slow.url), deadline_s=600.0) for _ in range(4)]
+            collectors.append(Collector(connect(prompt.url), deadline_s=600.0))
+            made = iter(collectors)
+            world.scalers.sources = lambda: next(made)
+            loops = [world.loop() for _ in collectors]
+            view, config = service_view(world), configured(world)
+            stuck = [asyncio.create_task(loop.collect(view, config, 1_800_000_000.0)) for loop in loops[:4]]
+            try:
+                await wait_until(lambda: len(slow.queries) == 4, within=30)  # all four hang in their first query
+                signals = await asyncio.wait_for(loops[4].collect(view, config, 1_800_000_000.0), 30)
+                assert not any(task.done() for task in stuck)
+            finally:
+                for task in stuck:
+                    task.cancel()
+                await asyncio.gather(*stuck, return_exceptions=True)
+                for collector in collectors:
+                    await collector.close()
+    assert len(prompt.queries) == len(ENGINE_QUERIES) * 2 + len(ROUTER_QUERIES)
+    assert signals.errors == ()
 
 
 # -------------------------------------------------------------------------------------------------- helpers

@@ -50,6 +50,7 @@ def test_object_inventory_and_order() -> None:
         ("Role", "svc-router"),
         ("RoleBinding", "svc-router"),
         ("ConfigMap", "svc-router"),
+        ("ConfigMap", "svc-router-discovery"),
         ("Service", "svc-prefill"),
         ("Service", f"svc-prefill-{compat}"),
         ("StatefulSet", "svc-prefill"),
@@ -223,7 +224,7 @@ def test_router_objects() -> None:
     selector = "app.kubernetes.io/instance=svc,pdserve.io/role={},pdserve.io/kv-compat"
     assert config.prefill is not None and config.prefill.label_selector == selector.format("prefill")
     assert config.decode is not None and config.decode.label_selector == selector.format("decode")
-    assert config.node_topology is None  # no topologyKey: the slices' zones are all the router scores on
+    assert config.discovery_config_map is not None and config.discovery_config_map.name == "svc-router-discovery"
     assert config.kv_side_channel_ports == [5600]
     deployment = by_kind(objects, "Deployment", "svc-router")
     assert deployment["spec"]["replicas"] == 3
@@ -236,7 +237,7 @@ def test_router_objects() -> None:
         {
             "apiGroups": [""],
             "resources": ["configmaps"],
-            "resourceNames": ["svc-router-control"],
+            "resourceNames": ["svc-router-discovery", "svc-router-control"],
             "verbs": ["list", "watch"],
         },
     ]

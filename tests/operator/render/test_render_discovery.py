@@ -1,5 +1,5 @@
 """What the router discovers engines through (`render.discovery`): per-kv-compat Services across a rollout, the
-node topology ConfigMap, the router's Role and the side-channel ports. Pure: objects from a spec and `Observed`."""
+discovery ConfigMap, the router's Role and the side-channel ports. Pure: objects from a spec and `Observed`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import yaml
 
 from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
-from pdserve.api.router_config import NodeTopology, RouterConfig
+from pdserve.api.router_config import NodeTopology, OwnedServices, RouterConfig
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import validate
-from pdserve_operator.render import Observed, render
+from pdserve_operator.render import NOTHING_OBSERVED, Observed, render
 
 RACK = "pdserve.io/rack"
 OLD, STRANGE = "0123456789ab", "Not-A-Hash"
@@ -104,32 +104,27 @@ def test_the_router_selects_the_slices_of_its_pools_kv_compat_services() -> None
 )
 def test_node_labels_are_published_only_when_slices_lack_them(topology_key: str | None, published: bool) -> None:
     placement = {"topologyKey": topology_key} if topology_key else {}
-    objects = render(validate(pds(placement=placement)), Observed(node_labels={"n1": {RACK: "r1"}}))
+    label = topology_key or "topology.kubernetes.io/zone"
+    objects = render(validate(pds(placement=placement)), Observed(node_labels={"n1": {label: "r1"}}))
     config = router_config(objects)
-    assert config.topology_labels == [topology_key or "topology.kubernetes.io/zone"]
+    assert config.topology_labels == [label]
+    # The router reads its one discovery ConfigMap in every case (the Services it may trust are there too).
+    assert config.discovery_config_map is not None
+    assert (config.discovery_config_map.namespace, config.discovery_config_map.name) == ("ns", "svc-router-discovery")
     role = objects_of("Role", objects)["svc-router"]
     slices = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
-
-    def config_maps(*names: str) -> dict[str, object]:
-        return {
-            "apiGroups": [""],
-            "resources": ["configmaps"],
-            "resourceNames": list(names),
-            "verbs": ["list", "watch"],
-        }
-
-    if published:
-        assert "svc-router-topology" in objects_of("ConfigMap", objects)
-        assert config.node_topology is not None
-        assert (config.node_topology.namespace, config.node_topology.name) == ("ns", "svc-router-topology")
-        assert role["rules"] == [slices, config_maps("svc-router-control", "svc-router-topology")]
-    else:
-        assert "svc-router-topology" not in objects_of("ConfigMap", objects)
-        assert config.node_topology is None
-        assert role["rules"] == [slices, config_maps("svc-router-control")]
+    one_config_map = {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": ["svc-router-discovery", "svc-router-control"],
+        "verbs": ["list", "watch"],
+    }
+    assert role["rules"] == [slices, one_config_map]
+    nodes = json.loads(objects_of("ConfigMap", objects)["svc-router-discovery"]["data"]["nodes.json"])["nodes"]
+    assert nodes == ({"n1": {label: "r1"}} if published else {})
 
 
-def test_the_topology_config_map_lists_the_observed_nodes_labels_sorted() -> None:
+def test_the_discovery_config_map_lists_the_observed_nodes_labels_sorted() -> None:
     service = pds(placement={"topologyKey": RACK})
     observed = Observed(
         node_labels={
@@ -138,7 +133,7 @@ def test_the_topology_config_map_lists_the_observed_nodes_labels_sorted() -> Non
             "n3": {"topology.kubernetes.io/zone": "z"},  # no rack label: not listed
         }
     )
-    [config_map] = [o for o in render(validate(service), observed) if o["metadata"]["name"] == "svc-router-topology"]
+    [config_map] = [o for o in render(validate(service), observed) if o["metadata"]["name"] == "svc-router-discovery"]
     text = config_map["data"]["nodes.json"]
     assert json.loads(text) == {"nodes": {"n1": {RACK: "r1"}, "n2": {RACK: "r2"}}}  # only the topology label
     assert NodeTopology.model_validate_json(text).nodes["n2"] == {RACK: "r2"}  # what the router parses
@@ -146,8 +141,29 @@ def test_the_topology_config_map_lists_the_observed_nodes_labels_sorted() -> Non
     assert config_map["metadata"]["labels"]["pdserve.io/role"] == "router"
     reordered = Observed(node_labels=dict(reversed(list(observed.node_labels.items()))))
     assert render(validate(service), observed) == render(validate(service), reordered)  # same bytes, no re-apply
-    empty = [o for o in render(validate(service)) if o["metadata"]["name"] == "svc-router-topology"]
+    empty = [o for o in render(validate(service)) if o["metadata"]["name"] == "svc-router-discovery"]
     assert json.loads(empty[0]["data"]["nodes.json"]) == {"nodes": {}}
+
+
+def test_the_router_is_told_only_the_rendered_services_the_operator_controls() -> None:
+    """`services.json`: the per-kv-compat Services rendered now that the operator's cache holds as its own (with
+    their UIDs); nothing before they exist, not the pools' plain headless Services, not a Service no longer
+    rendered; and each pool's StatefulSet, whose member pods alone the router takes."""
+    service = pds()
+    value = kv_compat_hash(effective(service.spec))
+    prefill, decode = f"svc-prefill-{value}", f"svc-decode-{value}"
+
+    def owned(observed: Observed) -> dict[str, str]:
+        config_map = objects_of("ConfigMap", render(validate(service), observed))["svc-router-discovery"]
+        parsed: dict[str, str] = OwnedServices.model_validate_json(config_map["data"]["services.json"]).services
+        return parsed
+
+    assert owned(NOTHING_OBSERVED) == {}  # before the Services exist: the next pass lists them
+    known = {prefill: "u-p", decode: "u-d", "svc-prefill": "u-plain", "svc-decode-000000000000": "u-gone"}
+    assert owned(Observed(services=known)) == {decode: "u-d", prefill: "u-p"}
+    config = router_config(render(validate(service)))
+    assert config.prefill is not None and config.decode is not None
+    assert (config.prefill.statefulset, config.decode.statefulset) == ("svc-prefill", "svc-decode")
 
 
 @pytest.mark.parametrize(

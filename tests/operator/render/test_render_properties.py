@@ -113,8 +113,7 @@ def test_render_never_crashes_and_owns_everything(spec: dict[str, Any], name: st
         o["spec"]["template"]["metadata"]["labels"][KV_COMPAT_LABEL] for o in objects if o["kind"] == "StatefulSet"
     }
     assert len(compat) == 1
-    # The router, whatever the spec, reads EndpointSlices, its control ConfigMap and at most its topology one, never
-    # a Pod.
+    # The router, whatever the spec, reads EndpointSlices, its discovery ConfigMap and its control one, never a Pod.
     [role] = [o for o in objects if o["kind"] == "Role"]
     for rule in role["rules"]:
         assert set(rule["verbs"]) == {"list", "watch"}
@@ -123,7 +122,4 @@ def test_render_never_crashes_and_owns_everything(spec: dict[str, Any], name: st
             ([""], ["configmaps"]),
         )
         if rule["resources"] == ["configmaps"]:
-            assert rule["resourceNames"] in (
-                [f"{name}-router-control"],
-                [f"{name}-router-control", f"{name}-router-topology"],
-            )
+            assert rule["resourceNames"] == [f"{name}-router-discovery", f"{name}-router-control"]

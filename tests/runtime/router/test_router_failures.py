@@ -134,6 +134,36 @@ async def test_decode_failing_before_the_first_byte_is_retried_with_the_same_kv(
         assert pulled > 300
 
 
+async def test_a_decode_engine_that_may_have_read_the_kv_gets_a_fresh_prefill_not_its_kv(
+    router_server: Any, make_config: Callable[..., RouterConfig]
+) -> None:
+    """d1 pulls the KV (the prefill engine frees it on d1's notification, as vLLM does), then its connection is cut
+    before the first token. Sending d2 the same params would make it read freed blocks (real vLLM: wrong output,
+    the simulator: a refused pull): the router prefills afresh instead, and d2 decodes from that."""
+    async with (
+        sim_in_process(role="prefill") as p,
+        sim_in_process(role="decode") as d1,
+        sim_in_process(role="decode") as d2,
+    ):
+        await set_faults(d1.url, disconnect_after_tokens=0)
+        async with router_server(make_config([p.url], [d1.url, d2.url])) as (url, router):
+            prefer(router, "decode", d1.url)
+            status, headers, body = await post(
+                url, {"model": "sim-model", "prompt": LONG, "max_tokens": 5, "stream": True}
+            )
+            exposition = await finished(router)
+        assert status == 200, body
+        assert headers["X-Pdserve-Route"] == "pd"
+        assert body.count(b"data: {") == 5
+        assert (await requests_seen(d1.url), await requests_seen(d2.url), await requests_seen(p.url)) == (1, 1, 2)
+        assert metric_value(exposition, "pdserve_router_retries_total", stage="reprefill") == 1
+        assert metric_value(exposition, "pdserve_router_retries_total", stage="decode") == 0
+        assert metric_value(await scrape(d1.url), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        d2_metrics = await scrape(d2.url)
+        assert metric_value(d2_metrics, "vllm:nixl_num_failed_transfers_total") == 0
+        assert metric_value(d2_metrics, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 300
+
+
 async def test_decode_failing_everywhere_with_the_kv_gets_a_fresh_prefill(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
@@ -150,14 +180,15 @@ async def test_decode_failing_everywhere_with_the_kv_gets_a_fresh_prefill(
 async def test_kv_that_cannot_be_pulled_is_prefilled_again_elsewhere(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
-    # p1 computes the prefill but its side channel drops every pull: decode answers 500 after its transfer
-    # timeout. The router must re-prefill on the other engine, not on p1 again.
+    # p1 computes the prefill but frees its KV at once (a lease of 0 s ends before any pull can arrive): decode's
+    # pulls are refused as expired, and it answers 500 (a failed KV load). The router must re-prefill on the other
+    # engine, not on p1 again. No deadline takes part: a short KV transfer timeout (a side channel that drops
+    # pulls) would also bite the good pull from p2 on a starved CPU, and the request would fail.
     async with (
-        sim_in_process(role="prefill") as p1,
+        sim_in_process(role="prefill", kv_lease_seconds=0) as p1,
         sim_in_process(role="prefill") as p2,
-        sim_in_process(role="decode", kv_transfer_timeout_s=0.3) as d,
+        sim_in_process(role="decode", kv_transfer_timeout_s=120) as d,
     ):
-        await set_faults(p1.url, drop_side_channel=True)
         async with router_server(make_config([p1.url, p2.url], [d.url])) as (url, router):
             prefer(router, "prefill", p1.url)
             status, headers, body = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 2})

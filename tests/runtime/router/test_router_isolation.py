@@ -133,14 +133,15 @@ async def test_a_slow_non_streaming_answer_is_not_an_engine_failure(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
     """An engine is silent until a non-streaming generation is done: that is not a stall."""
-    async with sim_in_process(role="prefill") as p, sim_in_process(role="decode") as d:
+    # Decode only: a prefill engine would answer under the 0.2 s first-byte timeout, which a starved CPU can miss.
+    async with sim_in_process(role="decode") as d:
         await set_faults(d.url, latency_s=1.0)
-        config = make_config([p.url], [d.url], read_timeout_seconds=0.2, first_byte_timeout_seconds=0.2)
+        config = make_config([], [d.url], read_timeout_seconds=0.2, first_byte_timeout_seconds=0.2)
         async with router_server(config) as (url, router):
-            status, headers, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 3})
+            status, _, _ = await post(url, {"model": "sim-model", "prompt": LONG, "max_tokens": 3})
             exposition = await router_metrics(router)
-        assert await requests_seen(p.url) == 1  # prefill ran once: no retry repeated it
-    assert (status, headers["X-Pdserve-Route"]) == (200, "pd")
+        assert await requests_seen(d.url) == 1  # decode ran once: no retry repeated it
+    assert status == 200
     assert metric_value(exposition, "pdserve_router_endpoint_errors_total") == 0
 
 

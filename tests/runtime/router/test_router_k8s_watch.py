@@ -24,7 +24,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from pdserve.api.router_config import CircuitBreakerConfig, EndpointSelector, NodeTopologySource, RouterConfig
+from pdserve.api.router_config import CircuitBreakerConfig, DiscoveryConfigMap, EndpointSelector, RouterConfig
 from pdserve_dev.testing.metrics import metric_value, scrape
 from pdserve_dev.testing.sim import requests_seen, set_faults, sim_in_process
 from pdserve_dev.testing.wait import wait_for_async
@@ -56,7 +56,7 @@ class FakeApi:
         self.refused: dict[tuple[str, str | None], int] = {}
         self.forbidden: list[str] = []
         # The one ConfigMap the router's Role names (resourceNames): only a list/watch selecting it is allowed.
-        self.readable_config_map = "svc-router-topology"
+        self.readable_config_map = DISCOVERY
 
     def put(self, collection: str, obj: dict[str, Any], event: str = "MODIFIED") -> None:
         self.version += 1
@@ -155,6 +155,9 @@ def _matches(obj: dict[str, Any], selector: str | None, fields: str | None = Non
 INSTANCE = "app.kubernetes.io/instance"
 ROLE = "pdserve.io/role"
 RACK = "example.com/rack"
+DISCOVERY = "svc-router-discovery"
+# The per-kv-compat Services the operator owns in these tests, as its discovery ConfigMap lists them.
+OWNED = {f"svc-{role}-{kv}": f"uid-svc-{role}-{kv}" for role in ("prefill", "decode") for kv in ("v1", "v2")}
 
 
 def selector(role: str) -> str:
@@ -165,14 +168,22 @@ def selector(role: str) -> str:
 def endpoint_slice(
     name: str, role: str, kv: str | None, *endpoints: tuple[str, str, bool], port: int = 8000
 ) -> dict[str, Any]:
-    """A slice of the pool's Service for kv-compat value `kv` (None: the pool's own headless Service)."""
-    labels = {"kubernetes.io/service-name": f"svc-{role}" + (f"-{kv}" if kv else ""), INSTANCE: "svc", ROLE: role}
+    """A slice of the pool's Service for kv-compat value `kv` (None: the pool's own headless Service), as the
+    EndpointSlice controller makes it: its managed-by label and a controller reference to the Service's UID."""
+    service = f"svc-{role}" + (f"-{kv}" if kv else "")
+    labels = {
+        "kubernetes.io/service-name": service,
+        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+        INSTANCE: "svc",
+        ROLE: role,
+    }
     if kv is not None:
         labels[KV] = kv
+    owner = {"apiVersion": "v1", "kind": "Service", "name": service, "uid": f"uid-{service}", "controller": True}
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
-        "metadata": {"name": name, "namespace": NS, "labels": labels},
+        "metadata": {"name": name, "namespace": NS, "labels": labels, "ownerReferences": [owner]},
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
         "endpoints": [
@@ -187,19 +198,24 @@ def endpoint_slice(
     }
 
 
-def topology_map(nodes: dict[str, dict[str, str]] | str, name: str = "svc-router-topology") -> dict[str, Any]:
+def topology_map(
+    nodes: dict[str, dict[str, str]] | str, name: str = DISCOVERY, services: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The operator's discovery ConfigMap: node labels (or a malformed text), and the Services it owns."""
     text = nodes if isinstance(nodes, str) else json.dumps({"nodes": nodes})
+    owned = json.dumps({"services": OWNED if services is None else services})
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": name, "namespace": NS},
-        "data": {"nodes.json": text},
+        "data": {"nodes.json": text, "services.json": owned},
     }
 
 
 @pytest.fixture
 async def fake_api() -> AsyncIterator[tuple[FakeApi, int]]:
     api = FakeApi()
+    api.put("configmaps", topology_map({}))  # the operator's discovery ConfigMap: no node labels yet
     app = web.Application()
     app.router.add_get("/api/v1/namespaces/{ns}/{collection}", api.handle)
     app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{ns}/{collection}", api.handle)
@@ -251,7 +267,7 @@ def config(**extra: Any) -> RouterConfig:
         prefill=EndpointSelector(namespace=NS, label_selector=selector("prefill")),
         decode=EndpointSelector(namespace=NS, label_selector=selector("decode")),
         topology_labels=[RACK],
-        node_topology=NodeTopologySource(namespace=NS, name="svc-router-topology"),
+        discovery_config_map=DiscoveryConfigMap(namespace=NS, name=DISCOVERY),
         **extra,
     )
 
@@ -312,7 +328,7 @@ async def test_discovery_follows_slices_through_a_rollout_and_survives_an_api_ou
         api.close_watches()
 
 
-async def test_topology_comes_from_the_node_topology_config_map(fake_api: tuple[FakeApi, int]) -> None:
+async def test_topology_comes_from_the_discovery_config_map(fake_api: tuple[FakeApi, int]) -> None:
     """Slices name each engine's node; the operator's ConfigMap names the node's rack. The router reads that one
     ConfigMap by name (the only one its Role lets it read), follows its changes and keeps the last good content."""
     api, port = fake_api
@@ -344,19 +360,21 @@ async def test_topology_comes_from_the_node_topology_config_map(fake_api: tuple[
         assert (rack("prefill"), rack("decode")) == ("r1", "r2")
         api.put("configmaps", topology_map({"node-d-0": {RACK: "r1"}}))
         await until(lambda: rack("decode") == "r1" and rack("prefill") is None, "the moved rack")
-        api.delete("configmaps", "svc-router-topology")
-        await until(lambda: rack("decode") is None, "no rack once the ConfigMap is gone")
+        # Gone: no rack, and no Service proven the operator's any longer, so no engine either.
+        api.delete("configmaps", DISCOVERY)
+        await until(lambda: table.states("decode") == () == table.states("prefill"), "no engine without the ConfigMap")
         assert api.forbidden == []
     finally:
         await discovery.stop()
         api.close_watches()
 
 
-async def test_without_a_node_topology_the_router_reads_only_slices(fake_api: tuple[FakeApi, int]) -> None:
+async def test_without_a_discovery_config_map_the_router_reads_only_slices(fake_api: tuple[FakeApi, int]) -> None:
+    """A hand-written configuration without the operator's ConfigMap: the selected slices are all there is."""
     api, port = fake_api
     api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "d-0", True)))
     table = EndpointTable()
-    plain = config().model_copy(update={"node_topology": None, "prefill": None})
+    plain = config().model_copy(update={"discovery_config_map": None, "prefill": None})
     discovery = KubernetesDiscovery(plain, table, api_client_factory=api_client_for(port))
     await discovery.start()
     try:
@@ -365,6 +383,49 @@ async def test_without_a_node_topology_the_router_reads_only_slices(fake_api: tu
         api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "d-0", False)))
         await rebuilt(table, version)
         assert api.lists == 1 and api.forbidden == []  # one list (the decode slices), then only the watch
+    finally:
+        await discovery.stop()
+        api.close_watches()
+
+
+async def test_only_slices_of_services_the_operator_publishes_give_engines(fake_api: tuple[FakeApi, int]) -> None:
+    """A tenant's Service carrying the pool's labels gets slices from the EndpointSlice controller like any other
+    (here its managed-by label and its own UID): the router leaves them out and says so once. A Service the
+    operator publishes later (a rollout's new value) is taken from the moment the ConfigMap lists it, and a pod in
+    an owned Service's slice that is not a member of the pool's StatefulSet is left out."""
+    api, port = fake_api
+    api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "svc-decode-0", True)))
+    evil = endpoint_slice("evil-x", "decode", "v1", ("10.9.9.9", "evil", True))
+    evil["metadata"]["labels"]["kubernetes.io/service-name"] = "evil"
+    evil["metadata"]["ownerReferences"][0].update(name="evil", uid="uid-evil")
+    api.put("endpointslices", evil)
+    api.put("configmaps", topology_map({}, services={"svc-decode-v1": "uid-svc-decode-v1"}))
+    table = EndpointTable()
+    members = config()
+    assert members.decode is not None
+    members = members.model_copy(update={"decode": members.decode.model_copy(update={"statefulset": "svc-decode"})})
+    discovery = KubernetesDiscovery(members, table, api_client_factory=api_client_for(port))
+    await discovery.start()
+    try:
+        await until(lambda: urls(table, "decode") == ["http://10.2.0.1:8000"], "the owned Service's engine only")
+        # A rollout: the new value's slice appears before the operator lists its Service, then is taken.
+        api.put("endpointslices", endpoint_slice("dec-b", "decode", "v2", ("10.2.0.2", "svc-decode-1", True)))
+        version = table.version
+        api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "svc-decode-0", True)))
+        await rebuilt(table, version)
+        assert urls(table, "decode") == ["http://10.2.0.1:8000"]
+        api.put(
+            "configmaps", topology_map({}, services={f"svc-decode-{v}": f"uid-svc-decode-{v}" for v in ("v1", "v2")})
+        )
+        await until(lambda: len(table.states("decode")) == 2, "the published Service's engine")
+        # A pod of someone else's in an owned Service's slice (it copied the pool's labels): not a member.
+        api.put("endpointslices", endpoint_slice("dec-b", "decode", "v2", ("10.2.0.2", "svc-decode-1", True),
+                                                 ("10.9.9.8", "copycat", True)))  # fmt: skip
+        version = table.version
+        api.put("endpointslices", endpoint_slice("dec-a", "decode", "v1", ("10.2.0.1", "svc-decode-0", False)))
+        await rebuilt(table, version)
+        assert urls(table, "decode") == ["http://10.2.0.1:8000", "http://10.2.0.2:8000"]
+        assert api.forbidden == []
     finally:
         await discovery.stop()
         api.close_watches()

@@ -21,7 +21,7 @@ from pdserve_dev.testing.gated_engine import GatedEngine
 from pdserve_dev.testing.metrics import metric_value, scrape
 from pdserve_dev.testing.wait import wait_for_async
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(180)
 
 Answer = tuple[int, dict[str, str], Any]
 
@@ -56,16 +56,17 @@ async def post(session: aiohttp.ClientSession, url: str, prompt: list[int], key:
 
 
 def session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60))
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=150))
 
 
 async def until(predicate: Callable[[], bool], message: str | Callable[[], str]) -> None:
-    """Wait (20 s at most) until `predicate()` holds: the state of in-process routers and engines, polled."""
+    """Wait (60 s at most: a burst of 500 requests reaches the queue slowly on a loaded machine) until
+    `predicate()` holds: the state of in-process routers and engines, polled."""
 
     async def check() -> bool:
         return predicate()
 
-    await wait_for_async(check, within=20, interval=0.01, message=message)
+    await wait_for_async(check, within=60, interval=0.01, message=message)
 
 
 async def waiting(router: Any, pool: str, count: int) -> None:

@@ -219,12 +219,25 @@ async def test_models_are_asked_from_a_decode_engine_without_a_configured_name(
 async def test_concurrent_streams_spread_over_decode_engines(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
+    # The test counts where 40 streams went; no deadline may take part. Router, engines and client share one
+    # event loop here, and on a starved CPU a real 2 s connect or 5 s KV pull can pass before the loop gets to
+    # it: an engine counted as failed, a retry (an extra request seen) or an ejection (one engine gets almost
+    # nothing) would then decide the counts. So every deadline (the prefill's KV lease too) lies beyond the test's
+    # own timeout.
+    no_deadline = 120.0
     async with (
-        sim_in_process(role="prefill") as p,
-        sim_in_process(role="decode") as d1,
-        sim_in_process(role="decode") as d2,
+        sim_in_process(role="prefill", kv_lease_seconds=no_deadline) as p,
+        sim_in_process(role="decode", kv_transfer_timeout_s=no_deadline) as d1,
+        sim_in_process(role="decode", kv_transfer_timeout_s=no_deadline) as d2,
     ):
-        config = make_config([p.url], [d1.url, d2.url], disaggregation_threshold_tokens=0)
+        config = make_config(
+            [p.url],
+            [d1.url, d2.url],
+            disaggregation_threshold_tokens=0,
+            connect_timeout_seconds=no_deadline,
+            first_byte_timeout_seconds=no_deadline,
+            read_timeout_seconds=no_deadline,
+        )
         async with router_server(config) as (url, _), aiohttp.ClientSession() as session:
 
             async def one(i: int) -> int:

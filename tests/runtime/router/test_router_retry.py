@@ -82,6 +82,38 @@ def test_giving_up_says_come_back_later_only_when_engines_are_down(kinds: list[s
     assert give_up_status(tries) == status
 
 
+@pytest.mark.parametrize(
+    ("failures", "step"),
+    [
+        ([("connect", False)], Step.DECODE_ELSEWHERE),  # never arrived: the KV is untouched
+        ([("status", True)], Step.DECODE_ELSEWHERE),  # the engine's own error answer (a failed load keeps the KV)
+        ([("stream", True)], Step.DECODE_ELSEWHERE),  # an error event first, the same
+        ([("timeout", False)], Step.REPREFILL),  # silent past the deadline: it may have read the KV
+        ([("stream", False)], Step.REPREFILL),  # cut before answering: the same
+        ([("protocol", False)], Step.REPREFILL),
+        ([("connect", False), ("timeout", False)], Step.REPREFILL),  # doubt stays, whatever came before
+        ([("timeout", False), ("connect", False)], Step.REPREFILL),
+    ],
+)
+def test_kv_a_failed_decode_engine_may_have_read_is_never_reused(failures: list[tuple[str, bool]], step: Step) -> None:
+    many = RetryPolicy(max_prefill_attempts=2, max_decode_attempts=5, fallback_to_decode=True)
+    tries = Tries(prefill=1, have_kv=True)
+    for kind, answered in failures:
+        tries = tries.decode_failed(kind, answered=answered)
+    assert after_decode_failure(tries, many, another_decode=True, same_usable=True) is step
+
+
+def test_kv_in_doubt_after_the_fresh_prefill_too_is_given_up_and_a_fresh_prefill_clears_the_doubt() -> None:
+    many = RetryPolicy(max_prefill_attempts=2, max_decode_attempts=5, fallback_to_decode=True)
+    doubt = Tries(prefill=1, have_kv=True, reprefilled=True).decode_failed("timeout")
+    assert after_decode_failure(doubt, many, another_decode=True, same_usable=True) is Step.GIVE_UP
+    fresh = doubt.prefill_succeeded()
+    assert not fresh.kv_in_doubt
+    assert after_decode_failure(fresh, many, another_decode=True, same_usable=True) is Step.DECODE_ELSEWHERE
+    # Without KV (decode-only) there is nothing to doubt.
+    assert not Tries().decode_failed("timeout").kv_in_doubt
+
+
 def test_counting() -> None:
     tries = Tries().prefill_failed().prefill_succeeded().decode_failed("status")
     assert (tries.prefill, tries.decode, tries.have_kv, tries.only_connect_failures) == (2, 1, True, False)

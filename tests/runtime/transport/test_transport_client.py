@@ -135,7 +135,7 @@ async def test_deadlines_first_byte_and_silence_between_chunks() -> None:
 async def test_silence_while_the_caller_has_paused_reading_is_not_a_timeout() -> None:
     """The relay's reader being slow is not the engine's fault: paused, the idle timeout does not run (issue 18.7);
     resumed, it counts afresh."""
-    go_on = asyncio.Event()
+    go_on, sent = asyncio.Event(), asyncio.Event()
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _n: int) -> None:
         await read_request(reader)
@@ -144,6 +144,7 @@ async def test_silence_while_the_caller_has_paused_reading_is_not_a_timeout() ->
         await go_on.wait()  # silent for as long as the test likes
         writer.write(b"4\r\nrest\r\n0\r\n\r\n")
         await writer.drain()
+        sent.set()
 
     client = EngineClient(connect_timeout=1.0)
     async with raw_engine(script) as (url, _):
@@ -154,8 +155,11 @@ async def test_silence_while_the_caller_has_paused_reading_is_not_a_timeout() ->
         relay = asyncio.create_task(exchange.relay(relayed.append, idle_timeout=0.2))
         await asyncio.sleep(1.0)  # five idle timeouts: paused, there is no deadline at all
         assert not relay.done()
-        exchange.resume_reading()
+        # The rest is on the socket before reading resumes: the relay's next wake-up finds it there. (Resumed
+        # first, a starved CPU could let the fresh 0.2 s pass before this shared event loop wrote the rest.)
         go_on.set()
+        await asyncio.wait_for(sent.wait(), 5)
+        exchange.resume_reading()
         await asyncio.wait_for(relay, 5)
         assert relayed == [b"rest"]
         exchange.close()

@@ -1,4 +1,4 @@
-"""Kubernetes discovery: the pools' EndpointSlices, and the operator's node topology ConfigMap when configured.
+"""Kubernetes discovery: the pools' EndpointSlices, and the operator's discovery ConfigMap when configured.
 
 The router reads no Pods (their specs carry env values, and the router faces clients): what it pairs and scores on
 reaches it on the objects it watches (`pdserve.api.router_config` describes the contract, the operator's
@@ -8,9 +8,13 @@ reaches it on the objects it watches (`pdserve.api.router_config` describes the 
   the pods carrying that value, so the label is true of every endpoint of the slice from the moment it appears.
   A URL listed under two different values at once (a pod label edited by hand, briefly in two Services' slices) is
   left out: pairing it with either would be a guess.
-- its topology: the endpoint's `zone` and `nodeName`, plus the labels of its node from the node topology
-  ConfigMap (`nodeTopology`), for the labels in `topologyLabels`. Until that ConfigMap is read (or for a node it
-  does not list), an engine simply has no domain for those labels: topology weighs a score, never a pairing.
+- its topology: the endpoint's `zone` and `nodeName`, plus the labels of its node from the discovery ConfigMap
+  (`discoveryConfigMap`, key `nodes.json`), for the labels in `topologyLabels`. Until that ConfigMap is read (or for
+  a node it does not list), an engine simply has no domain for those labels: topology weighs a score, never a
+  pairing.
+- that it is the PDService's at all: only slices the EndpointSlice controller made for a Service the operator owns
+  (the same ConfigMap, key `services.json`), and only pods named as members of the pool's StatefulSet
+  (`trust.py`); until that ConfigMap is read, no engine.
 
 Watching: one thread per watched collection (each pool's slices by its label selector; the ConfigMap by name, as
 its Role allows: a list or watch selecting `metadata.name`) runs the usual list-then-watch loop of the
@@ -36,12 +40,15 @@ import pydantic
 from pdserve.api.router_config import (
     HOSTNAME_LABEL,
     NODE_TOPOLOGY_KEY,
+    OWNED_SERVICES_KEY,
     ZONE_LABEL,
     EndpointSelector,
     KvEventsPortNames,
     NodeTopology,
+    OwnedServices,
     RouterConfig,
 )
+from pdserve_runtime.router.discovery.trust import trusted_slices
 from pdserve_runtime.router.endpoints import Endpoint, EndpointTable, KvEventSource, Role
 
 log = logging.getLogger("pdserve.router.discovery")
@@ -165,7 +172,7 @@ def pool_endpoints(
 
 
 def parse_node_topology(config_map: Mapping[str, Any]) -> NodeLabels:
-    """The node labels a node topology ConfigMap publishes; ValueError when it does not hold a NodeTopology."""
+    """The node labels a discovery ConfigMap publishes; ValueError when it does not hold a NodeTopology."""
     text = (config_map.get("data") or {}).get(NODE_TOPOLOGY_KEY)
     if text is None:
         raise ValueError(f"no key {NODE_TOPOLOGY_KEY}")
@@ -173,6 +180,18 @@ def parse_node_topology(config_map: Mapping[str, Any]) -> NodeLabels:
         return NodeTopology.model_validate_json(text).nodes
     except pydantic.ValidationError as exc:
         raise ValueError(f"{NODE_TOPOLOGY_KEY} is not a node topology: {exc.error_count()} errors") from None
+
+
+def parse_owned_services(config_map: Mapping[str, Any]) -> Mapping[str, str]:
+    """The Services (name -> UID) a discovery ConfigMap lists as the operator's; ValueError when it does not hold
+    an OwnedServices."""
+    text = (config_map.get("data") or {}).get(OWNED_SERVICES_KEY)
+    if text is None:
+        raise ValueError(f"no key {OWNED_SERVICES_KEY}")
+    try:
+        return OwnedServices.model_validate_json(text).services
+    except pydantic.ValidationError as exc:
+        raise ValueError(f"{OWNED_SERVICES_KEY} is not a list of owned Services: {exc.error_count()} errors") from None
 
 
 class _Collection:
@@ -198,7 +217,7 @@ class _Collection:
 
 
 class KubernetesDiscovery:
-    """Keeps the endpoint table in step with the pools' EndpointSlices (and the node topology ConfigMap)."""
+    """Keeps the endpoint table in step with the pools' EndpointSlices (and the operator's discovery ConfigMap)."""
 
     def __init__(
         self,
@@ -217,6 +236,9 @@ class KubernetesDiscovery:
         self._slices: dict[Role, _Collection] = {role: _Collection() for role in self._selectors}
         self._topology = _Collection()
         self._nodes: NodeLabels = {}
+        # The Services whose slices may hold engines (name -> UID); None until the discovery ConfigMap is read.
+        self._owned: Mapping[str, str] | None = None
+        self._ignored: dict[Role, set[str]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -235,7 +257,7 @@ class KubernetesDiscovery:
                 {"label_selector": selector.label_selector},
                 self._slices[role],
             )
-        source = self._config.node_topology
+        source = self._config.discovery_config_map
         if source is not None:
             self._spawn(
                 "node-topology",
@@ -317,21 +339,28 @@ class KubernetesDiscovery:
             loop.call_soon_threadsafe(apply)
 
     def _refresh_nodes(self) -> None:
-        """Parse the node topology ConfigMap when it changed; a malformed one keeps the last good labels."""
+        """Parse the discovery ConfigMap when it changed; a malformed document keeps the last good one."""
         if not self._topology.changed:
             return
         self._topology.changed = False
         found = list(self._topology.objects.values())
-        before = self._nodes
+        before, owned_before = self._nodes, self._owned
         if not found:
             self._nodes = {}  # deleted (or never there): no node labels, the slices' zone and node still count
+            self._owned = {} if self._topology.synced else None  # and no Service is proven the operator's
         else:
             try:
                 self._nodes = parse_node_topology(found[0])
             except ValueError as exc:
                 log.warning("Ignored node topology configmap=%s error=%s", found[0]["metadata"]["name"], exc)
+            try:
+                self._owned = parse_owned_services(found[0])
+            except ValueError as exc:  # keeps the last good list (none before the first: no engine)
+                log.warning("Ignored owned services configmap=%s error=%s", found[0]["metadata"]["name"], exc)
         if self._nodes != before:
             log.info("Updated node topology nodes=%d", len(self._nodes))
+        if self._owned != owned_before:
+            log.info("Updated owned services services=%s", sorted(self._owned or {}))
 
     def _rebuild(self) -> None:
         config = self._config
@@ -340,8 +369,15 @@ class KubernetesDiscovery:
             slices = self._slices[role]
             if not slices.synced:
                 continue  # never replace a pool with "nothing" before the first list came back
-            endpoints = pool_endpoints(
+            trusted = trusted_slices(
                 slices.objects.values(),
+                owned=self._owned,
+                require_owned=config.discovery_config_map is not None,
+                statefulset=selector.statefulset,
+            )
+            self._log_ignored(role, trusted.ignored)
+            endpoints = pool_endpoints(
+                trusted.slices,
                 role=role,
                 port_name=selector.port_name,
                 kv_compat_label=config.kv_compat_label,
@@ -355,6 +391,15 @@ class KubernetesDiscovery:
             if before != after:
                 log.info("Updated %s endpoints count=%d added=%s removed=%s", role, len(after),
                          sorted(after - before), sorted(before - after))  # fmt: skip
+
+    def _log_ignored(self, role: Role, ignored: list[str]) -> None:
+        """Say once (while it lasts) what the pool's selector found but the router does not trust (`trust.py`):
+        someone's Service or pod carrying the pool's labels."""
+        before = self._ignored.get(role, set())
+        for reason in ignored:
+            if reason not in before:
+                log.warning("Ignored untrusted %s engines %s", role, reason)
+        self._ignored[role] = set(ignored)
 
 
 def _default_api_client() -> Any:
