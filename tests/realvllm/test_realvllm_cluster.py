@@ -351,7 +351,7 @@ def _selector(deployment: Deployment, pool: str, prometheus: PrometheusHelper) -
     """The pool's selector exactly as the autoscaler's collector writes it (its live pods by name)."""
     pods = [p["metadata"]["name"] for p in deployment.pods(pool)]
     target = Target(deployment.namespace, NAME, 90, window_s=10.0, warmup_s=5.0)
-    return Collector(prometheus.client).selector(target, pool, pods)
+    return Collector(prometheus.client, deadline_s=10.0).selector(target, pool, pods)
 
 
 def test_every_autoscaler_query_finds_real_vllm_data(deployment: Deployment, prometheus: PrometheusHelper) -> None:
