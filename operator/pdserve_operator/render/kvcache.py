@@ -82,7 +82,11 @@ def kv_transfer_config(pds: PDService, spec: EffectiveSpec, role: EngineRole) ->
     offload, store = tiers(spec, role)
     if not offload and not store:
         return nixl
-    connectors = [nixl]
+    # The NIXL entry carries no engine_id: vLLM 0.32's MultiConnector builds each child's config as
+    # `KVTransferConfig(**child, engine_id=child.get("engine_id", outer))` (`multi_connector.py`,
+    # `_get_connector_classes_and_configs`), so a child with its own engine_id fails the engine's start-up with
+    # "got multiple values for keyword argument 'engine_id'". The child inherits the outer one, which is the same.
+    connectors = [{key: value for key, value in nixl.items() if key != "engine_id"}]
     if offload:
         tier = spec.pool(role).kv_cache.offload
         assert tier.cpu_bytes is not None

@@ -67,6 +67,23 @@ def test_engines_run_as_non_root_when_asked() -> None:
         assert context["runAsNonRoot"] is True and context["runAsUser"] == 1000
 
 
+def test_non_root_engines_get_a_writable_home() -> None:
+    """vLLM keeps its caches under ~/.cache; a UID the image does not know would get HOME=/ (unwritable)."""
+    for role, pod in pod_specs(objects(engine={"image": "vllm/vllm-openai:v0.32.0", "runAsUser": 2000})).items():
+        if role == "svc-router":
+            continue
+        [container] = pod["containers"]
+        assert {"name": "HOME", "value": "/home/vllm"} in container["env"]
+        assert {"name": "home", "mountPath": "/home/vllm"} in container["volumeMounts"]
+        assert {"name": "home", "emptyDir": {}} in pod["volumes"]
+    # The image's own user keeps the image's HOME; a HOME the author sets wins.
+    for pod in pod_specs(objects()).values():
+        assert not any(v["name"] == "home" for v in pod["volumes"])
+    engine = {"image": "vllm/vllm-openai:v0.32.0", "runAsUser": 2000, "env": [{"name": "HOME", "value": "/data"}]}
+    [container] = pod_specs(objects(engine=engine))["svc-decode"]["containers"]
+    assert [v for v in container["env"] if v["name"] == "HOME"] == [{"name": "HOME", "value": "/data"}]
+
+
 def test_root_user_is_not_a_choice() -> None:
     problems = validate(
         {

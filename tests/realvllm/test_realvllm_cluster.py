@@ -1,0 +1,608 @@
+"""Issue 20, points 2-6: the product as users run it, with real vLLM engines in place of the simulator.
+
+`helm install` of the chart into the local cluster (the operator in-cluster on the process node, pointed at the
+cluster's Prometheus), then a PDService whose engine image is vLLM's CPU image, which the process node's image map
+runs as the installed real vLLM 0.32 (`vllm serve ...` exactly as rendered), everything through the router.
+Engine start-ups are what this tier costs (25-110 s each on two cores), so one PDService serves the whole module
+and the tests run in order, each leaving the service as the next expects it (module docstring of each step):
+
+1. PD end to end (point 2): long prompts take the PD route and decode's own metrics show the prompt's KV arrived
+   over NIXL with nothing recomputed; greedy output through PD equals one engine's answer; short prompts go
+   decode-only; streaming and not, completions and chat.
+2. The security context (point 6): the engine processes run as the renderer's securityContext says, checked in
+   /proc (user, no_new_privs, capabilities); seccomp, which the process node cannot enforce, is reported by it.
+3. Metrics (point 5's diff): the simulator's `/metrics` against these engines' (names, types, labels, buckets).
+4. The autoscaler (point 4): every query of `queries.py` returns data from Prometheus scraping these engines;
+   `ScalingActive=True`; a TTFT breach with real long prompts scales prefill 1 -> 2, and the Event's demand matches
+   the engines' own counters.
+5. Lifecycle (point 3), marked `realvllm_slow` (several engine start-ups each: too long for CI's two cores; they run
+   when `-m` names the marker, docs/real-vllm.md): the prefill pod deleted (a new incarnation: a new NIXL engine id,
+   PD works again through a fresh handshake), then both pools scaled down under a checked load (vLLM's own
+   --shutdown-timeout drain and the preStop hook), then a rolling update changing the kv-compat hash under load: no
+   request lost, no pair mixed. Each one first brings the pools to the sizes it starts from, so they run alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve_dev.chaos.service import wait_pool
+from pdserve_dev.cluster.cluster import pinned_namespace
+from pdserve_dev.realvllm import metricsdiff, service
+from pdserve_dev.realvllm.models import MODEL_NAME
+from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.helm import helm
+from pdserve_dev.testing.metrics import metric_value, scrape_sync, series
+from pdserve_dev.testing.mixed_load import MixedLoad, default_mix
+from pdserve_dev.testing.net import free_ports
+from pdserve_dev.testing.prometheus import PrometheusHelper
+from pdserve_dev.testing.sim import sim_process
+from pdserve_dev.testing.wait import wait_for
+from pdserve_operator.autoscaler import queries
+from pdserve_operator.autoscaler.collector import Collector, Target
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "pdserve"
+NAME = "real"
+pytestmark = [pytest.mark.cluster, pytest.mark.realvllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+#: The operator's autoscaler timing: a decision every 2 s over a 10 s window (defaults 15 s / 15 s).
+AUTOSCALER_WINDOW_S = 10.0
+AUTOSCALER_FLAGS = ["--autoscaler-interval-seconds=2", f"--autoscaler-window-seconds={AUTOSCALER_WINDOW_S:g}"]
+#: Every request of the tier's loads asks for exactly max_tokens tokens (a random model may emit EOS early).
+EXACT = {"ignore_eos": True}
+RUN_AS_USER = 2000
+#: An SLO no engine of this tier breaches at rest. (Prefill's TTFT budget is the target minus a KV transfer and two
+#: decode steps at the ITL target: the ITL target must stay well below half the TTFT target.)
+CALM_SLO = {"ttftMilliseconds": 30000, "itlMilliseconds": 200, "percentile": 90}
+#: What the breach test sets: a 300 ms TTFT (a budget of ~250 ms) that a queue of ~1750-token prompts exceeds.
+BREACH_SLO = {"ttftMilliseconds": 300, "itlMilliseconds": 20}
+LONG_PROMPT = " ".join(f"the prefill engine computes token {i} of the prompt." for i in range(80))
+
+
+@dataclass
+class Deployment:
+    cluster: ClusterHelper
+    namespace: str
+    release: str
+    router: str
+
+    def ips(self, role: str) -> list[str]:
+        return self.cluster.pod_ips(self.namespace, f"pdserve.io/role={role}")
+
+    def pods(self, role: str) -> list[dict[str, Any]]:
+        return self.cluster.pods(self.namespace, f"pdserve.io/role={role}")
+
+    def pds(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.cluster.get_json("pdservices.pdserve.io", NAME, f"--namespace={self.namespace}")
+        return result
+
+    def patch(self, patch: dict[str, Any]) -> None:
+        self.cluster.kubectl(
+            "patch", "pdservices.pdserve.io", NAME, f"--namespace={self.namespace}", "--type=merge",
+            f"--patch={json.dumps(patch)}",
+        )  # fmt: skip
+
+    def wait_pool(self, role: str, replicas: int, timeout: float = 600.0) -> None:
+        wait_pool(self.cluster, self.namespace, role, replicas, router=self.router, timeout=timeout)
+
+    def describe(self) -> str:
+        pods = self.cluster.kubectl("get", "pods", "-o", "wide", f"--namespace={self.namespace}", check=False).stdout
+        return f"{pods}\nconditions: {self.pds().get('status', {}).get('conditions')}"
+
+    def keep_logs(self, folder: Path) -> None:
+        """Copy every container log of the namespace (process node files) into `folder`, which pytest keeps."""
+        logs = self.cluster.process_node_workdir
+        if logs is None:
+            return
+        for path in (logs / "logs").glob(f"{self.namespace}_*.log"):
+            (folder / path.name).write_bytes(path.read_bytes())
+        events = self.cluster.kubectl("get", "events", f"--namespace={self.namespace}", "-o", "wide", check=False)
+        (folder / "events.txt").write_text(events.stdout + events.stderr)
+        (folder / "pdservice.json").write_text(json.dumps(self.pds(), indent=1))
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    cluster: ClusterHelper, prometheus: PrometheusHelper, real_vllm: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    """The chart installed (namespaced, watching one serving namespace) and the tier's PDService Available."""
+    if cluster.process_node_workdir is None:
+        pytest.skip("the local cluster runs without its process node")
+    suffix = uuid.uuid4().hex[:6]
+    release, system = f"pdserve-rv-{suffix}", f"pdserve-system-rv-{suffix}"
+    namespace = cluster.create_namespace("realvllm")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
+    cluster.wait_crd_established()
+    cluster.apply(json.dumps(pinned_namespace(system)))
+    values = {
+        "fullnameOverride": release, "crds.install": False, "operator.replicas": 1,
+        "watch.mode": "namespaced", "watch.namespaces": [namespace],
+        "operator.prometheusUrl": prometheus.url, "operator.extraArgs": AUTOSCALER_FLAGS,
+    }  # fmt: skip
+    args = ["install", release, str(CHART), f"--namespace={system}", "--wait", "--timeout=180s"]
+    args += [f"--set-json={key}={json.dumps(value)}" for key, value in values.items()]
+    helm(*args, kubeconfig=cluster.kubeconfig, timeout=240)
+    started = time.monotonic()
+    try:
+        # Non-root engines (issue 18 item 13): the tier runs vLLM as UID 2000, so every run proves a non-root engine
+        # serves PD with NIXL under the process node's enforcement.
+        manifest = service.manifest(NAME, namespace, run_as_user=RUN_AS_USER)
+        # The prefill pool is the autoscaler's from the start (a target no idle engine breaches), so its queries
+        # run against the real engines all along.
+        manifest["spec"]["prefill"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 2}
+        manifest["spec"]["slo"] = dict(CALM_SLO)
+        manifest["spec"]["autoscaling"] = {"warmupSeconds": 5, "scaleDownStabilizationSeconds": 600}
+        cluster.apply(json.dumps(manifest))
+        result = cluster.kubectl(
+            "wait", "--for=condition=Available", f"pdservices.pdserve.io/{NAME}", f"--namespace={namespace}",
+            "--timeout=600s", timeout=620, check=False,
+        )  # fmt: skip
+        router_ip = wait_for(lambda: cluster.pod_ips(namespace, "pdserve.io/role=router") or None, 60)[0]
+        deployment = Deployment(cluster, namespace, release, f"http://{router_ip}:{service.ROUTER_PORT}")
+        assert result.returncode == 0, f"not Available after {service.elapsed(started)}:\n{deployment.describe()}"
+        print(f"realvllm: PDService Available {service.elapsed(started)} after apply")
+        yield deployment
+        logs = tmp_path_factory.mktemp("realvllm-logs")
+        deployment.keep_logs(logs)
+        print(f"realvllm: container logs kept in {logs}")
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        helm("uninstall", release, f"--namespace={system}", kubeconfig=cluster.kubeconfig, check=False, timeout=90)
+        cluster.kubectl("delete", "namespace", system, "--wait=false", check=False)
+
+
+def _completion(base: str, prompt: str, **extra: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    return service.post(f"{base}/v1/completions", {**body, **EXACT, **extra})
+
+
+# ------------------------------------------------------------------------------------------------ 1. PD end to end
+
+
+def test_long_prompts_take_pd_and_decode_pulls_their_kv_over_nixl(deployment: Deployment) -> None:
+    [decode] = deployment.ips("decode")
+    [prefill] = deployment.ips("prefill")
+    # The renderer's VLLM_NIXL_SIDE_CHANNEL_HOST (the pod IP) is what vLLM hands out: decode can reach it.
+    handed = service.handed_out(prefill)
+    [pod] = deployment.pods("prefill")
+    process = deployment.cluster.container_process(deployment.namespace, pod["metadata"]["name"], "vllm")
+    assert (handed["remote_host"], handed["remote_port"]) == (prefill, 5600), (
+        handed,
+        {k: v for k, v in process.environ.items() if "NIXL" in k or "POD" in k},
+    )
+    before = service.tokens_by_source([decode])
+    headers, answer = _completion(deployment.router, LONG_PROMPT)
+    after = service.tokens_by_source([decode])
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert headers.get("X-Pdserve-Route") == "pd", headers
+    assert prompt_tokens > 256
+    # Decode's own counters: every prompt token arrived over NIXL, none was computed there.
+    pulled = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+    computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+    assert (pulled, computed) == (prompt_tokens, 0), (before, after)
+    decode_metrics = scrape_sync(f"http://{decode}:{service.ENGINE_PORT}/metrics")
+    assert metric_value(decode_metrics, "vllm:nixl_xfer_time_seconds_count") >= 1
+    assert metric_value(decode_metrics, "vllm:nixl_num_failed_transfers_total") == 0
+
+    # Greedy output through PD equals one engine's answer to the same prompt, computed whole there (a cache salt
+    # keeps that engine's prefix cache, which holds the pulled KV, out of it).
+    _, alone = service.post(
+        f"http://{prefill}:{service.ENGINE_PORT}/v1/completions",
+        {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True,
+         "cache_salt": uuid.uuid4().hex, **EXACT},
+    )  # fmt: skip
+    assert answer["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_streams_chat_and_short_prompts_through_the_router(deployment: Deployment) -> None:
+    [decode] = deployment.ips("decode")
+    before = service.tokens_by_source([decode])
+    # A long prompt, streamed: PD; every token arrives, [DONE] ends it.
+    prompt = f"Streamed {uuid.uuid4().hex}. {LONG_PROMPT}"  # a new head: nothing of it is cached anywhere
+    headers, events = service.post_stream(
+        f"{deployment.router}/v1/completions",
+        {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 10, "stream_options": {"include_usage": True}, **EXACT},
+    )
+    assert headers.get("X-Pdserve-Route") == "pd"
+    usage = [e["usage"] for e in events if e.get("usage")][-1]
+    assert usage["completion_tokens"] == 10
+    after = service.tokens_by_source([decode])
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == usage["prompt_tokens"]
+    # Chat with a long conversation: PD as well (the chat template applied by both engines).
+    messages = [{"role": "user", "content": f"Chat {uuid.uuid4().hex}. {LONG_PROMPT}"}]
+    headers, chat = service.post(
+        f"{deployment.router}/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, **EXACT},
+    )
+    assert headers.get("X-Pdserve-Route") == "pd" and chat["usage"]["completion_tokens"] == 8
+    # Short prompts go straight to decode, streamed or not, and decode computes them itself.
+    mid = service.tokens_by_source([decode])
+    headers, short = _completion(deployment.router, "Say hi to the decode engine.")
+    assert headers.get("X-Pdserve-Route") == "decode-only" and short["usage"]["completion_tokens"] == 12
+    headers, events = service.post_stream(
+        f"{deployment.router}/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **EXACT},
+    )
+    assert headers.get("X-Pdserve-Route") == "decode-only" and events
+    end = service.tokens_by_source([decode])
+    assert end["local_compute"] > mid["local_compute"] and end["external_kv_transfer"] == mid["external_kv_transfer"]
+
+
+# ------------------------------------------------------------------------------------------ 2. security context
+
+
+def _proc_status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (by parent pid: vLLM starts its engine core from a thread other than main)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(_proc_status(int(entry.name))["PPid"])
+            except (OSError, KeyError, ValueError):
+                continue  # exited meanwhile
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def test_engines_run_under_the_rendered_security_context(deployment: Deployment) -> None:
+    cluster = deployment.cluster
+    for pod in deployment.pods("prefill") + deployment.pods("decode"):
+        name = pod["metadata"]["name"]
+        [container] = pod["spec"]["containers"]
+        context = container["securityContext"]
+        main = cluster.container_process(deployment.namespace, name, "vllm")
+        # vLLM's processes: the API server, the engine core and its worker (which holds the NIXL agent).
+        processes = [main.pid, *_descendants(main.pid)]
+        assert len(processes) >= 3, processes
+        want_uid = context.get("runAsUser", 0)
+        for pid in processes:
+            status = _proc_status(pid)
+            assert status["Uid"].split()[1] == str(want_uid), (name, pid, status["Uid"])
+            assert status["NoNewPrivs"] == "1", (name, pid)  # allowPrivilegeEscalation: false
+            assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, (name, pid)  # drop ALL
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+        # What the process node cannot enforce, it says (one Event per container): seccomp, nothing else.
+        events = cluster.get_json(
+            "events", f"--namespace={deployment.namespace}",
+            f"--field-selector=involvedObject.name={name},reason=SecurityContextNotEmulated",
+        )["items"]  # fmt: skip
+        assert [e["message"] for e in events] == ["Not emulated by the process node: seccompProfile RuntimeDefault"]
+        # Non-root, vLLM still writes its caches: the renderer gives a non-root engine a writable HOME (without it
+        # the runtime's HOME=/ made vLLM log "Error saving model info cache ... PermissionError: '/.cache'").
+        log = cluster.logs(deployment.namespace, name, "vllm")
+        assert "PermissionError" not in log and "Permission denied" not in log, log[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------- 3. metrics
+
+
+def test_the_simulators_metrics_are_real_vllms(deployment: Deployment) -> None:
+    """Simulator engines run with the same vLLM command line as the pods (the renderer's, from the StatefulSets),
+    serve one PD request like the real ones did, and their expositions are diffed against the real engines'."""
+    real: dict[str, str] = {}
+    argv: dict[str, list[str]] = {}
+    for role in ("prefill", "decode"):
+        [ip] = deployment.ips(role)
+        real[role] = scrape_sync(f"http://{ip}:{service.ENGINE_PORT}/metrics")
+        sts = deployment.cluster.get_json("statefulset", f"{NAME}-{role}", f"--namespace={deployment.namespace}")
+        [container] = sts["spec"]["template"]["spec"]["containers"]
+        args = list(container["args"])
+        # The simulator's drop-in mode takes vLLM's command line; only where it listens differs (both simulators
+        # share this host: each publishes its KV events on ports of its own).
+        args[args.index("--port") + 1] = "0"
+        if "--kv-events-config" in args:
+            at = args.index("--kv-events-config") + 1
+            events, (publish, replay) = json.loads(args[at]), free_ports(2)
+            events.update(endpoint=f"tcp://127.0.0.1:{publish}", replay_endpoint=f"tcp://127.0.0.1:{replay}")
+            args[at] = json.dumps(events)
+        argv[role] = [a.replace("$(POD_NAME)-$(POD_UID)", f"sim-{role}") for a in args]
+
+    async def simulated() -> dict[str, str]:
+        async with (
+            sim_process("serve", *argv["prefill"], fast=True) as prefill,
+            sim_process("serve", *argv["decode"], fast=True) as decode,
+        ):
+            params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                      "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+            body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 1, "kv_transfer_params": params}
+            _, first = await asyncio.to_thread(service.post, f"{prefill.url}/v1/completions", body)
+            body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 4,
+                    "kv_transfer_params": first["kv_transfer_params"]}  # fmt: skip
+            await asyncio.to_thread(service.post, f"{decode.url}/v1/completions", body)
+            return {
+                "prefill": await asyncio.to_thread(scrape_sync, f"{prefill.url}/metrics"),
+                "decode": await asyncio.to_thread(scrape_sync, f"{decode.url}/metrics"),
+            }
+
+    sim = asyncio.run(simulated())
+    problems = [f"{role}: {p}" for role in ("prefill", "decode") for p in metricsdiff.diff(real[role], sim[role])]
+    assert not problems, "the simulator drifted from real vLLM 0.32:\n" + "\n".join(problems)
+
+
+# --------------------------------------------------------------------------------------------- 4. the autoscaler
+
+#: What each query needs to have data: traffic of a kind, or a state. Queries not listed need nothing.
+NEEDS_STREAMS = {"router_itl", "engine_itl", "engine_itl_by_pod"}
+
+
+def _selector(deployment: Deployment, pool: str, prometheus: PrometheusHelper) -> str:
+    """The pool's selector exactly as the autoscaler's collector writes it (its live pods by name)."""
+    pods = [p["metadata"]["name"] for p in deployment.pods(pool)]
+    target = Target(deployment.namespace, NAME, 90, window_s=10.0, warmup_s=5.0)
+    return Collector(prometheus.client, deadline_s=10.0).selector(target, pool, pods)
+
+
+def test_every_autoscaler_query_finds_real_vllm_data(deployment: Deployment, prometheus: PrometheusHelper) -> None:
+    """Each query of `queries.py`, rendered as the collector renders it, returns a series from Prometheus scraping
+    these engines and this router (vLLM 0.32 exports every metric the autoscaler reads: none is listed as missing).
+    A renamed metric in a query fails here, naming the query."""
+    prometheus.wait_for_targets(f'namespace="{deployment.namespace}"', count=3, timeout=120)
+    # Traffic of every kind the queries read, inside their window: PD and decode-only, streamed (ITL) and not.
+    load = asyncio.run(_mixed_load(deployment, requests=24, clients=4))
+    assert load.succeeded == load.sent, load.summary()
+    window = 60.0  # wide enough that the load above is inside it however long the queries take to run
+
+    def missing() -> list[str]:
+        empty = []
+        for query in queries.QUERIES:
+            for pool in ("prefill", "decode") if query.scope is queries.Scope.ENGINE else ("router",):
+                if query.name in NEEDS_STREAMS and pool == "prefill":
+                    continue  # prefill engines stream nothing (max_tokens 1): no inter-token latency there
+                if query.name in ("kv_transfer",) and pool == "prefill":
+                    continue  # decode pulls; the prefill side of a NIXL read records no transfer
+                promql = queries.render(
+                    query, selector=_selector(deployment, pool, prometheus), window_s=window, quantile=0.9
+                )
+                values = prometheus.values(promql)
+                if not values or all(math.isnan(v) for _, v in values):  # none, or NaN only (a quantile of nothing)
+                    empty.append(f"{query.name} ({pool}): {promql}")
+        return empty
+
+    # Counted event: Prometheus scrapes every second; wait until a scrape after the load has landed, then assert.
+    wait_for(lambda: not missing(), timeout=60, interval=2, message=lambda: "\n".join(missing()))
+    conditions = {c["type"]: c for c in deployment.pds()["status"]["conditions"]}
+    assert conditions["ScalingActive"]["status"] == "True", conditions["ScalingActive"]
+
+
+def _events(deployment: Deployment, reason: str) -> list[str]:
+    items = deployment.cluster.get_json(
+        "events", f"--namespace={deployment.namespace}", f"--field-selector=involvedObject.name={NAME},reason={reason}"
+    )["items"]
+    return [e["message"] for e in sorted(items, key=lambda e: e.get("lastTimestamp") or "")]
+
+
+def _buckets(exposition: str, name: str) -> dict[float, float]:
+    return {float(labels["le"]): value for labels, value in series(exposition, f"{name}_bucket")}
+
+
+def _quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float:
+    """Prometheus' histogram_quantile over the observations between two scrapes (linear within the bucket)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deployment) -> None:
+    """Long prompts faster than one real prefill engine computes them, a 300 ms TTFT target: the autoscaler scales
+    prefill 1 -> 2, and the numbers it states are the ones the prefill engine reports on its own /metrics: its TTFT
+    quantile (vLLM's histogram) and the demand (at least the prompt tokens the engine computed meanwhile, at most
+    what the clients sent)."""
+    [prefill] = deployment.ips("prefill")
+    url = f"http://{prefill}:{service.ENGINE_PORT}/metrics"
+    ttft, by_source = "vllm:time_to_first_token_seconds", "vllm:prompt_tokens_by_source_total"
+    before, started = scrape_sync(url), time.monotonic()
+    deployment.patch({"spec": {"slo": BREACH_SLO}})
+    events, sent, after, window_start = asyncio.run(_breach(deployment, url))
+    seconds = time.monotonic() - started
+    assert events and events[0].startswith("Scaled prefill 1 -> 2: "), events
+    status = deployment.pds()["status"]["prefill"]["autoscaling"]
+    # The Event's numbers against the prefill engine's own /metrics, read the moment the Event appeared: its TTFT
+    # p90 over the autoscaler's window (vLLM's histogram, read directly at the window's start and at the Event;
+    # Prometheus' scrape and the tick add a few seconds of skew: the same quantity within x2) ...
+    engine_p90_ms = 1000 * _quantile(0.9, _buckets(window_start, ttft), _buckets(after, ttft))
+    stated = re.search(r"prefill engine TTFT ([\d.]+) (ms|s)", events[0])
+    assert stated, events[0]
+    event_ms = float(stated.group(1)) * (1 if stated.group(2) == "ms" else 1000)
+    assert engine_p90_ms / 2 <= event_ms <= engine_p90_ms * 2, (events[0], engine_p90_ms)
+    # ... and its demand in uncached prompt tokens per second: the prompt tokens the engine computed over the same
+    # window, per second of the window, within x3 (the window's ends are skewed by the scrape and the tick), and at
+    # most twice what the clients sent.
+    demand = re.search(r"prefill demand ([\d.]+)(k?) uncached prompt tok/s", events[0])
+    assert demand, events[0]
+    stated_demand = float(demand.group(1)) * (1000 if demand.group(2) else 1)
+    computed = metric_value(after, by_source, source="local_compute") - metric_value(
+        window_start, by_source, source="local_compute"
+    )
+    window_rate = computed / AUTOSCALER_WINDOW_S
+    prompts = metric_value(after, "vllm:request_prompt_tokens_count") - metric_value(
+        before, "vllm:request_prompt_tokens_count"
+    )
+    tokens = metric_value(after, "vllm:request_prompt_tokens_sum") - metric_value(
+        before, "vllm:request_prompt_tokens_sum"
+    )
+    offered = sent * (tokens / max(prompts, 1.0)) / seconds
+    assert window_rate / 3 <= stated_demand <= max(window_rate * 3, offered * 2), (events[0], window_rate, offered)
+    assert status["observedMilliseconds"] > BREACH_SLO["ttftMilliseconds"], status
+    # Back to a target no idle engine breaches. The second prefill engine is not waited for: the decision is the
+    # product's, a start-up is vLLM's (and the lifecycle tests set the sizes they need).
+    deployment.patch({"spec": {"slo": CALM_SLO}})
+
+
+async def _breach(deployment: Deployment, url: str, within: float = 240.0) -> tuple[list[str], int, str, str]:
+    """Long prompts at 8/s until the autoscaler's Scaled Event. Returns the Events, how many requests were sent, the
+    prefill engine's /metrics read as the Event appeared, and the one read about an autoscaler window before it."""
+    from pdserve_dev.testing.load import Load
+
+    readings: list[tuple[float, str]] = []
+    async with Load(deployment.router, MODEL_NAME, seed=20) as load:
+        load.arrivals(8.0, 300, 2)
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            readings.append((time.monotonic(), await asyncio.to_thread(scrape_sync, url)))
+            events = await asyncio.to_thread(_events, deployment, "Scaled")
+            if events:
+                now = time.monotonic()
+                exposition = await asyncio.to_thread(scrape_sync, url)
+                load.stop_arrivals()
+                # The autoscaler's window (10 s) plus its tick (2 s) and Prometheus' scrape (1 s) before the Event.
+                start = min(readings, key=lambda reading: abs(reading[0] - (now - 13.0)))[1]
+                return events, load.stats.sent, exposition, start
+            await asyncio.sleep(0.5)
+        return [], load.stats.sent, "", ""
+
+
+# ------------------------------------------------------------------------------------------------- 5. lifecycle
+
+MIX = [shape for shape in default_mix((16, 64)) if not (shape.long and shape.max_tokens > 64)]
+
+
+async def _mixed_load(deployment: Deployment, *, requests: int, clients: int) -> Any:
+    async with MixedLoad(
+        deployment.router, MODEL_NAME, concurrency=clients, mix=MIX, extra_body=EXACT, count_token_events=False
+    ) as load:
+        await load.wait_succeeded(requests, within=300)
+        return await load.stop()
+
+
+def _shape(deployment: Deployment, prefill: int, decode: int) -> None:
+    """Both pools at these sizes, the autoscaler off, every engine Ready and used by the router."""
+    deployment.patch(
+        {"spec": {"prefill": {"autoscaling": {"enabled": False}, "replicas": prefill}, "decode": {"replicas": decode}}}
+    )
+    deployment.wait_pool("prefill", prefill)
+    deployment.wait_pool("decode", decode)
+
+
+@pytest.mark.realvllm_slow
+def test_a_deleted_prefill_pod_comes_back_with_a_new_engine_id_and_pd_works(deployment: Deployment) -> None:
+    cluster, namespace = deployment.cluster, deployment.namespace
+    _shape(deployment, 1, 1)
+    old = {p["metadata"]["name"]: p for p in deployment.pods("prefill")}["real-prefill-0"]
+    old_ip = old["status"]["podIP"]
+    old_id = service.engine_id(old_ip)
+    assert old_id == f"real-prefill-0-{old['metadata']['uid']}"
+    cluster.kubectl("delete", "pod", "real-prefill-0", f"--namespace={namespace}", "--wait=false")
+    deployment.wait_pool("prefill", 1)
+    new = {p["metadata"]["name"]: p for p in deployment.pods("prefill")}["real-prefill-0"]
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    new_id = service.engine_id(new["status"]["podIP"])
+    assert new_id == f"real-prefill-0-{new['metadata']['uid']}" != old_id
+    # PD through the new incarnation: a decode engine performs a fresh NIXL handshake with it and pulls the KV.
+    decodes = deployment.ips("decode")
+    handshakes = _handshakes(deployment)
+    before = service.tokens_by_source(decodes)
+    for number in range(4):  # the one prefill engine is the new incarnation
+        headers, _ = _completion(deployment.router, f"{number} {LONG_PROMPT}")
+        assert headers.get("X-Pdserve-Route") == "pd"
+    after = service.tokens_by_source(decodes)
+    assert after["local_compute"] == before["local_compute"], (before, after)
+    assert sum(_handshakes(deployment).values()) > sum(handshakes.values()), _handshakes(deployment)
+
+
+EXEC_MARK = "--- process-node: "
+HANDSHAKE = re.compile(r"NIXL compatibility check passed \(hash: ([0-9a-f]+)\)")
+
+
+def _handshakes(deployment: Deployment) -> dict[str, int]:
+    """Successful NIXL handshakes per decode pod, from vLLM's own log line."""
+    return {
+        pod["metadata"]["name"]: len(
+            HANDSHAKE.findall(deployment.cluster.logs(deployment.namespace, pod["metadata"]["name"], "vllm"))
+        )
+        for pod in deployment.pods("decode")
+    }
+
+
+@pytest.mark.realvllm_slow
+def test_scaling_down_each_pool_under_load_loses_no_request(deployment: Deployment) -> None:
+    """prefill 2 -> 1 and decode 2 -> 1 while a checked mix runs: every answer complete (vLLM's own
+    --shutdown-timeout drain behind the preStop hook, the router moving new requests to the engines that stay)."""
+    _shape(deployment, 2, 2)
+
+    async def scenario() -> Any:
+        async with MixedLoad(
+            deployment.router, MODEL_NAME, concurrency=6, mix=MIX, extra_body=EXACT, count_token_events=False
+        ) as load:
+            await load.wait_succeeded(12, within=300)
+            deployment.patch({"spec": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}})
+            await asyncio.to_thread(deployment.wait_pool, "prefill", 1)
+            await asyncio.to_thread(deployment.wait_pool, "decode", 1)
+            await load.wait_succeeded(load.results.sent + 6, within=300)
+            return await load.stop()
+
+    results = asyncio.run(scenario())
+    assert results.failed_told == results.lost == results.bad_tokens == 0, results.summary()
+    assert results.routes["pd"] > 0 and results.routes["decode-only"] > 0, results.summary()
+
+
+@pytest.mark.realvllm_slow
+@pytest.mark.timeout(1800)  # two engines per pool, then four start-ups one at a time per pool
+def test_a_rolling_update_changing_kv_compat_mixes_no_pair(deployment: Deployment) -> None:
+    """The block size (128 -> 64: the API allows up to 128, CPU attention a multiple of 32) changes both pdserve's
+    kv-compat hash and vLLM's own NIXL compatibility hash, so a pair of an old and a new engine would fail vLLM's
+    handshake check ("NIXL compatibility check failed"). Both pools roll while a checked mix runs: no request fails,
+    none falls back, no decode engine logs a failed check, and every handshake a decode engine made was with engines
+    of one configuration (one hash each; the new decode's differs from the old's). Two engines per pool: a pool of one
+    cannot roll without an outage (a StatefulSet deletes a pod before it creates its successor, and a real engine
+    starts in minutes: at 1/1 the router answered "no decode engine is available" for the whole start-up)."""
+    _shape(deployment, 2, 2)
+    before = deployment.pds()["status"]["kvCompatHash"]
+    old_decode_log = deployment.cluster.logs(deployment.namespace, "real-decode-0", "vllm")
+    old_hashes = set(HANDSHAKE.findall(old_decode_log))
+
+    async def scenario() -> Any:
+        async with MixedLoad(
+            deployment.router, MODEL_NAME, concurrency=4, mix=MIX, extra_body=EXACT, count_token_events=False
+        ) as load:
+            await load.wait_succeeded(8, within=300)
+            deployment.patch({"spec": {"engine": {"blockSize": 64}}})
+
+            def rolled() -> bool:
+                pods = deployment.pods("prefill") + deployment.pods("decode")
+                new = [p for p in pods if p["metadata"]["labels"].get("pdserve.io/kv-compat") != before]
+                ready = deployment.ips("prefill") + deployment.ips("decode")
+                return len(pods) == 4 and len(new) == 4 and len(ready) == 4
+
+            await asyncio.to_thread(wait_for, rolled, 900, 2.0, "both pools rolled to the new kv-compat value")
+            await load.wait_succeeded(load.results.sent + 6, within=300)
+            return await load.stop()
+
+    results = asyncio.run(scenario())
+    assert results.failed_told == results.lost == results.bad_tokens == 0, results.summary()
+    assert results.routes["fallback"] == 0 and results.routes["pd"] > 0, results.summary()
+    assert deployment.pds()["status"]["kvCompatHash"] != before
+    # The process node appends each incarnation's output to the pod's log, after an exec line of its own.
+    new_log = deployment.cluster.logs(deployment.namespace, "real-decode-0", "vllm").rsplit(EXEC_MARK, 1)[-1]
+    assert "compatibility check failed" not in new_log + old_decode_log
+    new_hashes = set(HANDSHAKE.findall(new_log))
+    assert len(old_hashes) == 1 and len(new_hashes) == 1 and new_hashes != old_hashes, (old_hashes, new_hashes)
