@@ -412,6 +412,9 @@ def _quantile(q: float, before: dict[float, float], after: dict[float, float]) -
     return lower
 
 
+# Out of CI for now: it failed 1 run in 4 at the lead's merge (load 2-9; the failure's message was lost), and its
+# comparison of the Event's figures with the engine's counters rests on scrape and tick skew bounds (x2, x3).
+@pytest.mark.realvllm_slow
 def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deployment) -> None:
     """Long prompts faster than one real prefill engine computes them, a 300 ms TTFT target: the autoscaler scales
     prefill 1 -> 2, and the numbers it states are the ones the prefill engine reports on its own /metrics: its TTFT
