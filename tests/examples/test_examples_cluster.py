@@ -30,13 +30,16 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if p.stem != "invalid")
 # The GPU product each example's engines must land on (None: the process node).
-PRODUCTS = {
-    "kv-store": "NVIDIA-H100-80GB-HBM3",
-    "local-sim": None,
-    "minimal": "NVIDIA-H100-80GB-HBM3",
-    "mla-hostpath-tcp": "NVIDIA-H100-80GB-HBM3",
-    "pdservice": "NVIDIA-H200",
-    "pvc-heterogeneous-tp": "NVIDIA-GB200",
+# The GPU products each example's engines may land on. mla-hostpath-tcp names no GPU product and turns RDMA off: any
+# GPU node its toleration admits will do, and which one depends on what the other examples took first (it landed on
+# H200 once the kv-store example took H100 GPUs).
+PRODUCTS: dict[str, set[str | None]] = {
+    "kv-store": {"NVIDIA-H100-80GB-HBM3"},
+    "local-sim": {None},
+    "minimal": {"NVIDIA-H100-80GB-HBM3"},
+    "mla-hostpath-tcp": {"NVIDIA-H100-80GB-HBM3", "NVIDIA-H200"},
+    "pdservice": {"NVIDIA-H200"},
+    "pvc-heterogeneous-tp": {"NVIDIA-GB200"},
 }
 
 
@@ -115,7 +118,7 @@ def test_every_example_reaches_available(cluster: ClusterHelper, namespaces: dic
     for stem, product in PRODUCTS.items():
         engines = cluster.pods(namespaces[stem], "pdserve.io/role in (prefill,decode)")
         placed = {nodes[p["spec"]["nodeName"]].get("nvidia.com/gpu.product") for p in engines}
-        assert placed == {product}, f"{stem}: engines on {placed}"
+        assert placed and placed <= product, f"{stem}: engines on {placed}"
 
 
 def test_invalid_example_is_refused_with_its_problems(cluster: ClusterHelper, namespaces: dict[str, str]) -> None:

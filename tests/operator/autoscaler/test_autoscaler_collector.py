@@ -282,8 +282,13 @@ async def test_a_metric_missing_while_prometheus_scrapes_the_pod_is_missing_not_
         with _targets(prometheus, namespace, {name: ("decode", address) for name in names}):
             await asyncio.to_thread(prometheus.wait_for_targets, f'namespace="{namespace}"', 2)
             # Two samples of each pod in the window: its rates exist (the counted event before asserting absence).
+            # Every pod's, not any pod's: one scraped twice and the other once left that one's rates missing.
             two = f'count_over_time(up{{namespace="{namespace}"}}[15s]) >= 2'
-            await wait_for_async(lambda: _query(prometheus, two), within=60.0, interval=0.5, message="two scrapes")
+
+            async def each_scraped_twice() -> bool:
+                return len(await _query(prometheus, two)) == len(names)
+
+            await wait_for_async(each_scraped_twice, within=60.0, interval=0.5, message="two scrapes of each pod")
             collector = Collector(connect(prometheus.url), deadline_s=TIMEOUT_S)
             target = Target(namespace, SERVICE, 90, window_s=15.0, warmup_s=60.0, desired={"prefill": 0, "decode": 2})
             signals = await collector.collect(target, _pods(names), time.time())
