@@ -52,6 +52,12 @@ STORE_CONFIG_KEY = "mooncake.json"
 STORE_CONFIG_DIR = "/etc/pdserve/kvstore"
 STORE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 STORE_HTTP_PORT = 9300
+#: The container port of the deployed master's HTTP metadata server (its Service still offers it on Mooncake's
+#: 8080). mooncake_master 0.3.13 binds that server on every address whatever `--http_metadata_server_host` says
+#: (`ss -ltnp` shows 0.0.0.0:8080), so on a shared host network (the local cluster's process node; a node running
+#: pods with hostNetwork) it took the port of a router beside it (8080 too) whenever it started first, and the
+#: master, or the router, never came up. No other pdserve container listens on 8090.
+MASTER_METADATA_CONTAINER_PORT = 8090
 
 
 def _nixl(spec: EffectiveSpec, role: EngineRole) -> dict[str, Any]:
@@ -208,14 +214,14 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
             "--rpc_address=$(POD_IP)",
             "--enable_http_metadata_server=true",
             "--http_metadata_server_host=$(POD_IP)",
-            f"--http_metadata_server_port={MOONCAKE_METADATA_PORT}",
+            f"--http_metadata_server_port={MASTER_METADATA_CONTAINER_PORT}",
             "--metrics_host=$(POD_IP)",
             f"--metrics_port={MOONCAKE_METRICS_PORT}",
         ],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [
             {"name": "rpc", "containerPort": MOONCAKE_RPC_PORT, "protocol": "TCP"},
-            {"name": "metadata", "containerPort": MOONCAKE_METADATA_PORT, "protocol": "TCP"},
+            {"name": "metadata", "containerPort": MASTER_METADATA_CONTAINER_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": MOONCAKE_METRICS_PORT, "protocol": "TCP"},
         ],
         "readinessProbe": _probe("/health", "metrics", 2, 3),
@@ -234,7 +240,7 @@ def deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
             # The master listens on the pod's address only (every listener here does: no port is taken on a
             # shared host network), so the store server reaches it there, not on 127.0.0.1.
             f"--master_server_address=$(POD_IP):{MOONCAKE_RPC_PORT}",
-            f"--metadata_server=http://$(POD_IP):{MOONCAKE_METADATA_PORT}/metadata",
+            f"--metadata_server=http://$(POD_IP):{MASTER_METADATA_CONTAINER_PORT}/metadata",
             f"--protocol={mooncake.protocol}",
             *([f"--device_names={mooncake.device_names}"] if mooncake.device_names else []),
             "--enable_http_server=true",

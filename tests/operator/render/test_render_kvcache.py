@@ -125,6 +125,21 @@ def test_a_deployed_store_gives_engines_its_address_and_no_memory_of_their_own()
     assert names.index("svc-kvstore-client") < names.index("svc-prefill")
 
 
+def _container_ports(obj: dict[str, Any]) -> set[int]:
+    pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+    return {p["containerPort"] for c in pod.get("containers", []) for p in c.get("ports", [])}
+
+
+def test_the_store_pod_takes_no_port_another_pdserve_pod_listens_on() -> None:
+    """mooncake_master and mooncake_client bind their HTTP servers on every address (MASTER_METADATA_CONTAINER_PORT):
+    on a shared host network a port also used by the router or an engine is taken by whichever starts first (the
+    master once took the router's 8080 and never became ready)."""
+    rendered = objects(pds({"store": {"backend": "mooncake"}}))
+    store = find(rendered, "Deployment", "svc-kvstore")
+    others = set().union(*(_container_ports(o) for o in rendered if o is not store))
+    assert others and not _container_ports(store) & others
+
+
 def test_an_external_master_deploys_nothing_and_is_not_probed() -> None:
     service = pds({"store": {"backend": "mooncake", "mooncake": {"masterAddress": "10.0.0.9:7000", "protocol": "tcp"}}})
     rendered = objects(service)
