@@ -25,8 +25,11 @@ What vLLM 0.32 sends (`vllm/distributed/kv_events.py`, `ZmqEventPublisher`), and
   tiers that publish through the same stream. nil means the GPU pool (older releases had no field).
 - Replay (the publisher's ROUTER socket): a subscriber's DEALER sends `(b"", start)` with `start` an 8-byte
   big-endian sequence number; the publisher answers every buffered batch with a sequence >= `start` as
-  `(b"", sequence, payload)`, then `(b"", END_SEQ, b"")` where END_SEQ is -1 as a signed 8-byte integer. The
-  buffer holds the last `buffer_steps` batches (10,000 by default).
+  `(b"", topic, sequence, payload)`, then `(b"", b"", END_SEQ, b"")` where END_SEQ is -1 as a signed 8-byte
+  integer (`ZmqEventPublisher._service_replay`). The buffer holds the last `buffer_steps` batches (10,000 by
+  default). `replay_frames` also reads the reply without the topic frame, `(b"", sequence, payload)`, which
+  pdserve's simulator sent until the real-engine tier ran the router against vLLM 0.32's publisher and found
+  every replay unanswered (tests/realvllm/test_kvevents_real.py).
 - With data parallelism every rank publishes on its own port: the configured port plus the rank, for both the
   publisher and the replay endpoint.
 
@@ -146,6 +149,31 @@ def seq_bytes(seq: int) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------------ decoding
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayFrame:
+    """One message of a replay reply, its leading empty delimiter removed; `seq` -1 ends the reply."""
+
+    topic: bytes | None
+    seq: int
+    payload: bytes
+
+
+def replay_frames(topic: bytes, seq: int, payload: bytes) -> tuple[bytes, bytes, bytes, bytes]:
+    """A replay reply message as vLLM 0.32 sends it (after the ROUTER's client id): the delimiter, the topic, the
+    sequence, the payload (`END_SEQ` with an empty topic and payload ends the reply)."""
+    return (b"", topic, seq_bytes(seq) if seq >= 0 else END_SEQ, payload)
+
+
+def parse_replay(frames: Sequence[bytes]) -> ReplayFrame:
+    """A replay reply message as a DEALER receives it: `(b"", topic, seq, payload)` (vLLM 0.32) or
+    `(b"", seq, payload)` (no topic); `WireError` for anything else."""
+    if len(frames) == 4 and frames[0] == b"":
+        return ReplayFrame(frames[1], parse_seq(frames[2]), frames[3])
+    if len(frames) == 3 and frames[0] == b"":
+        return ReplayFrame(None, parse_seq(frames[1]), frames[2])
+    raise WireError(f"replay message of {len(frames)} frames (want an empty delimiter, then topic, seq, payload)")
 
 
 def parse_seq(frame: bytes) -> int:

@@ -26,7 +26,6 @@ from typing import Any
 import zmq
 
 from pdserve.api.kvevents import (
-    END_SEQ,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -34,6 +33,7 @@ from pdserve.api.kvevents import (
     Event,
     EventBatch,
     encode_batch,
+    replay_frames,
     seq_bytes,
 )
 
@@ -214,5 +214,5 @@ class KvEventPublisher:
         start = int.from_bytes(start_frame, "big")
         for seq, payload in list(self._buffer):
             if seq >= start:
-                replay.send_multipart((client, b"", seq_bytes(seq), payload))
-        replay.send_multipart((client, b"", END_SEQ, b""))
+                replay.send_multipart((client, *replay_frames(self._topic, seq, payload)))
+        replay.send_multipart((client, *replay_frames(b"", -1, b"")))

