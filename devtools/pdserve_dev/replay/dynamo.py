@@ -29,13 +29,14 @@ docs.nvidia.com/dynamo v1.0-v1.2):
   sensitivity 80%.
 
 Simplified here (each says why):
-- The performance model is the benchmark's engine profile (`EngineProfile`, the simulator's cost model), where
-  Dynamo fits a linear regression to pre-deployment profiling and live forward-pass metrics: the brief of the
-  comparison is "Dynamo's rules, the same knowledge of the engine as every other policy".
+- The performance model starts from the benchmark's engine profile (`EngineProfile`, the simulator's cost model)
+  in place of Dynamo's pre-deployment profiling: every policy gets the same knowledge of the engine. Decode keeps
+  Dynamo's online regression on the engines' passes (`DecodeRegression`, after `perf_model/base.py`), since the
+  replay's decode passes cost more than the profile's pure decode pass; prefill passes are exactly the profile's.
 - The load path runs on the replay's control tick (15 s) instead of every 5 s; every policy shares the tick.
 - The moving averages Dynamo keeps over 64 forward passes (mean ISL, mean decode length) are the prefill pool's
   mean prompt over the collector's window and the decode engines' mean context at the tick, each averaged over
-  the last 64 samples.
+  the last 64 samples; the regression learns one pass per decode engine per tick (the latest).
 - ARIMA is `ArimaPredictor` below: d by the KPSS test as auto_arima does, then AR orders 0-2 by AIC (no MA
   terms), fitted by least squares and refitted on the whole history each interval with the order kept, the
   log1p fallback as in Dynamo. pmdarima and its MLE fit are not available here.
@@ -51,7 +52,6 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pdserve_dev.replay.observe import EngineSample, FrontendTotals, Observation
 from pdserve_operator.autoscaler.model import EngineProfile
@@ -227,20 +227,35 @@ class _MovingAverage:
 # ------------------------------------------------------------------------------------------ performance model
 
 
-@dataclass(frozen=True, slots=True)
-class PerfModel:
-    """Step times of one engine from the benchmark's profile, in place of Dynamo's fitted regression."""
+#: The profile's sweep that bootstraps the decode regression: batch sizes x context per sequence.
+SWEEP_BATCHES = (1, 16, 64, 128, 256)
+SWEEP_CONTEXTS = (256, 1024, 4096)
 
-    prefill: EngineProfile
-    decode: EngineProfile
+
+class PerfModel:
+    """Pass times of the engines: prefill from the benchmark's profile (the replay's prefill passes are exactly
+    linear in their tokens, so Dynamo's 1-D regression would fit the profile itself), decode from a
+    `DecodeRegression` bootstrapped from the profile and taught by live passes."""
+
+    def __init__(self, prefill: EngineProfile, decode: EngineProfile) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.decode_fit = DecodeRegression()
+        for batch in SWEEP_BATCHES:
+            for context in SWEEP_CONTEXTS:
+                self.decode_fit.add(batch, batch * context, self.profile_decode_pass_s(batch, batch * context))
 
     def prefill_pass_s(self, tokens: float) -> float:
         p = self.prefill
         return p.step_overhead_s + p.prefill_fixed_s + p.prefill_per_token_s * tokens
 
-    def decode_pass_s(self, requests: float, kv_tokens: float) -> float:
+    def profile_decode_pass_s(self, requests: float, kv_tokens: float) -> float:
         d = self.decode
         return d.step_overhead_s + d.decode_per_seq_s * requests + d.decode_per_context_token_s * kv_tokens
+
+    def decode_pass_s(self, requests: float, kv_tokens: float) -> float | None:
+        """The regression's pass time; None while its fit is rejected."""
+        return self.decode_fit.predict(requests, kv_tokens)
 
     def prefill_time_s(self, tokens: float) -> float:
         """`tokens` prefilled in batch-budget chunks, one pass each (Dynamo's `estimate_next_ttft`)."""
@@ -256,23 +271,101 @@ class PerfModel:
         """Requests per second one prefill engine serves at `isl`: 1 / wall_time(isl)."""
         return 1.0 / self.prefill_time_s(max(isl, 1.0))
 
-    def decode_engine_rps(self, itl_s: float, context: float, osl: float) -> float:
+    def decode_engine_rps(self, itl_s: float, context: float, osl: float) -> float | None:
         """Requests per second one decode engine serves within `itl_s`: the largest batch (KV cache and
-        max_num_seqs bound it) whose step fits the ITL, over `osl` steps per request (Little's law)."""
+        max_num_seqs bound it) whose step fits the ITL, over `osl` steps per request (Little's law); None while
+        the regression is not ready."""
         d = self.decode
         cap = max(1, min(int(d.kv_cache_tokens / max(context, 1.0)), d.max_num_seqs))
-        best, best_step = 1, self.decode_pass_s(1, context)
+        first = self.decode_pass_s(1, context)
+        if first is None:
+            return None
+        best, best_step = 1, first
         if best_step <= itl_s:
             lo, hi = 1, cap
             while lo <= hi:
                 mid = (lo + hi) // 2
-                step = self.decode_pass_s(mid, mid * context)
+                step = self.decode_pass_s(mid, mid * context) or math.inf
                 if step <= itl_s:
                     best, best_step = mid, step
                     lo = mid + 1
                 else:
                     hi = mid - 1
         return best / (max(osl, 1.0) * best_step)
+
+
+class DecodeRegression:
+    """Dynamo's `DecodeRegressionModel`: a decode pass's wall time = a + b x requests + c x KV tokens, fitted by
+    least squares on at most 64 passes, kept evenly over a 4 x 4 grid of (requests, KV) (a new pass that makes
+    one cell the fullest retires that cell's oldest). A fit with c < 0 is rejected (the model is not ready);
+    b < 0 is clipped to 0. Bootstrapped from the profile as Dynamo is from its pre-deployment sweep, then taught
+    by the engines' own passes, whose wall time includes what the profile's pure decode pass leaves out (joining
+    requests' one-token prefill, short prompts prefilled on decode)."""
+
+    def __init__(self, max_samples: int = MOVING_AVERAGE_SAMPLES, per_axis: int = 4) -> None:
+        self.max_samples = max_samples
+        self.per_axis = per_axis
+        self._cells: dict[tuple[int, int], deque[tuple[float, float, float]]] = {}
+        self._low = [math.inf, math.inf]
+        self._high = [-math.inf, -math.inf]
+        self.count = 0
+        self._coef: tuple[float, float, float] | None = None
+        self._stale = True
+
+    def _cell(self, x: tuple[float, float]) -> tuple[int, int]:
+        key: list[int] = []
+        for axis, value in enumerate(x):
+            low, high = self._low[axis], self._high[axis]
+            index = 0 if high <= low else int((value - low) / (high - low) * self.per_axis)
+            key.append(max(0, min(index, self.per_axis - 1)))
+        return key[0], key[1]
+
+    def add(self, requests: float, kv_tokens: float, wall_s: float) -> None:
+        if wall_s <= 0:
+            return
+        x = (requests, kv_tokens)
+        moved = False
+        for axis, value in enumerate(x):
+            if value < self._low[axis]:
+                self._low[axis], moved = value, True
+            if value > self._high[axis]:
+                self._high[axis], moved = value, True
+        if moved and self.count:
+            everything = [sample for cell in self._cells.values() for sample in cell]
+            self._cells = {}
+            for sample in everything:
+                self._cells.setdefault(self._cell((sample[0], sample[1])), deque()).append(sample)
+        self._cells.setdefault(self._cell(x), deque()).append((requests, kv_tokens, wall_s))
+        self.count += 1
+        if self.count > self.max_samples:
+            fullest = max(self._cells, key=lambda k: len(self._cells[k]))
+            self._cells[fullest].popleft()
+            if not self._cells[fullest]:
+                del self._cells[fullest]
+            self.count -= 1
+        self._stale = True
+
+    def predict(self, requests: float, kv_tokens: float) -> float | None:
+        """A pass's wall time; None while the fit is rejected."""
+        if self._stale:
+            self._coef = self._fit()
+            self._stale = False
+        if self._coef is None:
+            return None
+        a, b, c = self._coef
+        return max(1e-6, a + b * requests + c * kv_tokens)
+
+    def _fit(self) -> tuple[float, float, float] | None:
+        samples = [sample for cell in self._cells.values() for sample in cell]
+        if len(samples) < 5:
+            return None
+        rows = [(1.0, r, k) for r, k, _ in samples]
+        ata = [[sum(row[i] * row[j] for row in rows) for j in range(3)] for i in range(3)]
+        atb = [sum(row[i] * w for row, (_, _, w) in zip(rows, samples, strict=True)) for i in range(3)]
+        coef = _solve(ata, atb)
+        if coef is None or coef[2] < 0:
+            return None
+        return coef[0], max(coef[1], 0.0), coef[2]
 
 
 # ----------------------------------------------------------------------------------------------- the planner
@@ -331,6 +424,8 @@ class DynamoPlannerScaler:
         for engine in decode_engines:
             if engine.scheduled_requests:
                 self.avg_decode_len.add(engine.scheduled_kv_tokens / engine.scheduled_requests)
+            if engine.last_pass is not None and engine.last_pass[0] > 0:
+                self.model.decode_fit.add(*engine.last_pass)
         if not prefill_engines and not decode_engines:
             return None
         if prefill_pool.in_progress or decode_pool.in_progress:
@@ -349,7 +444,7 @@ class DynamoPlannerScaler:
         """An engine's estimated TTFT for the next request: its queue plus one average prompt."""
         return self.model.prefill_time_s(queued_tokens + self.avg_isl.value)
 
-    def decode_itl_s(self, requests: float, kv_tokens: float) -> float:
+    def decode_itl_s(self, requests: float, kv_tokens: float) -> float | None:
         """An engine's estimated ITL with one average request added to its scheduled and queued work."""
         extra = self.avg_decode_len.value
         return self.model.decode_pass_s(requests + (1 if extra > 0 else 0), kv_tokens + extra)
@@ -383,11 +478,13 @@ class DynamoPlannerScaler:
         for engine in engines:
             requests = engine.scheduled_requests + engine.queued_requests
             kv = engine.scheduled_kv_tokens + engine.queued_kv_tokens
-            estimates.append(self.decode_itl_s(requests, kv))
+            estimate = self.decode_itl_s(requests, kv)
+            if estimate is not None:
+                estimates.append(estimate)
             if can_shrink:
                 post_kv = int(kv * consolidation)
                 post_itl = self.decode_itl_s(math.ceil(requests * consolidation), post_kv)
-                can_shrink = post_kv < capacity and post_itl < self.itl_s * self.sensitivity
+                can_shrink = post_kv < capacity and post_itl is not None and post_itl < self.itl_s * self.sensitivity
         return self._scale(estimates, self.itl_s, workers, can_shrink, "decode")
 
     def _scale(self, estimates: list[float], sla: float, workers: int, can_shrink: bool, role: Role) -> int | None:
@@ -427,7 +524,11 @@ class DynamoPlannerScaler:
         # A single prompt that alone misses the TTFT SLA asks for a latency floor of replicas.
         sla_floor = math.ceil(one_prefill / self.ttft_s) if one_prefill > self.ttft_s else 1
         prefill = max(math.ceil(demand_rps / self.model.prefill_engine_rps(isl)), sla_floor)
-        decode = math.ceil(demand_rps / self.model.decode_engine_rps(self.itl_s, isl + osl / 2, osl))
+        decode_rps = self.model.decode_engine_rps(self.itl_s, isl + osl / 2, osl)
+        if decode_rps is None:
+            # The decode model is not ready: Dynamo skips the whole disagg throughput decision.
+            return self.lower_bound["prefill"], self.lower_bound["decode"]
+        decode = math.ceil(demand_rps / decode_rps)
         return (
             max(prefill, self.policy.prefill.min_replicas),
             max(decode, self.policy.decode.min_replicas),

@@ -57,6 +57,8 @@ class EngineSample:
     queued_prefill_tokens: int = 0
     #: Decode: KV tokens the queued requests hold or will hold on joining (their prompts).
     queued_kv_tokens: int = 0
+    #: Decode: the engine's latest step (decoding sequences, their KV tokens, wall seconds), None before any.
+    last_pass: tuple[int, int, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +239,7 @@ class Observer:
                         engine.context,
                         engine.load - running,
                         queued_kv_tokens=queued_kv,
+                        last_pass=engine.last_pass,
                     )
                 )
         return tuple(out)
