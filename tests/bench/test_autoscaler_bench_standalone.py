@@ -118,5 +118,12 @@ def test_the_autoscaler_bench_runs_from_a_copy_with_nothing_beside_it(tmp_path: 
     scenarios = {s["name"]: s for s in document["scenarios"]}
     assert set(scenarios) == {"chat", "synthetic"}
     assert scenarios["chat"]["trace"] == "azure-llm-2023-conv.csv" and scenarios["chat"]["requests"] > 1000
-    assert [p["name"] for p in scenarios["chat"]["policies"]] == ["static-peak", "hpa-style", "llm-d-slo", "pdserve"]
+    assert [p["name"] for p in scenarios["chat"]["policies"]] == [
+        "static-peak",
+        "hpa-style",
+        "llm-d-slo",
+        "dynamo-planner",
+        "pdserve",
+    ]
+    assert all(p["shed"] == 0 and p["ttft_p99_s"] >= p["ttft_p90_s"] for p in scenarios["chat"]["policies"])
     assert scenarios["synthetic"]["requests"] > 1000

@@ -141,3 +141,15 @@ def test_every_policy_runs_a_step_of_load() -> None:
     late = [job for job in pdserve.jobs if job.arrival > 300.0]
     good = [j for j in late if j.first_token is not None and j.first_token - j.arrival <= SLO.ttft_s]
     assert len(good) / len(late) > 0.95
+
+
+def test_attainment_is_the_clients_ttft_and_counts_shed_requests_as_misses() -> None:
+    requests = steady(40.0, 60.0)
+    outcome = ReplayCluster(config((3, 2)), requests, StaticScaler(3, 2)).run()
+    good = outcome.attainment(SLO)
+    # The TTFT judged is the client's: from the request's arrival at the router, not from an engine's admission.
+    assert all(job.arrival == request.arrival for job, request in zip(outcome.jobs, requests, strict=True))
+    slow = Slo(ttft_s=min(j.first_token - j.arrival for j in outcome.jobs if j.first_token) - 1e-9, itl_s=1.0)
+    assert outcome.attainment(slow) == 0.0
+    outcome.shed = len(outcome.jobs)
+    assert outcome.attainment(SLO) == pytest.approx(good / 2), "a shed request is a miss"

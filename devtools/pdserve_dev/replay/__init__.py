@@ -16,4 +16,6 @@ takes seconds, and the same replay can be run under several scaling policies.
 - `observe`: the signals a tick sees, in the autoscaler's own `ServiceSignals` types (windowed rates and
   quantiles over live pods, pod ages for the warm-up filter), plus the utilisation figures an HPA would read.
 - `scalers`: the policies compared: static-peak, hpa-style, llm-d-slo and pdserve (the product's `Autoscaler`).
+- `dynamo`: NVIDIA Dynamo's SLA planner (throughput path with a load predictor as lower bound, load path with
+  its all-engines-over scale-up and consolidation-checked scale-down), rebuilt from its source.
 """

@@ -13,7 +13,9 @@ becoming ready and control ticks are all events; nothing runs in wall-clock time
 - Control: every `interval_s` the observer builds the tick's signals and the scaler answers the replicas it
   wants per pool; a changed pool is one scaling action.
 - Outcome: per request TTFT (router arrival to first token) and TPOT, so attainment is the share of requests
-  with TTFT <= target and TPOT <= target.
+  with TTFT <= target and TPOT <= target. TTFT is the client's: it counts from the request's arrival at the
+  router, so every wait on the way (an engine's queue, the KV pull, joining the decode batch) is in it. This router
+  dispatches on arrival and never sheds; `Outcome.shed` (always 0 here) counts as misses for a router that does.
 """
 
 from __future__ import annotations
@@ -87,17 +89,21 @@ class Outcome:
     timeline: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     end_s: float = 0.0
     kv_overflows: int = 0
+    #: Requests refused by the router (none: this router dispatches every request on arrival). Each is a miss.
+    shed: int = 0
 
     def attainment(self, slo: Slo) -> float:
-        """Share of requests meeting both TTFT and TPOT targets."""
-        if not self.jobs:
+        """Share of requests meeting both TTFT (the client's, from router arrival) and TPOT targets; a shed
+        request or one that never produced a token is a miss."""
+        total = len(self.jobs) + self.shed
+        if not total:
             return 1.0
         good = sum(
             1
             for job in self.jobs
             if job.first_token is not None and job.first_token - job.arrival <= slo.ttft_s and job.tpot <= slo.itl_s
         )
-        return good / len(self.jobs)
+        return good / total
 
 
 class ReplayCluster:

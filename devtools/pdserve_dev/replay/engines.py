@@ -236,6 +236,8 @@ class DecodeEngine:
         self._step_started = 0.0
         #: Called when the engine runs out of work (the cluster sets it on a draining replica).
         self.on_idle: Callable[[float], None] | None = None
+        #: The latest step: (decoding sequences, their summed context, seconds), as a forward-pass metric reports it.
+        self.last_pass: tuple[int, int, float] | None = None
 
     @property
     def idle(self) -> bool:
@@ -310,6 +312,7 @@ class DecodeEngine:
         self._joining = joining
         self._step_batch = self.batch
         self._step_started = now
+        self.last_pass = (self.batch, self.context, seconds)
         self._schedule(now + seconds, self._on_step)
 
     def _on_step(self, now: float) -> None:

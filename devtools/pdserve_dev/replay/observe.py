@@ -9,14 +9,16 @@ ready for `warmup_s` are marked settled.
 
 The result is the autoscaler's own `ServiceSignals`, plus the utilisation figures an HPA-style policy reads
 (prefill: share of time the engine was busy, like DCGM's GPU utilisation; decode: running sequences over
-max_num_seqs) and the router's TTFT/ITL quantiles at p90 for llm-d's SLO law.
+max_num_seqs), the router's TTFT/ITL quantiles at p90 for llm-d's SLO law, and for Dynamo's planner each ready
+engine's scheduler state at the tick (what its forward-pass metrics report) and the frontend's cumulative request
+and token counts (what its throughput path differences over an interval).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve_dev.replay import histogram
@@ -40,6 +42,36 @@ LLMD_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One ready engine's scheduler state at the tick, the fields of Dynamo's forward-pass metrics (FPM) its
+    planner's load path reads: what is in the running batch and what waits behind it."""
+
+    name: str
+    #: Requests in the running batch (prefill: being prefilled; decode: decoding).
+    scheduled_requests: int = 0
+    #: Decode: summed context (KV tokens) of the running batch.
+    scheduled_kv_tokens: int = 0
+    #: Requests on the engine that are not in the running batch (waiting, or pulling / holding their KV).
+    queued_requests: int = 0
+    #: Prefill: prompt tokens of the requests waiting for the batch.
+    queued_prefill_tokens: int = 0
+    #: Decode: KV tokens the queued requests hold or will hold on joining (their prompts).
+    queued_kv_tokens: int = 0
+    #: Decode: the engine's latest step (decoding sequences, their KV tokens, wall seconds), None before any.
+    last_pass: tuple[int, int, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendTotals:
+    """The frontend's cumulative counters of finished requests (Dynamo's planner differences them per interval:
+    requests, and input/output tokens for the mean ISL and OSL)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """One tick's view: the autoscaler's signals and what the baseline policies read."""
 
@@ -50,6 +82,9 @@ class Observation:
     #: The router's TTFT and per-request TPOT at p90 over the last minute (what llm-d's SLO law reads).
     ttft_p90: float | None
     itl_p90: float | None
+    #: Per pool, every ready engine's scheduler state now (Dynamo's planner's load path).
+    engines: dict[Role, tuple[EngineSample, ...]] = field(default_factory=lambda: {"prefill": (), "decode": ()})
+    frontend: FrontendTotals = field(default_factory=FrontendTotals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +145,8 @@ class Observer:
         self.router_ttft_hist = {route: Histogram(ROUTER_TTFT_BUCKETS) for route in ROUTES}
         self.router_itl_hist = Histogram(ROUTER_ITL_BUCKETS)
         self.router_requests = 0
+        self.router_prompt_tokens = 0
+        self.router_output_tokens = 0
         #: Per finished request: mean time per output token (llm-d's TPOT; pdserve's router exports per-chunk ITL).
         self.router_tpot_hist = Histogram(ROUTER_ITL_BUCKETS)
         self._router_history: deque[_RouterSnap] = deque()
@@ -124,6 +161,8 @@ class Observer:
 
     def router_finished(self, job: Job) -> None:
         self.router_requests += 1
+        self.router_prompt_tokens += job.prompt
+        self.router_output_tokens += job.output
         if job.output > 1:
             self.router_tpot_hist.observe(job.tpot)
 
@@ -167,7 +206,43 @@ class Observer:
                 freshness_s=0.0,
             ),
         )
-        return Observation(now, signals, {"prefill": prefill_util, "decode": decode_util}, ttft_p90, itl_p90)
+        frontend = FrontendTotals(self.router_requests, self.router_prompt_tokens, self.router_output_tokens)
+        engines: dict[Role, tuple[EngineSample, ...]] = {
+            "prefill": self._engines("prefill"),
+            "decode": self._engines("decode"),
+        }
+        return Observation(
+            now, signals, {"prefill": prefill_util, "decode": decode_util}, ttft_p90, itl_p90, engines, frontend
+        )
+
+    def _engines(self, role: Role) -> tuple[EngineSample, ...]:
+        """Every ready engine's scheduler state now (draining ones are leaving, starting ones report nothing)."""
+        out: list[EngineSample] = []
+        for replica in self.cluster.replicas[role]:
+            if replica.state != "ready":
+                continue
+            engine = replica.engine
+            if isinstance(engine, PrefillEngine):
+                running, waiting = engine.gauges()
+                queued = sum(job.prompt for job in engine.waiting)
+                out.append(EngineSample(replica.name, running, 0, waiting, queued_prefill_tokens=queued))
+            else:
+                assert isinstance(engine, DecodeEngine)
+                running = engine.batch
+                # Requests holding or about to hold KV outside the batch (pulling, pulled, joining) and those
+                # still waiting for admission: vLLM's waiting queue, KV included.
+                queued_kv = engine.kv_other + sum(job.prompt for job in engine.waiting)
+                out.append(
+                    EngineSample(
+                        replica.name,
+                        running,
+                        engine.context,
+                        engine.load - running,
+                        queued_kv_tokens=queued_kv,
+                        last_pass=engine.last_pass,
+                    )
+                )
+        return tuple(out)
 
     def _router(
         self, now: float, horizon: float

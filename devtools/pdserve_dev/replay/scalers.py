@@ -16,6 +16,7 @@
   180 s window. llm-d scales one pool per law; for PD each pool gets its own: TTFT for prefill, TPOT for
   decode (no attribution: a TTFT breach scales prefill whatever caused it).
 - `pdserve`: the product's `Autoscaler` (model + policy), fed the signals the collector would read.
+- `dynamo-planner`: NVIDIA Dynamo's SLA planner, in its own module (`pdserve_dev.replay.dynamo`).
 
 All policies share the replay's min/max bounds and control interval.
 """
