@@ -31,13 +31,11 @@ from pdserve_dev.testing.prometheus import PrometheusHelper
 from pdserve_dev.testing.sim import SimHandle, sim_in_process
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_operator.autoscaler.collector import Collector, SeriesLabels, Target, connect
-from pdserve_operator.autoscaler.core import Autoscaler, AutoscalerConfig
 from pdserve_operator.autoscaler.decision import Reason
-from pdserve_operator.autoscaler.model import ModelConfig, Slo
-from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
 from pdserve_operator.autoscaler.signals import PodPhase, PodState
 from pdserve_sim.config import SimConfig
 from pdserve_sim.presets import CPU_TINY
+from tests.operator.autoscaler.support import autoscaler
 
 # A tick's queries may take this long together (the operator's --prometheus-timeout).
 TIMEOUT_S = OperatorSettings.prometheus_timeout
@@ -226,13 +224,7 @@ async def test_prometheus_down_holds_every_pool_and_says_why() -> None:
     assert signals.errors and all("ConnectionError" in e for e in signals.errors)
     assert signals.prefill.uncached_tokens_rate is None and signals.decode.generated_tokens_rate is None
     assert signals.router.ttft_s is None
-    config = AutoscalerConfig(
-        model=ModelConfig(slo=Slo(0.8, 0.04), interval_s=15.0),
-        policy=PolicyConfig(prefill=PoolBounds(1, 10), decode=PoolBounds(1, 10)),
-        warmup_s=60.0,
-        window_s=15.0,
-    )
-    decision = Autoscaler(config).step(signals)
+    decision = autoscaler((1, 10), (1, 10)).step(signals)
     assert (decision.prefill.desired, decision.decode.desired) == (3, 4)
     assert decision.prefill.reason is decision.decode.reason is Reason.METRICS_UNAVAILABLE
     active, _, _ = decision.conditions()
@@ -301,11 +293,5 @@ async def test_a_metric_missing_while_prometheus_scrapes_the_pod_is_missing_not_
         "decode generated_tokens: no series for pod chat-decode-0, chat-decode-1 although Prometheus scrapes it "
         "(the metric is missing or renamed; not read as zero)",
     )
-    config = AutoscalerConfig(
-        model=ModelConfig(slo=Slo(0.8, 0.04), interval_s=15.0),
-        policy=PolicyConfig(prefill=PoolBounds(0, 10), decode=PoolBounds(1, 10)),
-        warmup_s=60.0,
-        window_s=15.0,
-    )
-    decision = Autoscaler(config).step(signals)
+    decision = autoscaler((0, 10), (1, 10)).step(signals)
     assert (decision.decode.reason, decision.decode.desired) == (Reason.METRICS_UNAVAILABLE, 2)

@@ -23,11 +23,9 @@ import pytest
 
 from pdserve_dev.testing.fake_prometheus import Trickle, fake_prometheus
 from pdserve_operator.autoscaler.collector import ENGINE_QUERIES, ROUTER_QUERIES, Collector, Target, connect
-from pdserve_operator.autoscaler.core import Autoscaler, AutoscalerConfig
 from pdserve_operator.autoscaler.decision import Reason
-from pdserve_operator.autoscaler.model import ModelConfig, Slo
-from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
 from pdserve_operator.autoscaler.signals import PodPhase, PodState
+from tests.operator.autoscaler.support import autoscaler
 
 PODS = [
     PodState("chat-prefill-0", "prefill", PodPhase.READY, 120.0),
@@ -49,13 +47,7 @@ async def test_a_trickling_prometheus_costs_a_tick_its_deadline_and_no_more(tric
     assert signals.errors == ("prefill uncached_tokens: the tick's deadline of 1 s for its queries passed",)
     every = [q.name for q in ENGINE_QUERIES] * 2 + [q.name for q in ROUTER_QUERIES]
     assert sorted(signals.failed_queries) == sorted(every)
-    config = AutoscalerConfig(
-        model=ModelConfig(slo=Slo(0.8, 0.04), interval_s=15.0),
-        policy=PolicyConfig(prefill=PoolBounds(1, 8), decode=PoolBounds(1, 8)),
-        warmup_s=60.0,
-        window_s=15.0,
-    )
-    decision = Autoscaler(config).step(signals)
+    decision = autoscaler((1, 8), (1, 8)).step(signals)
     assert decision.prefill.reason is decision.decode.reason is Reason.METRICS_UNAVAILABLE
     assert (decision.prefill.desired, decision.decode.desired) == (1, 1)
     assert "deadline" in decision.prefill.message
@@ -113,13 +105,7 @@ async def test_a_metric_missing_while_its_target_is_up_holds_the_pool_instead_of
         "scrapes it (the metric is missing or renamed; not read as zero)",
     )
     assert signals.failed_queries == ("generated_tokens", "generated_tokens")
-    config = AutoscalerConfig(
-        model=ModelConfig(slo=Slo(0.8, 0.04), interval_s=15.0),
-        policy=PolicyConfig(prefill=PoolBounds(1, 8), decode=PoolBounds(1, 8)),
-        warmup_s=60.0,
-        window_s=15.0,
-    )
-    decision = Autoscaler(config).step(signals)
+    decision = autoscaler((1, 8), (1, 8)).step(signals)
     assert (decision.decode.reason, decision.decode.desired) == (Reason.METRICS_UNAVAILABLE, 5)
     assert "no series for pod chat-decode-0" in decision.decode.message
 
