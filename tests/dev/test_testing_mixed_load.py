@@ -5,6 +5,7 @@ Against a real router (static discovery) over fast simulators, with the simulato
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,6 +13,7 @@ import pytest
 
 from pdserve.api.router_config import RouterConfig
 from pdserve_dev.testing.mixed_load import MixedLoad, Shape, default_mix
+from pdserve_dev.testing.net import free_port
 from pdserve_dev.testing.sim import set_faults, sim_in_process
 from pdserve_dev.testing.wait import wait_for_async
 from pdserve_runtime.router.app import RouterApp
@@ -99,3 +101,19 @@ async def test_a_stream_cut_behind_a_router_is_told_after_its_tokens() -> None:
         results = load.results
     assert results.failed_told == results.sent, results.summary()
     assert results.failure_kinds == {"stream-after-tokens": results.failed_told}
+
+
+async def test_a_client_backs_off_after_each_failure() -> None:
+    """Against a port that refuses connections at once, one client's sixth failure comes only after its five
+    pauses (50, 100, 200, 400, 800 ms): it does not spin a core retrying."""
+    port = free_port()  # nothing listens here
+    started = time.monotonic()
+    async with MixedLoad(f"http://127.0.0.1:{port}", "sim-model", concurrency=1) as load:
+
+        async def six_lost() -> bool | None:
+            return load.results.lost >= 6 or None
+
+        await wait_for_async(six_lost, within=20, message=load.results.summary)
+        elapsed = time.monotonic() - started
+    assert elapsed >= 1.55, f"six failures in {elapsed:.2f} s"
+    assert load.results.sent <= 7, load.results.summary()

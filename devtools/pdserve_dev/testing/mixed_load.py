@@ -32,6 +32,8 @@ import aiohttp
 
 from pdserve_dev.testing.wait import wait_for_async
 
+#: A worker's pause after a failed request: the first, and the most it doubles to.
+_FIRST_PAUSE_S, _MAX_PAUSE_S = 0.05, 1.0
 _LONG_TEXT = " ".join(f"word{i}" for i in range(300))
 
 
@@ -173,10 +175,19 @@ class MixedLoad:
         order = list(self.mix)
         random.Random(index).shuffle(order)
         shapes = itertools.cycle(order)
+        pause = 0.0
         while not self._stopping and index < self._clients:
-            await self._one(next(shapes), next(self._numbers))
+            outcome = await self._one(next(shapes), next(self._numbers))
+            # A client whose request failed waits before its next one (50 ms, doubling to 1 s; a success resets
+            # it), as a real client backs off: against a router that refuses connections at once, workers that
+            # retried at once spun the machine's cores and slowed everything else under test.
+            failed = outcome in ("failed_told", "lost")
+            pause = min(max(pause * 2, _FIRST_PAUSE_S), _MAX_PAUSE_S) if failed else 0.0
+            if pause:
+                await asyncio.sleep(pause)
 
-    async def _one(self, shape: Shape, number: int) -> None:
+    async def _one(self, shape: Shape, number: int) -> str:
+        """Send one request of `shape`; its outcome (a `LoadResults` counter's name)."""
         session = self._session
         assert session is not None
         # A unique head keeps every long prompt uncached: the router sends it through prefill.
@@ -200,7 +211,7 @@ class MixedLoad:
         self._running[number] = (shape, started)
         label = f"#{number} {path} stream={shape.stream} long={shape.long} max_tokens={shape.max_tokens}"
         try:
-            await self._send(session, path, body, shape=shape, started=started, label=label)
+            return await self._send(session, path, body, shape=shape, started=started, label=label)
         finally:
             del self._running[number]
 
@@ -213,7 +224,7 @@ class MixedLoad:
         shape: Shape,
         started: float,
         label: str,
-    ) -> None:
+    ) -> str:
         results = self.results
         try:
             async with session.post(self.base_url + path, json=body, timeout=self._timeout) as response:
@@ -222,15 +233,16 @@ class MixedLoad:
                     detail = (await response.read())[:300].decode(errors="replace")
                     results.failure_kinds[f"http-{response.status}"] += 1
                     self._count("failed_told", f"{label}: HTTP {response.status}: {detail}")
-                    return
+                    return "failed_told"
                 if shape.stream:
                     outcome, why = await _check_stream(response, shape, started, results, self._count_token_events)
                 else:
                     outcome, why = _check_whole(await response.read(), shape)
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             self._count("lost", f"{label}: {type(exc).__name__}: {exc}")
-            return
+            return "lost"
         self._count(outcome, f"{label}: {why}" if why else "")
+        return outcome
 
     def _count(self, outcome: str, problem: str) -> None:
         results = self.results
