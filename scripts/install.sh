@@ -22,14 +22,23 @@ fi
 .venv/bin/python -m pip install --quiet --cache-dir "$PDSERVE_CACHE_DIR/pip" --upgrade pip
 .venv/bin/python -m pip install --quiet --cache-dir "$PDSERVE_CACHE_DIR/pip" -e '.[dev]' -e ./devtools
 
+# Real vLLM 0.32.0 (CPU) with torch 2.13.0 and NIXL 1.5.1, every package pinned (devtools/pdserve_dev/realvllm/
+# requirements.txt): a few minutes and ~7 GB cold; a stamp check when warm. docs/real-vllm.md. Cold, it is mostly
+# downloading and unpacking wheels, so it runs beside the Go builds (which use the cores) instead of after them.
+vllm_pid=""
+if [ "${PDSERVE_SKIP_VLLM:-0}" != "1" ]; then
+  .venv/bin/python -m pdserve_dev.realvllm install &
+  vllm_pid=$!
+  # A failed build stops the script: the install beside it stops too (its file lock and stamp make a rerun safe).
+  trap 'kill "$vllm_pid" 2>/dev/null || true' ERR
+fi
+
 if [ "${PDSERVE_SKIP_CLUSTER_BUILD:-0}" != "1" ]; then
   # Builds kube-apiserver, controller-manager, scheduler, etcd, kwok, kubectl, helm, prometheus and promtool (about
   # a quarter of an hour cold on two cores; seconds when cached).
   .venv/bin/pdserve dev cluster build
 fi
 
-if [ "${PDSERVE_SKIP_VLLM:-0}" != "1" ]; then
-  # Real vLLM 0.32.0 (CPU) with torch 2.13.0 and NIXL 1.5.1, every package pinned (devtools/pdserve_dev/realvllm/
-  # requirements.txt): a few minutes and ~7 GB cold; a stamp check when warm. docs/real-vllm.md.
-  .venv/bin/python -m pdserve_dev.realvllm install
+if [ -n "$vllm_pid" ]; then
+  wait "$vllm_pid"
 fi
