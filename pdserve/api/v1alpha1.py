@@ -578,7 +578,7 @@ class ServiceAutoscalingSpec(ApiModel):
         le=3600,
         description=(
             "A pool never shrinks below what the current load plus the largest burst of this window needs (a "
-            "rise to at least double within one pod start-up): bursty traffic keeps the replicas its next burst "
+            "rise to at least triple within one pod start-up): bursty traffic keeps the replicas its next burst "
             "needs on arrival. 0 turns this off."
         ),
     )

@@ -17,7 +17,7 @@ Algorithm, per tick (every step leaves a reason; the first that applies to a poo
    flaps the pool), and only to a size that passes the consolidation check: the predicted demand spread over
    the smaller pool stays under `consolidation_margin` x the per-replica capacity (Dynamo's fix for 2 <-> 1
    flapping). Nor below the burst floor (`burst_floor`): the latest load plus the largest burst (a rise to at
-   least double within one start-up horizon) seen in the last `burst_memory_s`, capped at that window's peak
+   least triple within one start-up horizon) seen in the last `burst_memory_s`, capped at that window's peak
    load, so a pool keeps between bursts what the next one needs before new replicas could be ready.
 7. Bounds: min/max replicas (AtMinReplicas, AtMaxReplicas).
 8. Both pools together: the prefill:decode ratio bounds raise the lagging pool (or, at its max, lower the
@@ -38,7 +38,7 @@ from pdserve_operator.autoscaler.signals import ROLES, PoolSignals, Role, Servic
 
 #: A rise counts as a burst when the load reaches this multiple of its lowest within one start-up horizon; smaller
 #: rises are what the demand forecast's surprise headroom covers.
-BURST_FACTOR = 2.0
+BURST_FACTOR = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,9 +249,9 @@ def burst_floor(loads: Sequence[tuple[float, float]], *, now: float, memory_s: f
     full height within a tick or two, so a pool that shrinks to its idle load misses every next burst. The
     largest rise seen within a horizon is how far the load has recently climbed before new replicas could help:
     keep that much above the current load. Only a rise to at least `BURST_FACTOR` x the horizon's lowest load
-    counts: smooth traffic (chat) never doubles within a start-up, and its noise is what the forecast's surprise
-    headroom already covers, so the rule keeps nothing there. A steady step up counts once, and is then held
-    by the load itself.
+    counts: smooth traffic (chat) and steps of a few tens of percent never triple within a start-up; their rises
+    are what the forecast's surprise headroom covers, and the rule keeps nothing there (at 2x it held the
+    synthetic trace's ramp down after a doubling step for a whole memory, at a cost and no gain).
     """
     recent = [(t, x) for t, x in loads if t > now - memory_s]
     if not recent:

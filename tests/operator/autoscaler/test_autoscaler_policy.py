@@ -178,18 +178,18 @@ def test_burst_floor_adds_the_rise_to_the_current_load_up_to_the_peak() -> None:
 
 
 def test_burst_floor_ignores_smooth_traffic() -> None:
-    # Noise and a slow ramp never double within a horizon: the floor is the load now, which the forecast's
+    # Noise and a slow ramp never triple within a horizon: the floor is the load now, which the forecast's
     # headroom already exceeds.
     loads = ticks([10.0, 12.0, 9.0, 13.0, 15.0, 17.0, 19.0, 14.0, 11.0])
     assert burst_floor(loads, now=120.0, memory_s=300.0, horizon_s=45.0) == 11
 
 
 def test_burst_floor_counts_only_rises_within_one_horizon() -> None:
-    # 4 -> 9 more than doubled in 75 s, but no horizon (45 s, four ticks) saw it double.
-    ramp = ticks([4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 4.0])
-    assert burst_floor(ramp, now=90.0, memory_s=300.0, horizon_s=45.0) == 4
-    # The same ramp seen by a start-up twice as long is a burst.
-    assert burst_floor(ramp, now=90.0, memory_s=300.0, horizon_s=90.0) == 9
+    # 3 -> 9 tripled in 90 s, but no horizon (45 s, four ticks) saw it triple.
+    ramp = ticks([3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 4.0])
+    assert burst_floor(ramp, now=105.0, memory_s=300.0, horizon_s=45.0) == 4
+    # The same ramp seen by a start-up twice as long is a burst: 4 + 6, capped at the peak 9.
+    assert burst_floor(ramp, now=105.0, memory_s=300.0, horizon_s=90.0) == 9
 
 
 def test_burst_floor_forgets_bursts_older_than_its_memory() -> None:
