@@ -382,6 +382,7 @@ class EffectiveServiceAutoscaling:
     prefill_to_decode_ratio: EffectiveRatioBounds
     warmup_seconds: int = default(60)
     scale_down_stabilization_seconds: int = default(180)
+    burst_memory_seconds: int = default(300)
 
 
 # -------------------------------------------------------------------------------------------------------- spec

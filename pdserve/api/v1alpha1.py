@@ -572,6 +572,16 @@ class ServiceAutoscalingSpec(ApiModel):
         le=3600,
         description="A pool shrinks only to the largest size recommended over this window.",
     )
+    burst_memory_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=3600,
+        description=(
+            "A pool never shrinks below what the current load plus the largest burst of this window needs (a "
+            "rise to at least triple within one pod start-up): bursty traffic keeps the replicas its next burst "
+            "needs on arrival. 0 turns this off."
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------- spec

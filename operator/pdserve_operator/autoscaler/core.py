@@ -54,7 +54,12 @@ class Autoscaler:
         signals = bounded(signals, self.config.model)
         model_state, estimates = estimate(self.config.model, self.model_state, signals)
         decision, policy_state = decide(
-            self.config.policy, self.config.model.slo, self.policy_state, signals, estimates
+            self.config.policy,
+            self.config.model.slo,
+            self.policy_state,
+            signals,
+            estimates,
+            horizon_s=self.config.model.horizon_s,
         )
         self.model_state, self.policy_state, self.last = model_state, policy_state, decision
         return decision
@@ -100,6 +105,7 @@ def config_from_spec(
         ratio_max=ratio.max,
         max_gpus=spec.autoscaling.max_gpus,
         scale_down_window_s=float(spec.autoscaling.scale_down_stabilization_seconds),
+        burst_memory_s=float(spec.autoscaling.burst_memory_seconds),
     )
     return AutoscalerConfig(
         model=model, policy=policy, warmup_s=float(spec.autoscaling.warmup_seconds), window_s=window_s

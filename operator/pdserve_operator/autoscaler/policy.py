@@ -16,7 +16,9 @@ Algorithm, per tick (every step leaves a reason; the first that applies to a poo
    largest recommendation of the last `scale_down_window_s` (HPA's stabilization window; flapping input never
    flaps the pool), and only to a size that passes the consolidation check: the predicted demand spread over
    the smaller pool stays under `consolidation_margin` x the per-replica capacity (Dynamo's fix for 2 <-> 1
-   flapping).
+   flapping). Nor below the burst floor (`burst_floor`): the latest load plus the largest burst (a rise to at
+   least triple within one start-up horizon) seen in the last `burst_memory_s`, capped at that window's peak
+   load, so a pool keeps between bursts what the next one needs before new replicas could be ready.
 7. Bounds: min/max replicas (AtMinReplicas, AtMaxReplicas).
 8. Both pools together: the prefill:decode ratio bounds raise the lagging pool (or, at its max, lower the
    leading one) (RatioBound); then the GPU budget: no pool is taken below min(current, wanted) to feed the
@@ -27,12 +29,16 @@ Algorithm, per tick (every step leaves a reason; the first that applies to a poo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from pdserve_operator.autoscaler.decision import Decision, PoolDecision, Reason
 from pdserve_operator.autoscaler.model import Cause, Estimates, PoolEstimate, Slo
 from pdserve_operator.autoscaler.signals import ROLES, PoolSignals, Role, ServiceSignals
+
+#: A rise counts as a burst when the load reaches this multiple of its lowest within one start-up horizon; smaller
+#: rises are what the demand forecast's surprise headroom covers.
+BURST_FACTOR = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,10 @@ class PolicyConfig:
     scale_up_while_starting: bool = True
     #: The most a pool sheds in one tick, as a share of its size (at least one replica).
     scale_down_step: float = 1.0
+    #: How long a burst is remembered: scaling down never goes below what the largest load seen in this window
+    #: needs (`burst_floor`), so a pool does not shed between bursts the replicas the next one needs on arrival.
+    #: 0 turns the rule off.
+    burst_memory_s: float = 300.0
 
     def bounds(self, role: Role) -> PoolBounds:
         return self.prefill if role == "prefill" else self.decode
@@ -86,11 +96,19 @@ class PolicyState:
 
     history: Mapping[Role, tuple[tuple[float, int], ...]] = field(default_factory=lambda: {"prefill": (), "decode": ()})
     since: float | None = None
+    #: Observed load per pool in replicas' worth: (time, load / capacity per replica), oldest first, for
+    #: `burst_floor`.
+    loads: Mapping[Role, tuple[tuple[float, float], ...]] = field(default_factory=lambda: {"prefill": (), "decode": ()})
 
     def remember(self, role: Role, at: float, replicas: int, window_s: float) -> PolicyState:
         kept = tuple((t, n) for t, n in self.history.get(role, ()) if t > at - window_s)
         since = at if self.since is None else self.since
-        return PolicyState({**self.history, role: (*kept, (at, replicas))}, since)
+        return PolicyState({**self.history, role: (*kept, (at, replicas))}, since, self.loads)
+
+    def observe(self, role: Role, at: float, replicas: float, window_s: float) -> PolicyState:
+        """Remember a tick's observed load (in replicas' worth), forgetting what is older than `window_s`."""
+        kept = tuple((t, n) for t, n in self.loads.get(role, ()) if t > at - window_s)
+        return replace(self, loads={**self.loads, role: (*kept, (at, replicas))})
 
     def covers(self, at: float, window_s: float) -> bool:
         """Whether recommendations were recorded for a whole window before `at`."""
@@ -107,12 +125,17 @@ def decide(
     state: PolicyState,
     signals: ServiceSignals,
     estimates: Estimates,
+    *,
+    horizon_s: float,
 ) -> tuple[Decision, PolicyState]:
-    """One tick of the policy (module docstring)."""
+    """One tick of the policy (module docstring). `horizon_s` is the model's: the time a replica asked for now
+    needs to serve (start-up plus one tick)."""
     now = signals.at
     pools: dict[Role, PoolDecision] = {}
     for role in ROLES:
-        pool_decision, state = _pool(config, slo, state, signals=signals, estimates=estimates, role=role)
+        pool_decision, state = _pool(
+            config, slo, state, signals=signals, estimates=estimates, role=role, horizon_s=horizon_s
+        )
         pools[role] = pool_decision
     pools = _ratio(config, pools)
     pools = _budget(config, pools)
@@ -130,6 +153,7 @@ def _pool(
     signals: ServiceSignals,
     estimates: Estimates,
     role: Role,
+    horizon_s: float,
 ) -> tuple[PoolDecision, PolicyState]:
     now = signals.at
     bounds = config.bounds(role)
@@ -161,7 +185,13 @@ def _pool(
     consolidated = _consolidated(config, estimate, max(math.ceil(steady - 1e-9), 0))
     if estimate.breach and starting == 0:
         consolidated = max(consolidated, current + 1)
+    if estimate.load is not None and config.burst_memory_s > 0:
+        state = state.observe(role, now, estimate.load / estimate.capacity_per_replica, config.burst_memory_s)
+    floor = burst_floor(state.loads.get(role, ()), now=now, memory_s=config.burst_memory_s, horizon_s=horizon_s)
     why = _why(slo, estimates, estimate)
+    if floor > consolidated and floor >= current:
+        why = f"{why}; {floor} replica(s) kept for a burst like those of the last {config.burst_memory_s:.0f} s"
+    consolidated = max(consolidated, floor)
 
     wants_up = recommended > current and (
         estimate.breach or estimate.required > current * (1.0 + config.tolerance) or current == 0
@@ -207,6 +237,33 @@ def _pool(
     return _bounded(
         bounds, role, current, wanted=wanted, reason=Reason.SCALED_DOWN, message=why, estimate=estimate
     ), state
+
+
+def burst_floor(loads: Sequence[tuple[float, float]], *, now: float, memory_s: float, horizon_s: float) -> int:
+    """The fewest replicas a pool may shrink to: the latest load plus the largest rise the load made within one
+    start-up horizon in the last `memory_s`, but never more than the largest load of that window. `loads` are
+    (time, load in replicas' worth) ticks, oldest first.
+
+    A replica asked for when a burst shows is ready only a start-up later; a burst that rises within that time
+    queues on the pool it finds. Bursty traffic (code completion) idles for minutes between bursts that reach
+    full height within a tick or two, so a pool that shrinks to its idle load misses every next burst. The
+    largest rise seen within a horizon is how far the load has recently climbed before new replicas could help:
+    keep that much above the current load. Only a rise to at least `BURST_FACTOR` x the horizon's lowest load
+    counts: smooth traffic (chat) and steps of a few tens of percent never triple within a start-up; their rises
+    are what the forecast's surprise headroom covers, and the rule keeps nothing there (at 2x it held the
+    synthetic trace's ramp down after a doubling step for a whole memory, at a cost and no gain).
+    """
+    recent = [(t, x) for t, x in loads if t > now - memory_s]
+    if not recent:
+        return 0
+    rise = 0.0
+    for index, (at, load) in enumerate(recent):
+        before = [x for t, x in recent[: index + 1] if t >= at - horizon_s]
+        low = min(before)
+        if load >= BURST_FACTOR * low:
+            rise = max(rise, load - low)
+    peak = max(x for _, x in recent)
+    return max(math.ceil(min(recent[-1][1] + rise, peak) - 1e-9), 0)
 
 
 def _blind(config: PolicyConfig, pool: PoolSignals, estimate: PoolEstimate, signals: ServiceSignals) -> str | None:

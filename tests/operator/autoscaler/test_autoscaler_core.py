@@ -47,6 +47,7 @@ def test_config_reads_bounds_targets_and_service_settings() -> None:
             "prefillToDecodeRatio": {"min": 0.25, "max": 2},
             "warmupSeconds": 90,
             "scaleDownStabilizationSeconds": 240,
+            "burstMemorySeconds": 420,
         },
     )
     config = configure(pds)
@@ -56,6 +57,7 @@ def test_config_reads_bounds_targets_and_service_settings() -> None:
     assert config.policy.prefill.gpus_per_replica == 2
     assert (config.policy.ratio_min, config.policy.ratio_max, config.policy.max_gpus) == (0.25, 2, 32)
     assert (config.warmup_s, config.policy.scale_down_window_s) == (90.0, 240.0)
+    assert config.policy.burst_memory_s == 420.0
 
 
 def test_config_takes_the_tick_and_the_window_it_is_given() -> None:
@@ -74,6 +76,7 @@ def test_defaults_and_owners() -> None:
     assert not config.policy.prefill.managed and config.policy.prefill.unmanaged_reason is Reason.EXTERNAL
     assert not config.policy.decode.managed and config.policy.decode.unmanaged_reason is Reason.DISABLED
     assert config.policy.scale_down_window_s == 180.0 and config.warmup_s == 60.0
+    assert config.policy.burst_memory_s == 300.0
     assert config.policy.max_gpus is None and config.policy.ratio_min is None
 
 

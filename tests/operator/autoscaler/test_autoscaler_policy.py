@@ -10,16 +10,20 @@ import pytest
 
 from pdserve_operator.autoscaler.decision import Decision, Reason
 from pdserve_operator.autoscaler.model import Cause, Curve, Estimates, PoolEstimate, Slo
-from pdserve_operator.autoscaler.policy import PolicyConfig, PolicyState, PoolBounds, decide
+from pdserve_operator.autoscaler.policy import PolicyConfig, PolicyState, PoolBounds, burst_floor, decide
 from pdserve_operator.autoscaler.signals import PoolSignals, Role, RouterSignals, ServiceSignals
 
 SLO = Slo(ttft_s=0.8, itl_s=0.04, percentile=90)
 CAPACITY = 1000.0
+# The rules other than the burst floor are tested without it (its own tests below turn it on): their steps up are
+# bursts by its measure and would be held for its memory.
 CONFIG = PolicyConfig(
     prefill=PoolBounds(1, 20),
     decode=PoolBounds(1, 20),
     scale_down_window_s=60.0,
+    burst_memory_s=0.0,
 )
+BURST_CONFIG = replace(CONFIG, burst_memory_s=300.0)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def step(
     )
     ttft = 1.2 if p.breach else 0.3
     estimates = Estimates(pool_estimate("prefill", p), pool_estimate("decode", d), Cause.NONE, ttft, 0.02)
-    return decide(config, SLO, state, signals, estimates)
+    return decide(config, SLO, state, signals, estimates, horizon_s=45.0)
 
 
 def replay(needs: Sequence[float | None], start: int, config: PolicyConfig = CONFIG) -> list[tuple[int, Reason]]:
@@ -150,6 +154,68 @@ def test_scale_down_follows_the_steady_demand_not_one_noisy_window() -> None:
     for i in range(8, 20):
         decision, state = step(state, 15.0 * i, Tick(need=2.0, current=6))
     assert decision.prefill.desired == 2
+
+
+# ------------------------------------------------------------------------------------------------ burst floor
+
+
+def ticks(loads: Sequence[float], every_s: float = 15.0) -> list[tuple[float, float]]:
+    return [(every_s * i, load) for i, load in enumerate(loads)]
+
+
+def test_burst_floor_keeps_what_the_last_burst_needed_between_bursts() -> None:
+    # Idle at 1 replica's worth, a burst to 20 within one tick, idle again: the next burst may come as fast.
+    loads = ticks([1.0] * 4 + [20.0] * 4 + [1.0] * 4)
+    assert burst_floor(loads, now=165.0, memory_s=300.0, horizon_s=45.0) == 20
+
+
+def test_burst_floor_adds_the_rise_to_the_current_load_up_to_the_peak() -> None:
+    # The load rose by 6 within a horizon (3 -> 9) and sits at 4 now: 4 + 6 = 10 is more than the peak 9.
+    assert burst_floor(ticks([3.0, 9.0, 4.0]), now=30.0, memory_s=300.0, horizon_s=45.0) == 9
+    # A rise of 4 (2 -> 6), a peak of 20 reached slowly: 5 + 4 = 9.
+    slow_then_fast = [20.0, 17.0, 14.0, 11.0, 8.0, 5.0, 2.0, 6.0, 5.0]
+    assert burst_floor(ticks(slow_then_fast), now=120.0, memory_s=300.0, horizon_s=45.0) == 9
+
+
+def test_burst_floor_ignores_smooth_traffic() -> None:
+    # Noise and a slow ramp never triple within a horizon: the floor is the load now, which the forecast's
+    # headroom already exceeds.
+    loads = ticks([10.0, 12.0, 9.0, 13.0, 15.0, 17.0, 19.0, 14.0, 11.0])
+    assert burst_floor(loads, now=120.0, memory_s=300.0, horizon_s=45.0) == 11
+
+
+def test_burst_floor_counts_only_rises_within_one_horizon() -> None:
+    # 3 -> 9 tripled in 90 s, but no horizon (45 s, four ticks) saw it triple.
+    ramp = ticks([3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 4.0])
+    assert burst_floor(ramp, now=105.0, memory_s=300.0, horizon_s=45.0) == 4
+    # The same ramp seen by a start-up twice as long is a burst: 4 + 6, capped at the peak 9.
+    assert burst_floor(ramp, now=105.0, memory_s=300.0, horizon_s=90.0) == 9
+
+
+def test_burst_floor_forgets_bursts_older_than_its_memory() -> None:
+    loads = ticks([1.0, 20.0] + [1.0] * 30)
+    assert burst_floor(loads, now=15.0 * 31, memory_s=300.0, horizon_s=45.0) == 1
+    assert burst_floor(loads, now=15.0 * 31, memory_s=0.0, horizon_s=45.0) == 0
+
+
+def test_a_bursty_pool_keeps_its_burst_size_between_bursts() -> None:
+    bursty = ([1.0] * 4 + [12.0] * 2) * 5
+    with_floor = [size for size, _ in replay(bursty, start=2, config=BURST_CONFIG)]
+    without = [size for size, _ in replay(bursty, start=2, config=CONFIG)]
+    # Without the floor the pool shrinks to the idle load between bursts and meets each burst with 1 replica...
+    assert min(without[12:]) == 1
+    # ...with it the pool meets every burst after the first with the replicas it needs.
+    assert min(with_floor[6:]) == 12
+
+
+def test_burst_floor_explains_itself() -> None:
+    state = PolicyState()
+    current = 2
+    for i, need in enumerate([1.0] * 4 + [12.0] * 2 + [1.0] * 8):
+        decision, state = step(state, 15.0 * i, Tick(need=need, current=current), config=BURST_CONFIG)
+        current = decision.prefill.desired
+    assert current == 12
+    assert "12 replica(s) kept for a burst like those of the last 300 s" in decision.prefill.message
 
 
 def test_no_scale_down_before_a_whole_window_was_observed() -> None:
