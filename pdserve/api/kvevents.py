@@ -264,7 +264,8 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise WireError(f"batch of {len(payload)} bytes is over the {MAX_PAYLOAD_BYTES} byte bound")
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        # TypeError: a map whose key is a map or an array (unhashable in Python), e.g. b"\x83\x00\x00\x00\x00\x80\x00".
         raise WireError(f"not msgpack: {exc}") from None
     if not isinstance(raw, list) or len(raw) not in (2, 3):
         raise WireError("batch is not an array of 2 or 3 items [ts, events, data_parallel_rank]")
