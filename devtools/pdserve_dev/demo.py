@@ -51,7 +51,7 @@ from pdserve_dev.demo_access import (
     write_access,
 )
 from pdserve_dev.publish import Target
-from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.cluster import ClusterHelper, pod_ready
 from pdserve_dev.testing.metrics import by_label, scrape_sync
 from pdserve_dev.testing.wait import wait_for
 
@@ -288,12 +288,18 @@ def keep_running(
         while True:
             time.sleep(3600)
 
-    def router_address() -> tuple[str, int] | None:
-        ips = helper.pod_ips(DEMO_NAMESPACE, "pdserve.io/role=router")
-        return (ips[0], router[1]) if ips else None
+    def router_addresses() -> list[tuple[str, int]]:
+        """Every Ready router pod, those not being deleted first (a rolling update lists both)."""
+        pods = [
+            pod
+            for pod in helper.pods(DEMO_NAMESPACE, "pdserve.io/role=router")
+            if pod.get("status", {}).get("podIP") and pod_ready(pod)
+        ]
+        pods.sort(key=lambda pod: "deletionTimestamp" in pod["metadata"])
+        return [(pod["status"]["podIP"], router[1]) for pod in pods]
 
     targets = {
-        "router": Target("router", router, router_address),
+        "router": Target("router", router, router_addresses),
         "prometheus": Target("prometheus", address_of(prometheus)),
         "apiserver": Target("apiserver", address_of(server)),
     }

@@ -25,7 +25,7 @@ from typing import Any
 from pdserve.api.crdgen import custom_resource_definition
 from pdserve_dev.chaos.service import router_metrics_url
 from pdserve_dev.process_node.node import SELECTOR, TOLERATION
-from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.cluster import ClusterHelper, pod_ready
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.wait import wait_for
@@ -217,12 +217,6 @@ async def run_turns(
     return tally
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", [])
-    )
-
-
 @dataclass
 class KvRoutesService:
     """The deployed PDService and its operator process."""
@@ -265,7 +259,7 @@ class KvRoutesService:
         self.wait_settled(routers, kv_events)
 
     def router_urls(self) -> list[str]:
-        pods = [pod for pod in self.cluster.pods(self.namespace, ROUTERS) if _ready(pod)]
+        pods = [pod for pod in self.cluster.pods(self.namespace, ROUTERS) if pod_ready(pod)]
         return sorted(f"http://{pod['status']['podIP']}:{ROUTER_PORT}" for pod in pods)
 
     def restart_routers(self, routers: int, kv_events: bool) -> None:
@@ -286,7 +280,7 @@ class KvRoutesService:
 
         def settled() -> list[str] | None:
             engines = self.cluster.pods(self.namespace, ENGINES)
-            if len(engines) != 4 or not all(map(_ready, engines)):
+            if len(engines) != 4 or not all(map(pod_ready, engines)):
                 return None
             flags = [" ".join(pod["spec"]["containers"][0].get("args", [])) for pod in engines]
             if any(("--kv-events-config" in args) != kv_events for args in flags):
@@ -294,7 +288,7 @@ class KvRoutesService:
             pods = self.cluster.pods(self.namespace, ROUTERS)
             if (
                 len(pods) != routers
-                or not all(map(_ready, pods))
+                or not all(map(pod_ready, pods))
                 or any(p["metadata"].get("deletionTimestamp") for p in pods)
             ):
                 return None

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,11 +70,13 @@ class Target:
     """Where connections to one service go: a fixed address, or one looked up (again) by `lookup`.
 
     A connection goes to the last address that worked; when that one refuses (the pod behind it was replaced),
-    `lookup` runs once more (in a thread: it may call kubectl) and the new address is tried."""
+    `lookup` runs once more (in a thread: it may call kubectl) and each address it gives is tried in turn: while a
+    Deployment rolls, the pod going away can still be listed as Ready beside its successor (the demo's router rolls
+    when the demo sets its TTFT target, which the router's admission reads)."""
 
     name: str
     address: Address | None = None
-    lookup: Callable[[], Address | None] | None = None
+    lookup: Callable[[], Sequence[Address]] | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     async def connect(self) -> Streams:
@@ -88,11 +90,17 @@ class Target:
         if self.lookup is None:
             raise ConnectionRefusedError(f"{self.name}: no address")
         async with self._lock:
-            fresh = await asyncio.to_thread(self.lookup)
-            if fresh is None:
-                raise ConnectionRefusedError(f"{self.name}: no ready address")
-            self.address = fresh
-        return await asyncio.open_connection(*fresh)
+            candidates = await asyncio.to_thread(self.lookup)
+        refused: OSError = ConnectionRefusedError(f"{self.name}: no ready address")
+        for candidate in candidates:
+            try:
+                streams = await asyncio.open_connection(*candidate)
+            except OSError as exc:
+                refused = exc
+                continue
+            self.address = candidate
+            return streams
+        raise refused
 
 
 Connect = Callable[[], Awaitable[Streams]]

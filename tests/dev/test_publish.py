@@ -93,9 +93,9 @@ async def test_a_target_that_refuses_is_looked_up_again_once(tmp_path: Path) -> 
     lookups: list[int] = []
     async with echo_server() as address:
 
-        def lookup() -> publish.Address:
+        def lookup() -> list[publish.Address]:
             lookups.append(1)
-            return address
+            return [address]
 
         # The pod behind the first address is gone (nothing listens there): the relay asks where it is now.
         target = publish.Target("router", ("127.0.0.1", _closed_port()), lookup)
@@ -109,8 +109,23 @@ async def test_a_target_that_refuses_is_looked_up_again_once(tmp_path: Path) -> 
     assert len(lookups) == 1  # then the new address is the one used
 
 
+async def test_every_looked_up_address_is_tried_in_turn(tmp_path: Path) -> None:
+    """Mid-rollout the pod going away can still be listed as Ready before its successor: its address refuses, the
+    next one serves, and is the one kept."""
+    async with echo_server() as address:
+        gone = ("127.0.0.1", _closed_port())
+        target = publish.Target("router", ("127.0.0.1", _closed_port()), lambda: [gone, address])
+        async with published({"router": target}, tmp_path) as outer:
+            reader, writer = await asyncio.open_connection("127.0.0.1", outer.ports["router"])
+            writer.write(b"ping")
+            writer.write_eof()
+            assert await reader.read(-1) == b"PING"
+            writer.close()
+        assert target.address == address
+
+
 async def test_an_unreachable_target_closes_the_client_connection_at_once(tmp_path: Path) -> None:
-    target = publish.Target("gone", ("127.0.0.1", _closed_port()), lambda: None)
+    target = publish.Target("gone", ("127.0.0.1", _closed_port()), list)
     async with published({"gone": target}, tmp_path) as outer:
         reader, writer = await asyncio.open_connection("127.0.0.1", outer.ports["gone"])
         with contextlib.suppress(ConnectionError):

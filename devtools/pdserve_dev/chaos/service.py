@@ -24,6 +24,7 @@ from typing import Any
 from pdserve.api.crdgen import custom_resource_definition
 from pdserve_dev.process_node.node import SELECTOR, TOLERATION
 from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.cluster import pod_ready as ready
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
 from pdserve_dev.testing.mooncake import MooncakeStore, mooncake_store
 from pdserve_dev.testing.operator import OperatorProcess
@@ -83,11 +84,6 @@ def external_pools_manifest(
             },
         },
     }
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    conditions = pod.get("status", {}).get("conditions", [])
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def scale(cluster: ClusterHelper, namespace: str, name: str, role: str, replicas: int) -> None:

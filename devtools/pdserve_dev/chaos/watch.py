@@ -13,8 +13,9 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
-from pdserve_dev.chaos.service import ENGINE_PORT, ENGINES, ready
+from pdserve_dev.chaos.service import ENGINE_PORT, ENGINES
 from pdserve_dev.testing.cluster import ClusterHelper
+from pdserve_dev.testing.cluster import pod_ready as ready
 from pdserve_dev.testing.metrics import metric_value, scrape_sync
 
 MISMATCH = "pdserve:sim_kv_compat_mismatch_total"

@@ -70,6 +70,12 @@ class KubectlError(RuntimeError):
     exist yet) means "not yet", while a failed assertion is a verdict."""
 
 
+def pod_ready(pod: dict[str, Any]) -> bool:
+    """Whether a pod object's Ready condition is True."""
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 @dataclass
 class ClusterHelper:
     """What the `cluster` fixture yields."""
@@ -168,8 +174,7 @@ class ClusterHelper:
         ips = []
         for pod in self.pods(namespace, selector):
             status = pod.get("status", {})
-            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
-            if status.get("podIP") and (ready or not ready_only):
+            if status.get("podIP") and (pod_ready(pod) or not ready_only):
                 ips.append(status["podIP"])
         return sorted(ips)
 
