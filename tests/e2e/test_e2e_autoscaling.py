@@ -17,8 +17,8 @@ One PDService goes through the phases in order (the tests of this module run in 
 4. Load drops to a trickle: after the stabilization window both pools shrink back, with no failed request.
 5. Decode handed to an external scaler (mode external): pdserve leaves what that scaler sets.
 
-Small windows keep it short: a 2 s tick, a 6 s rate window (Prometheus scrapes every second), a 5 s warm-up and a
-12 s scale-down window, set through the spec and the operator's flags as a user would.
+Small windows keep it short: a 2 s tick, a 6 s rate window (Prometheus scrapes every second), a 5 s warm-up, a
+12 s scale-down window and a 12 s burst memory, set through the spec and the operator's flags as a user would.
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def manifest(namespace: str) -> dict[str, Any]:
                 "routing": {"disaggregationThreshold": 1024},
             },
             "slo": {"ttftMilliseconds": TTFT_TARGET_MS, "itlMilliseconds": ITL_TARGET_MS, "percentile": 90},
-            "autoscaling": {"warmupSeconds": 5, "scaleDownStabilizationSeconds": 12},
+            # The burst floor remembers phase 2's burst for as long as the scale-down window here, so phase 4 can
+            # shrink both pools to one (at its default 300 s, prefill is kept for a burst like it).
+            "autoscaling": {"warmupSeconds": 5, "scaleDownStabilizationSeconds": 12, "burstMemorySeconds": 12},
         },
     }
 
