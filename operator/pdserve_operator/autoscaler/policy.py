@@ -29,6 +29,7 @@ Algorithm, per tick (every step leaves a reason; the first that applies to a poo
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -257,9 +258,16 @@ def burst_floor(loads: Sequence[tuple[float, float]], *, now: float, memory_s: f
     if not recent:
         return 0
     rise = 0.0
-    for index, (at, load) in enumerate(recent):
-        before = [x for t, x in recent[: index + 1] if t >= at - horizon_s]
-        low = min(before)
+    # The lowest load of the horizon ending at each tick, as a sliding-window minimum (ascending loads, oldest
+    # first): one pass, whatever the memory holds (a 2 s tick and an hour's memory are 1,800 ticks per pool).
+    lows: deque[tuple[float, float]] = deque()
+    for at, load in recent:
+        while lows and lows[-1][1] >= load:
+            lows.pop()
+        lows.append((at, load))
+        while lows[0][0] < at - horizon_s:
+            lows.popleft()
+        low = lows[0][1]
         if load >= BURST_FACTOR * low:
             rise = max(rise, load - low)
     peak = max(x for _, x in recent)

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve_operator.autoscaler.decision import Decision, Reason
 from pdserve_operator.autoscaler.model import Cause, Curve, Estimates, PoolEstimate, Slo
-from pdserve_operator.autoscaler.policy import PolicyConfig, PolicyState, PoolBounds, burst_floor, decide
+from pdserve_operator.autoscaler.policy import (
+    BURST_FACTOR,
+    PolicyConfig,
+    PolicyState,
+    PoolBounds,
+    burst_floor,
+    decide,
+)
 from pdserve_operator.autoscaler.signals import PoolSignals, Role, RouterSignals, ServiceSignals
 
 SLO = Slo(ttft_s=0.8, itl_s=0.04, percentile=90)
@@ -385,3 +395,24 @@ def test_scaling_actions_explain_themselves() -> None:
     (event,) = decision.events()
     assert event.startswith("Scaled prefill 2 -> 3: TTFT p90 1.2 s > 800 ms target;")
     assert "prefill demand 3.0k uncached prompt tok/s at 1.0k per replica (prior)" in event
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(min_value=0, max_value=100, allow_nan=False), min_size=1, max_size=60),
+    st.sampled_from([5.0, 17.0, 45.0]),
+)
+def test_the_burst_floor_is_its_definition(values: list[float], horizon_s: float) -> None:
+    """The one-pass floor equals its definition, computed the long way: for every tick, the lowest load of the
+    horizon ending there; a rise to BURST_FACTOR x that low counts; the latest load plus the largest such rise,
+    capped at the window's peak."""
+    loads = [(2.0 * i, value) for i, value in enumerate(values)]
+    now, memory_s = loads[-1][0], 90.0
+    recent = [(t, x) for t, x in loads if t > now - memory_s]
+    rise = 0.0
+    for index, (at, load) in enumerate(recent):
+        low = min(x for t, x in recent[: index + 1] if t >= at - horizon_s)
+        if load >= BURST_FACTOR * low:
+            rise = max(rise, load - low)
+    expected = max(math.ceil(min(recent[-1][1] + rise, max(x for _, x in recent)) - 1e-9), 0)
+    assert burst_floor(loads, now=now, memory_s=memory_s, horizon_s=horizon_s) == expected
