@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from array import array
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +45,7 @@ from pdserve_runtime.router.endpoints import KvEventSource
 from pdserve_runtime.router.kvindex import EngineIndex, match_engines
 from pdserve_runtime.router.kvsubscriber import Subscription
 from pdserve_runtime.router.prompt_blocks import PromptBlocks
-from pdserve_runtime.router.tokens import IDS_TAG
+from pdserve_runtime.router.tokens import prompt_key
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -112,7 +111,7 @@ class Follower:
 
     def held(self, prompt: list[int]) -> int:
         """Tokens of `prompt` the index says the engine holds (its leading full blocks)."""
-        chain = PromptBlocks(IDS_TAG + _packed(prompt), BLOCK)
+        chain = PromptBlocks(prompt_key({"prompt": prompt}, chat=False), BLOCK)  # the router's key of the request
         match = match_engines({"e": [self.index]}, chain).get("e")
         return 0 if match is None else match.blocks * BLOCK
 
@@ -145,10 +144,6 @@ class Follower:
         cached = await self.complete(prompt)
         assert cached == claimed, f"{self.engine.name}: index says {claimed} tokens cached, the engine {cached}"
         return cached
-
-
-def _packed(ids: list[int]) -> bytes:
-    return array("q", ids).tobytes()
 
 
 def _prompt(length: int, seed: int) -> list[int]:
