@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from pdserve_dev.testing.net import free_port
-from pdserve_dev.testing.sim import READY_PREFIX, sim_process, wait_healthy
+from pdserve_dev.testing.sim import READY_PREFIX, set_faults, sim_process, wait_healthy
 from pdserve_dev.testing.wait import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
@@ -160,11 +160,16 @@ async def test_serve_help_prints_instead_of_serving() -> None:
     assert proc.returncode == 0 and b"Drop-in for `vllm serve`" in out
 
 
-@pytest.mark.parametrize("shutdown_timeout", [0, 5])
+@pytest.mark.parametrize("shutdown_timeout", [0, 30])
 async def test_sigterm_aborts_or_drains_in_flight_requests(http: aiohttp.ClientSession, shutdown_timeout: int) -> None:
     import signal
 
-    async with sim_process(preset="cpu-tiny", shutdown_timeout=shutdown_timeout) as sim:
+    async with sim_process(preset="cpu-tiny-shared", shutdown_timeout=shutdown_timeout) as sim:
+        if shutdown_timeout:
+            # Both requests hold after 3 tokens until the test lets them go, so the drain lasts as long as the checks
+            # below take, however loaded the machine (a drain of ~0.5 s of tokens could end, and the process exit,
+            # before a busy test sent its refused request).
+            await set_faults(sim.url, stall_after_tokens=3)
         body = {"prompt": "drain me", "max_tokens": 40, "stream": True}
         unary = asyncio.create_task(http.post(sim.url + "/v1/completions", json=dict(body, stream=False)))
         async with http.post(sim.url + "/v1/completions", json=body) as resp:
@@ -179,6 +184,8 @@ async def test_sigterm_aborts_or_drains_in_flight_requests(http: aiohttp.ClientS
                 await wait_for_async(draining, within=10, message="the simulator to start draining")
                 async with http.post(sim.url + "/v1/completions", json=body) as refused:
                     assert refused.status == 503
+                assert not unary.done() and sim.process.returncode is None
+                await set_faults(sim.url, stall_after_tokens=None)  # /sim/ paths answer while draining
             raw = (await resp.read()).decode()
         assert raw.endswith("data: [DONE]\n\n")
         reason = '"finish_reason":"length"' if shutdown_timeout else '"finish_reason":"abort"'
