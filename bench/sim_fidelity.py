@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -117,20 +118,34 @@ async def _load_rows(url: str, *, repeat: int) -> dict[str, float]:
 
 
 def _fit(real: dict[str, float]) -> dict[str, float]:
-    """Least-squares lines through the real numbers: TTFT = a + b * tokens, ITL = c + d * batch."""
-    xs = list(PROMPT_LENGTHS)
-    ys = [real[f"TTFT, {n}-token prompt"] for n in xs]
-    b, a = _line(xs, ys)
-    xs = list(BATCHES)
-    ys = [real[f"ITL, batch {n}"] for n in xs]
-    d, c = _line(xs, ys)
-    return {"ttft_fixed_s": a, "prefill_per_token_s": b, "itl_fixed_s": c, "decode_per_seq_s": d}
+    """Least squares through the real numbers: TTFT = a + b * tokens + q * pairs (the preset's prefill with its
+    attention term, pairs = n (n + 1) / 2 for a prompt with nothing cached) and ITL = c + d * batch."""
+    rows = [(1.0, float(n), float(TimingParams.prefill_pairs(0, n))) for n in PROMPT_LENGTHS]
+    a, b, q = _least_squares(rows, [real[f"TTFT, {n}-token prompt"] for n in PROMPT_LENGTHS])
+    c, d = _least_squares([(1.0, float(n)) for n in BATCHES], [real[f"ITL, batch {n}"] for n in BATCHES])
+    return {
+        "ttft_fixed_s": a,
+        "prefill_per_token_s": b,
+        "prefill_per_pair_s": q,
+        "itl_fixed_s": c,
+        "decode_per_seq_s": d,
+    }
 
 
-def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
-    return slope, mean_y - slope * mean_x
+def _least_squares(rows: Sequence[tuple[float, ...]], ys: list[float]) -> list[float]:
+    """The coefficients minimising the squared error of ``rows @ x = ys`` (normal equations, Gauss-Jordan): a
+    handful of points and two or three unknowns, so no linear-algebra library for it."""
+    k = len(rows[0])
+    m = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
+         for i in range(k)]  # fmt: skip
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(k):
+            if r != col:
+                factor = m[r][col] / m[col][col]
+                m[r] = [x - factor * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][k] / m[i][i] for i in range(k)]
 
 
 def run_real(repeat: int, core: int, as_json: bool) -> int:
@@ -162,8 +177,9 @@ def run_real(repeat: int, core: int, as_json: bool) -> int:
     preset = PRESETS["cpu-tiny"]
     print(
         f"fit of the real engine: TTFT = {1000 * fit['ttft_fixed_s']:.2f} ms + {1e6 * fit['prefill_per_token_s']:.2f} "
-        f"us/token (preset: {1000 * (preset.step_overhead + preset.prefill_fixed):.2f} ms + "
-        f"{1e6 * preset.prefill_per_token:.2f} us); ITL = {1000 * fit['itl_fixed_s']:.2f} ms + "
+        f"us/token + {1e9 * fit['prefill_per_pair_s']:.2f} ns/pair (preset: "
+        f"{1000 * (preset.step_overhead + preset.prefill_fixed):.2f} ms + {1e6 * preset.prefill_per_token:.2f} us + "
+        f"{1e9 * preset.prefill_per_token_pair:.2f} ns); ITL = {1000 * fit['itl_fixed_s']:.2f} ms + "
         f"{1e6 * fit['decode_per_seq_s']:.1f} us/sequence (preset: {1000 * preset.step_overhead:.2f} ms + "
         f"{1e6 * preset.decode_per_seq:.1f} us + context)"
     )

@@ -7,7 +7,8 @@ it stands in for vLLM engines in router, autoscaler and operator tests and bench
 
 Modules:
 - ``cli``: the ``pdserve sim`` command (native flags, and a drop-in for ``vllm serve MODEL ...``).
-- ``config`` / ``presets``: configuration and the timing presets (``cpu-tiny``, ``h200-8b``, ``fast``).
+- ``config`` / ``presets``: configuration and the timing presets (``cpu-tiny``, ``cpu-tiny-shared``, ``h200-8b``,
+  ``fast``).
 - ``engine``: the scheduler loop (token budget, chunked prefill, KV blocks, prefix cache, preemption, PD).
 - ``kvcache``: the block pool and prefix cache. ``tokenizer``: the tokenizer approximation and the
   deterministic output text. ``protocol``: request validation and vLLM error bodies.

@@ -105,7 +105,7 @@ class _SimGroup(click.Group):
 @click.option(
     "--preset",
     default=lambda: os.environ.get("PDSERVE_SIM_PRESET", "cpu-tiny"),
-    help="Timing preset: cpu-tiny, h200-8b or fast [default: $PDSERVE_SIM_PRESET or cpu-tiny].",
+    help="Timing preset: cpu-tiny, cpu-tiny-shared, h200-8b or fast [default: $PDSERVE_SIM_PRESET or cpu-tiny].",
 )
 @click.option(
     "--fast",

@@ -99,7 +99,7 @@ def derive_kv_compat_id(model: str, block_size: int, max_model_len: int) -> str:
 
 
 def preset(name: str) -> TimingParams:
-    """The named timing preset (``cpu-tiny``, ``h200-8b``, ``fast``)."""
+    """The named timing preset (``cpu-tiny``, ``cpu-tiny-shared``, ``h200-8b``, ``fast``)."""
     try:
         return PRESETS[name]
     except KeyError:

@@ -47,6 +47,7 @@ from pdserve_sim.kvcache import BlockPool, block_hashes
 from pdserve_sim.kvevents import KvEventRecorder
 from pdserve_sim.kvstore import KVStore, StoreError
 from pdserve_sim.metrics import SimMetrics
+from pdserve_sim.presets import TimingParams
 from pdserve_sim.tokenizer import generation_seed
 
 log = logging.getLogger(__name__)
@@ -385,7 +386,9 @@ class Engine:
             if fast:
                 await asyncio.sleep(0)
             else:
-                seconds = self.timing.step_seconds(plan.prefill_tokens, plan.decode_batch, plan.decode_context)
+                seconds = self.timing.step_seconds(
+                    plan.prefill_tokens, plan.decode_batch, plan.decode_context, plan.prefill_pairs
+                )
                 # Chain steps on deadlines: a step that starts late (event-loop busy) is shortened so the
                 # modelled rate holds, but never by more than 50 ms of accumulated lag.
                 deadline = max(deadline, loop.time() - 0.05) + seconds / speed
@@ -810,11 +813,12 @@ class Engine:
 class _Plan:
     """The work of one engine step."""
 
-    __slots__ = ("decode_batch", "decode_context", "items", "prefill_tokens")
+    __slots__ = ("decode_batch", "decode_context", "items", "prefill_pairs", "prefill_tokens")
 
     def __init__(self) -> None:
         self.items: list[tuple[EngineRequest, int, bool]] = []
         self.prefill_tokens = 0
+        self.prefill_pairs = 0
         self.decode_batch = 0
         self.decode_context = 0
 
@@ -822,6 +826,7 @@ class _Plan:
         self.items.append((req, n, prefilling))
         if prefilling:
             self.prefill_tokens += n
+            self.prefill_pairs += TimingParams.prefill_pairs(req.num_computed, n)
         else:
             self.decode_batch += 1
             self.decode_context += req.num_computed

@@ -128,6 +128,8 @@ def test_default_map_runs_vllm_image_as_the_simulator() -> None:
     assert explicit.argv == ["/py", "-m", "pdserve.cli", "sim", "serve", *args]
     # Without command the image entrypoint `vllm serve` applies; docker.io prefixes name the same image.
     assert images.resolve("docker.io/vllm/vllm-openai:latest", None, args).argv == explicit.argv
+    # With the timing the cluster tiers were sized on (a container's own env still wins).
+    assert explicit.image_env["PDSERVE_SIM_PRESET"] == "cpu-tiny-shared"
 
 
 def test_default_map_pdserve_testserver_and_passthrough() -> None:

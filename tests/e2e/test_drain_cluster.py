@@ -41,17 +41,18 @@ NAME = "drain"
 MODEL = "tiny-llama"
 # Each scenario scales down at a moment it has work in hand that outlives the 5 s preStop hook, so the drain itself
 # is exercised, not only the endpoint removal:
-# - decode: streams of up to 800 tokens (~11 s on the simulator's cpu-tiny timing) on 4 engines of 4 sequences;
-#   the scale-down comes while several of the longest have just started (some run on the engines removed). Then the
-#   demand drops to what one engine serves without queueing, as it does when an autoscaler scales down;
+# - decode: streams of up to 800 tokens (~11 s on the simulator's cpu-tiny-shared timing, which the local cluster's
+#   engines run) on 4 engines of 4 sequences; the scale-down comes while several of the longest have just started
+#   (some run on the engines removed). Then the demand drops to what one engine serves without queueing, as it does
+#   when an autoscaler scales down;
 # - prefill: 1 decode engine of 4 sequences behind 20 clients sending mostly long prompts. The simulator, like vLLM,
 #   pulls a request's KV when it schedules the request, so KV a prefill engine hands out waits for its pull as long
 #   as the request waits in decode's queue. The scale-down comes the moment the engine to be removed has just handed
 #   out KV while 12 requests wait at decode: that request is at the back, behind at least 11 others, and each asks
 #   for 200 or 400 tokens (~3-10 s of decode), so it is still waiting when SIGTERM comes after the 5 s preStop hook
-#   (a Monte Carlo of this queue: below 1 in 3000 that it is pulled within 6.5 s at the cpu-tiny preset's fastest
-#   step; ~12 s on average). CI once saw the removed engine hold nothing at SIGTERM with 30-token requests in the
-#   mix and the moment taken on queue depth alone (the same Monte Carlo: pulled in time in ~1 run of 3).
+#   (a Monte Carlo of this queue: below 1 in 3000 that it is pulled within 6.5 s at the cpu-tiny-shared preset's
+#   fastest step; ~12 s on average). CI once saw the removed engine hold nothing at SIGTERM with 30-token requests in
+#   the mix and the moment taken on queue depth alone (the same Monte Carlo: pulled in time in ~1 run of 3).
 #   The requests are not streamed: a stream waiting that long behind the queue would meet the router's 30 s
 #   first-byte timeout (the router working as designed, not the drain); streams are the decode scenario's.
 MAX_NUM_SEQS = 4

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve_sim.cli import build_config, parse_vllm_args
 from pdserve_sim.config import derive_kv_compat_id
-from pdserve_sim.presets import CPU_TINY, FAST, H200_8B
+from pdserve_sim.presets import CPU_TINY, CPU_TINY_SHARED, FAST, H200_8B
 
 NATIVE: dict[str, Any] = {"role": "both", "preset": "cpu-tiny", "fast": False, "speed": 1.0, "port": 8000}
 
@@ -100,6 +100,8 @@ def test_wildcard_host_advertises_loopback() -> None:
 
 def test_presets_and_fast() -> None:
     assert build_config(dict(NATIVE, preset="h200-8b"), {}).timing == H200_8B
+    assert build_config(dict(NATIVE, preset="cpu-tiny-shared"), {}).timing == CPU_TINY_SHARED
+    assert build_config(dict(NATIVE, preset=None), {}).timing == CPU_TINY
     fast = build_config(dict(NATIVE, fast=True), {})
     assert fast.fast and fast.timing == FAST
     assert build_config(dict(NATIVE, preset="fast"), {}).fast

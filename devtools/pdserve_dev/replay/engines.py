@@ -169,7 +169,8 @@ class PrefillEngine:
                 self.on_idle(now)
             return
         tokens = timing.max_num_batched_tokens - budget
-        seconds = timing.step_seconds(tokens, 0, 0)
+        pairs = sum(timing.prefill_pairs(job.prompt - job.remaining, n) for job, n in items)
+        seconds = timing.step_seconds(tokens, 0, 0, pairs)
         self.counters.busy_s += seconds
         self.busy = True
         self._step = items
@@ -306,7 +307,8 @@ class DecodeEngine:
                 self.on_idle(now)
             return
         prefill_tokens = sum(n for _, n in joining)
-        seconds = timing.step_seconds(prefill_tokens, self.batch, self.context)
+        pairs = sum(timing.prefill_pairs(0, n) for _, n in joining)
+        seconds = timing.step_seconds(prefill_tokens, self.batch, self.context, pairs)
         self.counters.busy_s += seconds
         self.busy = True
         self._joining = joining

@@ -34,7 +34,7 @@ from pdserve_operator.autoscaler.collector import Collector, SeriesLabels, Targe
 from pdserve_operator.autoscaler.decision import Reason
 from pdserve_operator.autoscaler.signals import PodPhase, PodState
 from pdserve_sim.config import SimConfig
-from pdserve_sim.presets import CPU_TINY
+from pdserve_sim.presets import CPU_TINY_SHARED
 from tests.operator.autoscaler.support import autoscaler
 
 # A tick's queries may take this long together (the operator's --prometheus-timeout).
@@ -105,7 +105,7 @@ async def _query(prometheus: PrometheusHelper, promql: str) -> list[dict[str, An
 @pytest.mark.timeout(240)
 async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: PrometheusHelper) -> None:
     namespace = f"collector-{uuid.uuid4().hex[:6]}"
-    tiny = SimConfig(timing=CPU_TINY, fast=False)
+    tiny = SimConfig(timing=CPU_TINY_SHARED, fast=False)
     async with contextlib.AsyncExitStack() as stack:
         sims = {
             name: await stack.enter_async_context(sim_in_process(tiny, role=role, engine_id=name))

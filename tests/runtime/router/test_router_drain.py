@@ -43,11 +43,11 @@ def test_one_health_answer(ready: bool, status: int | None, expected: bool) -> N
 async def test_a_draining_static_engine_takes_no_new_requests_and_finishes_its_stream(
     router_server: Any, make_config: Callable[..., RouterConfig]
 ) -> None:
-    tokens = 300  # ~4 s on the cpu-tiny timing: the stream outlives the checks below
+    tokens = 300  # ~4 s on the cpu-tiny-shared timing: the stream outlives the checks below
     body = {"model": "sim-model", "prompt": "Say hi.", "max_tokens": tokens, "stream": True}
     body["stream_options"] = {"include_usage": True}
     async with (
-        sim_process(role="decode", preset="cpu-tiny", shutdown_timeout=30) as draining,
+        sim_process(role="decode", preset="cpu-tiny-shared", shutdown_timeout=30) as draining,
         sim_in_process(role="decode") as other,
     ):
         config = make_config([], [draining.url, other.url], static_health_interval_seconds=0.1)
