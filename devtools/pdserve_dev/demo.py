@@ -51,7 +51,7 @@ from pdserve_dev.demo_access import (
     write_access,
 )
 from pdserve_dev.publish import Target
-from pdserve_dev.testing.cluster import ClusterHelper, pod_ready
+from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.metrics import by_label, scrape_sync
 from pdserve_dev.testing.wait import wait_for
 
@@ -289,14 +289,7 @@ def keep_running(
             time.sleep(3600)
 
     def router_addresses() -> list[tuple[str, int]]:
-        """Every Ready router pod, those not being deleted first (a rolling update lists both)."""
-        pods = [
-            pod
-            for pod in helper.pods(DEMO_NAMESPACE, "pdserve.io/role=router")
-            if pod.get("status", {}).get("podIP") and pod_ready(pod)
-        ]
-        pods.sort(key=lambda pod: "deletionTimestamp" in pod["metadata"])
-        return [(pod["status"]["podIP"], router[1]) for pod in pods]
+        return [(ip, router[1]) for ip in helper.serving_ips(DEMO_NAMESPACE, "pdserve.io/role=router")]
 
     targets = {
         "router": Target("router", router, router_addresses),

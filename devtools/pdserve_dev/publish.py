@@ -186,19 +186,29 @@ async def serve_inner(targets: Mapping[str, Target], directory: Path) -> Relays:
 async def serve_outer(sockets: Mapping[str, Path], ports: Mapping[str, int] | None = None) -> Relays:
     """In the user's namespace: listen on 127.0.0.1 (the port in `ports`, or any free one) for each socket
     (`Relays.ports`)."""
+
+    def connect_to(path: Path) -> Connect:
+        async def connect() -> Streams:
+            return await asyncio.open_unix_connection(str(path))
+
+        return connect
+
+    return await _serve_tcp({name: connect_to(path) for name, path in sockets.items()}, ports or {})
+
+
+async def serve_local(targets: Mapping[str, Target]) -> Relays:
+    """In this namespace: listen on 127.0.0.1 (any free port, `Relays.ports`) for each target, one hop. What a
+    Service gives a client on a cluster without a Service proxy (the local cluster): a load whose connections follow
+    a Deployment through a rolling update instead of staying pinned to one pod's address."""
+    return await _serve_tcp({name: target.connect for name, target in targets.items()}, {})
+
+
+async def _serve_tcp(connects: Mapping[str, Connect], ports: Mapping[str, int]) -> Relays:
     relays = Relays()
     try:
-        for name, path in sockets.items():
-
-            async def connect(path: Path = path) -> Streams:
-                return await asyncio.open_unix_connection(str(path))
-
+        for name, connect in connects.items():
             server = await asyncio.start_server(
-                relays.handler(name, connect),
-                LOOPBACK,
-                (ports or {}).get(name, 0),
-                family=socket.AF_INET,
-                reuse_address=True,
+                relays.handler(name, connect), LOOPBACK, ports.get(name, 0), family=socket.AF_INET, reuse_address=True
             )
             relays.servers.append(server)
             relays.ports[name] = server.sockets[0].getsockname()[1]

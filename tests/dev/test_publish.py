@@ -124,6 +124,37 @@ async def test_every_looked_up_address_is_tried_in_turn(tmp_path: Path) -> None:
         assert target.address == address
 
 
+async def test_a_local_relay_follows_its_target_to_the_replacement() -> None:
+    """`serve_local`, a Service's stand-in in one namespace: connections go to the target's address while it
+    serves, and to where the lookup says it is now once it refuses (the old pod stopped listening)."""
+
+    async def ping(relays: publish.Relays) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relays.ports["router"])
+        writer.write(b"ping")
+        writer.write_eof()
+        answer = await reader.read(-1)
+        writer.close()
+        return answer
+
+    where: list[publish.Address] = []
+    async with echo_server() as old:
+        target = publish.Target("router", old, lambda: list(where))
+        async with echo_server() as new:
+            where.append(new)
+            relays = await publish.serve_local({"router": target})
+            try:
+                assert await ping(relays) == b"PING" and target.address == old  # still serving: kept
+            finally:
+                await relays.close()
+    relays = await publish.serve_local({"router": target})
+    async with echo_server() as replacement:
+        where[:] = [replacement]
+        try:
+            assert await ping(relays) == b"PING" and target.address == replacement  # gone: looked up
+        finally:
+            await relays.close()
+
+
 async def test_an_unreachable_target_closes_the_client_connection_at_once(tmp_path: Path) -> None:
     target = publish.Target("gone", ("127.0.0.1", _closed_port()), list)
     async with published({"gone": target}, tmp_path) as outer:

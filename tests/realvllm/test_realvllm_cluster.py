@@ -25,18 +25,20 @@ and the tests run in order, each leaving the service as the next expects it (mod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pdserve_dev import publish
 from pdserve_dev.chaos.service import wait_pool
 from pdserve_dev.cluster.cluster import pinned_namespace
 from pdserve_dev.realvllm import metricsdiff, service
@@ -100,6 +102,23 @@ class Deployment:
 
     def wait_pool(self, role: str, replicas: int, timeout: float = 600.0) -> None:
         wait_pool(self.cluster, self.namespace, role, replicas, router=self.router, timeout=timeout)
+
+    @contextlib.asynccontextmanager
+    async def following_router(self) -> AsyncIterator[str]:
+        """A router URL whose new connections go to a serving router pod, as a Service's would (the local cluster
+        has no Service proxy): a load through it follows the router when an engine-side change rolls it too (the
+        block size is in the router's configuration)."""
+
+        def addresses() -> list[publish.Address]:
+            return [
+                (ip, service.ROUTER_PORT) for ip in self.cluster.serving_ips(self.namespace, "pdserve.io/role=router")
+            ]
+
+        relays = await publish.serve_local({"router": publish.Target("router", None, addresses)})
+        try:
+            yield relays.url("router")
+        finally:
+            await relays.close()
 
     def describe(self) -> str:
         pods = self.cluster.kubectl("get", "pods", "-o", "wide", f"--namespace={self.namespace}", check=False).stdout
@@ -588,9 +607,10 @@ def test_a_rolling_update_changing_kv_compat_mixes_no_pair(deployment: Deploymen
     old_hashes = set(HANDSHAKE.findall(old_decode_log))
 
     async def scenario() -> Any:
-        async with MixedLoad(
-            deployment.router, MODEL_NAME, concurrency=4, mix=MIX, extra_body=EXACT, count_token_events=False
-        ) as load:
+        async with (
+            deployment.following_router() as router,
+            MixedLoad(router, MODEL_NAME, concurrency=4, mix=MIX, extra_body=EXACT, count_token_events=False) as load,
+        ):
             await load.wait_succeeded(8, within=300)
             deployment.patch({"spec": {"engine": {"blockSize": 64}}})
 

@@ -178,6 +178,13 @@ class ClusterHelper:
                 ips.append(status["podIP"])
         return sorted(ips)
 
+    def serving_ips(self, namespace: str, selector: str) -> list[str]:
+        """IPs of the Ready pods matching `selector`, those not being deleted first: where a Service would send
+        new connections (a rolling update lists the pod going away, still Ready, beside its successor)."""
+        pods = [pod for pod in self.pods(namespace, selector) if pod.get("status", {}).get("podIP") and pod_ready(pod)]
+        pods.sort(key=lambda pod: "deletionTimestamp" in pod["metadata"])
+        return [pod["status"]["podIP"] for pod in pods]
+
     def logs(self, namespace: str, pod: str, container: str | None = None) -> str:
         """A container's log: the process node's log file when it ran there, else `kubectl logs`."""
         if self.process_node_workdir is not None:
