@@ -37,7 +37,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,6 +329,33 @@ class Engine:
         self._remember_gone(held.request_id, "already_pulled")
         self.release_held(held)
         return True
+
+    def awaiting_pull(self) -> dict[tuple[str, int], list[str]]:
+        """The prefill-side request ids of PD requests still queued here for their pull, by the prefill engine's side
+        channel: what vLLM's NixlConnector heartbeats while they wait, so a deep decode queue does not outlast the
+        prefill engine's lease (`base_scheduler`: every `kv_lease_duration // 6` s)."""
+        peers: dict[tuple[str, int], list[str]] = {}
+        for req in self.waiting:
+            remote = req.remote_prefill
+            if remote is not None and not req.kv_loaded:
+                peers.setdefault((remote.host, remote.port), []).append(remote.request_id)
+        return peers
+
+    def extend_leases(self, request_ids: Iterable[str]) -> None:
+        """A decode engine's heartbeat: the KV of these requests stays held until 2/3 of this engine's lease from
+        now, never less than it already had (vLLM's `_handle_heartbeat` on the prefill side)."""
+        extension = self.config.kv_lease_seconds * 2 / 3
+        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        for request_id in request_ids:
+            held = self.held.get(request_id)
+            if held is None or now + extension <= held.expires_at:
+                continue
+            held.expires_at = now + extension
+            if held.timer is not None:
+                held.timer.cancel()
+            held.timer = loop.call_later(extension, self._expire, request_id)
+            self.metrics.lease_extensions.inc()
 
     def release_held(self, held: HeldKV) -> None:
         """Free the blocks of held KV once it was sent (or expired, or replaced)."""

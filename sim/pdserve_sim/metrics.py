@@ -222,6 +222,12 @@ class SimMetrics:
             "pdserve:sim_late_steps", "Engine steps that ended more than 5 ms after their modelled time.",
             registry=reg,
         )  # fmt: skip
+        # vLLM logs a lease extension only at debug level; counted here so tests wait for one instead of sleeping.
+        self.lease_extensions = Counter(
+            "pdserve:sim_kv_lease_extensions",
+            "Held KV whose lease a decode engine's heartbeat extended (its request still queued at decode).",
+            registry=reg,
+        )
         self.prompt_mismatch = Counter(
             "pdserve:sim_kv_prompt_mismatch", "KV pulls whose prefill prompt length differs from the decode's.",
             registry=reg,

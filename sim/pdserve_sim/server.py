@@ -18,6 +18,7 @@ The token events are formatted from precomputed string fragments: the hot path d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,7 +37,7 @@ from pdserve_sim.kvevents import KvEventPublisher
 from pdserve_sim.kvstore import KVStore
 from pdserve_sim.metrics import SimMetrics
 from pdserve_sim.protocol import ApiError, ParsedRequest, decode_json, error_body, parse_request
-from pdserve_sim.sidechannel import ConnectionPool, SideChannelServer, pull_kv
+from pdserve_sim.sidechannel import ConnectionPool, SideChannelServer, pull_kv, send_heartbeats
 from pdserve_sim.tokenizer import WORD_PIECES, natural_length, word_index
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class SimServer:
         self.kv_connections = ConnectionPool()
         self.engine.pull = lambda req: pull_kv(self.engine, req, self.kv_connections)
         self.runner: web.AppRunner | None = None
+        self._heartbeats: asyncio.Task[None] | None = None
         self.kv_publisher: KvEventPublisher | None = None
         self.http_port = config.port
         self.side_channel_port = config.side_channel_port
@@ -161,6 +163,8 @@ class SimServer:
                 # Advertise the port actually bound (tests bind port 0).
                 cfg = dataclasses.replace(cfg, side_channel_port=self.side_channel_port)
                 self.config = self.engine.config = cfg
+        if cfg.role in ("decode", "both") and cfg.kv_lease_seconds > 0:
+            self._heartbeats = asyncio.get_running_loop().create_task(self._renew_leases(cfg.kv_lease_seconds / 6))
         self.runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, cfg.host, cfg.port, backlog=4096, reuse_address=True)
@@ -197,8 +201,19 @@ class SimServer:
                 engine.kv_outstanding,
             )
 
+    async def _renew_leases(self, interval: float) -> None:
+        """vLLM's heartbeat (a decode engine's NixlConnector): every lease / 6 s, renew the prefill engines' leases
+        on the KV of requests still queued here."""
+        while True:
+            await asyncio.sleep(interval)
+            await send_heartbeats(self.engine, self.kv_connections)
+
     async def stop(self) -> None:
         """Stop serving and release everything."""
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeats
         await self.side_channel.stop()
         # Finish every request first (streams end with their last event), release stalled streams, then
         # close the HTTP server, so shutdown never waits on an open stream.

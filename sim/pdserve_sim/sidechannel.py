@@ -12,6 +12,9 @@ connections), and either side may close an idle connection (the client then simp
                         or {"ok": false, "error": <reason>, "message": ...} and close.
     decode -> prefill   once all N bytes are read: {"op": "done", "remote_request_id": ...} (NIXL's
                         notification of a completed READ); no answer.
+    decode -> prefill   while requests wait in decode's queue for their pull: {"op": "heartbeat",
+                        "remote_request_ids": [...]} every lease / 6 s (NIXL's "HB:" notification, vLLM's
+                        lease renewal); the prefill engine extends their leases; no answer.
 
 Reasons: ``kv_compat_mismatch`` (the engines' kv-compat ids differ, like a failed NIXL compatibility check),
 ``tp_unsupported`` (prefill TP larger than decode TP), ``engine_mismatch`` (remote_engine_id names another
@@ -47,6 +50,8 @@ _ZEROS = bytes(1 << 20)
 _SERVER_IDLE_S = 60.0
 _CLIENT_IDLE_S = 20.0
 _POOL_PER_PEER = 64
+#: Request ids one heartbeat may name (a decode engine's queue is bounded by its max_num_seqs scheduling anyway).
+_HEARTBEAT_IDS = 4096
 
 
 class ConnectionPool:
@@ -128,7 +133,7 @@ class SideChannelServer:
                     return  # closed by the peer, or the fault: close without answering
                 try:
                     msg = json.loads(line)
-                    if not isinstance(msg, dict) or msg.get("op") not in ("pull", "done"):
+                    if not isinstance(msg, dict) or msg.get("op") not in ("pull", "done", "heartbeat"):
                         raise ValueError("expected a pull request or a notification")
                 except ValueError:
                     await self._refuse(writer, "bad_request", "malformed side-channel request")
@@ -137,6 +142,11 @@ class SideChannelServer:
                     held = lent.pop(str(msg.get("remote_request_id")), None)
                     if held is not None:
                         self.engine.sent(held)
+                    continue
+                if msg["op"] == "heartbeat":
+                    ids = msg.get("remote_request_ids")
+                    if isinstance(ids, list):
+                        self.engine.extend_leases(str(i) for i in ids[:_HEARTBEAT_IDS])
                     continue
                 await self._serve_pull(msg, writer, lent)
         except (ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
@@ -347,3 +357,20 @@ async def _pull_once(
             pool.give_back(remote.host, remote.port, reader, writer)
         else:
             writer.close()
+
+
+async def send_heartbeats(engine: Engine, pool: ConnectionPool) -> None:
+    """One round of lease renewals: to each prefill engine that holds KV for requests still queued here, the ids of
+    those requests (vLLM's NixlConnector sends them as NIXL notifications). A peer that cannot be reached is skipped
+    (vLLM logs it at debug level): its KV then expires as it would have without the heartbeat."""
+    for (host, port), ids in engine.awaiting_pull().items():
+        try:
+            conn = pool.take(host, port)
+            if conn is None:
+                conn = await asyncio.wait_for(asyncio.open_connection(host, port, limit=_LINE_LIMIT), 2.0)
+            reader, writer = conn
+            writer.write(json.dumps({"op": "heartbeat", "remote_request_ids": ids}).encode() + b"\n")
+            await asyncio.wait_for(writer.drain(), 2.0)
+            pool.give_back(host, port, reader, writer)
+        except (OSError, TimeoutError) as exc:
+            log.debug("Heartbeat to %s:%d failed: %s", host, port, exc)

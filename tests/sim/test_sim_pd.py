@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import signal
 import time
@@ -18,6 +19,7 @@ from pdserve_dev.testing.metrics import metric_value, scrape, wait_for_metric
 from pdserve_dev.testing.net import free_port
 from pdserve_dev.testing.sim import sim_in_process, sim_process, sim_server_in_process
 from pdserve_dev.testing.wait import wait_for_async
+from pdserve_sim.presets import FAST
 from pdserve_sim.tokenizer import tokenize
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
@@ -186,6 +188,32 @@ async def test_pull_fails_after_the_lease_expired(http: aiohttp.ClientSession) -
         # timeout (half of it is seconds of margin for a loaded machine).
         assert time.monotonic() - started < transfer_timeout / 2
         assert "expired" in error["message"]
+
+
+async def test_a_request_queued_at_decode_keeps_its_kv_leased_by_heartbeats(http: aiohttp.ClientSession) -> None:
+    """vLLM's NixlConnector renews the prefill engine's lease while a PD request waits in decode's queue (a
+    heartbeat every decode lease / 6 s; the prefill side extends the lease to 2/3 of its own from then): a queue
+    longer than the lease loses no KV. Here decode's one sequence slot is busy for ~3 s while the prefill engine's
+    lease is 1.2 s."""
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4}
+    one_slow_slot = dataclasses.replace(FAST, step_overhead=0.05, max_num_seqs=1)
+    async with (
+        sim_in_process(role="prefill", kv_lease_seconds=1.2) as prefill,
+        sim_in_process(role="decode", timing=one_slow_slot, fast=False, kv_lease_seconds=0.6) as decode,
+    ):
+        params = await prefill_step(http, prefill.url, body)
+        busy = asyncio.ensure_future(
+            http.post(decode.url + "/v1/completions", json={"model": "sim-model", "prompt": "busy", "max_tokens": 60})
+        )
+        await wait_for_metric(decode.url, "vllm:num_requests_running", 1)
+        started = time.monotonic()
+        async with http.post(decode.url + "/v1/completions", json=dict(body, kv_transfer_params=params)) as resp:
+            assert resp.status == 200, await resp.text()
+        assert time.monotonic() - started > 1.2  # it waited longer than the lease
+        metrics = await scrape(prefill.url)
+        assert metric_value(metrics, "vllm:nixl_num_kv_expired_reqs_total") == 0
+        assert metric_value(metrics, "pdserve:sim_kv_lease_extensions_total") >= 2
+        (await busy).release()
 
 
 async def test_pull_fails_when_kv_compat_ids_differ(http: aiohttp.ClientSession) -> None:
