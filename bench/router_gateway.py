@@ -30,7 +30,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.router_bench import PY, ROOT, Proc, Target, _descendants, _median, _run_level, _wait_http
+from bench.router_bench import (
+    PY,
+    ROOT,
+    Proc,
+    Target,
+    _descendants,
+    _median,
+    _run_level,
+    _wait_http,
+    pdserve_router_command,
+)
 from pdserve_dev.testing.envoy import envoy_binary, gateway_bootstrap
 from pdserve_dev.testing.net import free_port
 
@@ -57,7 +67,7 @@ signal.pause()
 
 def _gateway_path(prefill_url: str, decode_url: str, workdir: Path, cpus: set[int] | None) -> tuple[str, Proc]:
     """Envoy + pdserve picker + PD sidecar; returns the gateway URL and their parent process."""
-    sidecar, grpc, http, listen, admin = (free_port() for _ in range(5))
+    sidecar, sidecar_metrics, grpc, http, picker_metrics, listen, admin = (free_port() for _ in range(7))
     bootstrap = gateway_bootstrap(
         listen=("127.0.0.1", listen),
         admin=("127.0.0.1", admin),
@@ -69,16 +79,20 @@ def _gateway_path(prefill_url: str, decode_url: str, workdir: Path, cpus: set[in
     config.write_text(json.dumps(bootstrap))
     commands = [
         [PY, "-m", "pdserve.cli", "sidecar", "--host", "127.0.0.1", "--port", str(sidecar), "--decode", decode_url,
-         "--log-level", "warning"],
+         "--metrics-port", str(sidecar_metrics), "--log-level", "warning"],
         [PY, "-m", "pdserve.cli", "picker", "--host", "127.0.0.1", "--port", str(http), "--grpc-port", str(grpc),
-         "--target-port", str(sidecar), "--prefill", prefill_url, "--decode", decode_url,
-         "--disaggregation-threshold", "0", "--served-model-name", "sim-model", "--log-level", "warning"],
+         "--metrics-port", str(picker_metrics), "--target-port", str(sidecar), "--prefill", prefill_url, "--decode",
+         decode_url, "--disaggregation-threshold", "0", "--served-model-name", "sim-model", "--log-level", "warning"],
         [str(envoy_binary()), "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", "error"],
     ]  # fmt: skip
     proc = Proc([PY, "-c", _LAUNCHER, json.dumps(commands), json.dumps(sorted(cpus or ()))], None)
-    _wait_http(f"http://127.0.0.1:{sidecar}", "/ready")
-    _wait_http(f"http://127.0.0.1:{http}", "/ready")
-    _wait_http(f"http://127.0.0.1:{admin}", "/ready")
+    try:
+        _wait_http(f"http://127.0.0.1:{sidecar}", "/ready")
+        _wait_http(f"http://127.0.0.1:{http}", "/ready")
+        _wait_http(f"http://127.0.0.1:{admin}", "/ready")
+    except BaseException:
+        proc.stop()  # the three processes end with their parent
+        raise
     return f"http://127.0.0.1:{listen}", proc
 
 
@@ -115,9 +129,9 @@ def run_gateway(args: argparse.Namespace) -> int:
             _wait_http(prefill_url, "/health")
             _wait_http(decode_url, "/health")
             router_port = free_port()
-            router = Proc([PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(router_port),
-                           "--prefill", prefill_url, "--decode", decode_url, "--disaggregation-threshold", "0",
-                           "--served-model-name", "sim-model", "--log-level", "warning"], path_cpus)  # fmt: skip
+            router = Proc([*pdserve_router_command(router_port, free_port()), "--prefill", prefill_url, "--decode",
+                           decode_url, "--disaggregation-threshold", "0", "--served-model-name", "sim-model"],
+                          path_cpus)  # fmt: skip
             procs.append(router)
             router_url = f"http://127.0.0.1:{router_port}"
             _wait_http(router_url, "/ready")

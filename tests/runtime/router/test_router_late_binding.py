@@ -26,6 +26,21 @@ pytestmark = pytest.mark.timeout(180)
 Answer = tuple[int, dict[str, str], Any]
 
 
+@pytest.fixture
+def make_config(make_config: Callable[..., RouterConfig]) -> Callable[..., RouterConfig]:
+    """The package's config with engine timeouts that never bind here. These tests hold requests at gated engines
+    while a burst of up to 500 reaches the router's queue, which takes tens of seconds on a loaded machine: the
+    default 2 s connect and 30 s first-byte timeouts then fire on the held requests and turn the queue under test
+    into failovers (a fresh-clone run waited for 499 queued requests and found 0)."""
+
+    def make(prefill: list[str], decode: list[str], **policy: Any) -> RouterConfig:
+        policy.setdefault("connect_timeout_seconds", 30.0)
+        policy.setdefault("first_byte_timeout_seconds", 300.0)
+        return make_config(prefill, decode, **policy)
+
+    return make
+
+
 @asynccontextmanager
 async def gated(*roles: Literal["prefill", "decode"], hold: bool = True) -> AsyncIterator[list[GatedEngine]]:
     """Gated engines of these roles (decode ones answer at once unless `hold`), always stopped."""
