@@ -7,7 +7,6 @@ import random
 import pytest
 
 from pdserve_dev.replay.cluster import ReplayCluster, ReplayConfig
-from pdserve_dev.replay.observe import Observation
 from pdserve_dev.replay.scalers import (
     HpaBehavior,
     HpaScaler,
@@ -24,6 +23,7 @@ from pdserve_operator.autoscaler.model import H200_8B as PROFILE
 from pdserve_operator.autoscaler.model import ModelConfig, Slo
 from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
 from pdserve_sim.presets import H200_8B
+from tests.dev.replay_support import Script
 
 SLO = Slo(ttft_s=0.8, itl_s=0.04, percentile=90)
 
@@ -41,24 +41,6 @@ def steady(rate: float, seconds: float, seed: int = 1, start: float = 0.0) -> li
 
 def config(initial: tuple[int, int], **changes: float) -> ReplayConfig:
     return ReplayConfig(H200_8B, H200_8B, SLO, initial, **changes)  # type: ignore[arg-type]
-
-
-class Script:
-    """A scaler that asks for given sizes from given times on (to test the cluster, not a policy)."""
-
-    name = "script"
-
-    def __init__(self, plan: list[tuple[float, tuple[int, int]]]) -> None:
-        self.plan = plan
-        self.seen: list[Observation] = []
-
-    def tick(self, observation: Observation) -> tuple[int, int]:
-        self.seen.append(observation)
-        size = self.plan[0][1]
-        for at, wanted in self.plan:
-            if observation.at >= at:
-                size = wanted
-        return size
 
 
 def test_profile_matches_the_simulator_preset() -> None:

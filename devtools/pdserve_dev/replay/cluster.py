@@ -14,8 +14,10 @@ becoming ready and control ticks are all events; nothing runs in wall-clock time
   wants per pool; a changed pool is one scaling action.
 - Outcome: per request TTFT (router arrival to first token) and TPOT, so attainment is the share of requests
   with TTFT <= target and TPOT <= target. TTFT is the client's: it counts from the request's arrival at the
-  router, so every wait on the way (an engine's queue, the KV pull, joining the decode batch) is in it. This router
-  dispatches on arrival and never sheds; `Outcome.shed` (always 0 here) counts as misses for a router that does.
+  router, so every wait on the way (the router's queue, an engine's queue, the KV pull, joining the decode batch)
+  is in it. Without `late_binding` this router dispatches on arrival and never sheds; with it, requests wait in the
+  router until an engine has room (`gate`, the product's admission rule) and `Outcome.shed` counts the requests it
+  refused or shed, each a miss.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve_dev.replay.engines import DecodeEngine, Job, PrefillEngine
+from pdserve_dev.replay.gate import LateBinding, ReplayGate
 from pdserve_dev.replay.observe import Observation, Observer
 from pdserve_dev.replay.trace import Request
 from pdserve_operator.autoscaler.model import Slo
@@ -59,6 +62,8 @@ class ReplayConfig:
     warmup_s: float = 60.0
     disaggregation_threshold: int = 256
     gpus_per_replica: tuple[int, int] = (1, 1)
+    #: The router's late binding (`gate`); None: the router dispatches every request on arrival.
+    late_binding: LateBinding | None = None
 
 
 class Replica:
@@ -89,7 +94,7 @@ class Outcome:
     timeline: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     end_s: float = 0.0
     kv_overflows: int = 0
-    #: Requests refused by the router (none: this router dispatches every request on arrival). Each is a miss.
+    #: Requests refused or shed by the router (only with late binding). Each is a miss.
     shed: int = 0
 
     def attainment(self, slo: Slo) -> float:
@@ -125,6 +130,7 @@ class ReplayCluster:
         self.timeline: list[tuple[float, int, int, int, int]] = []
         self._unfinished = 0
         self._next_request = 0
+        self.gate = ReplayGate(config.late_binding, self) if config.late_binding is not None else None
 
     # --------------------------------------------------------------------------------------------- events
 
@@ -155,7 +161,8 @@ class ReplayCluster:
         overflows = sum(
             r.engine.kv_overflows for r in [*self.gone, *self.replicas["decode"]] if isinstance(r.engine, DecodeEngine)
         )
-        return Outcome(self.scaler.name, self.jobs, gpu, self.actions, self.timeline, end, overflows)
+        shed = self.gate.shed if self.gate is not None else 0
+        return Outcome(self.scaler.name, self.jobs, gpu, self.actions, self.timeline, end, overflows, shed)
 
     # --------------------------------------------------------------------------------------------- router
 
@@ -164,6 +171,12 @@ class ReplayCluster:
         self._next_request += 1
         if self._next_request < len(self.requests):
             self.schedule(self.requests[self._next_request].arrival, self._arrive)
+        if self.gate is not None:
+            long = request.prompt >= self.config.disaggregation_threshold
+            serving = long and any(r.state == "ready" for r in self.replicas["prefill"])
+            route = "pd" if serving else "fallback" if long else "decode-only"
+            self.gate.arrive(Job(request, route), "prefill" if route == "pd" else "decode", now)
+            return
         prefill = self._pick("prefill")
         if request.prompt >= self.config.disaggregation_threshold and prefill is not None:
             job = Job(request, "pd")
@@ -189,7 +202,17 @@ class ReplayCluster:
         return best
 
     def _prefilled(self, job: Job, now: float) -> None:
-        self._to_decode(job, now)
+        if self.gate is None:
+            self._to_decode(job, now)
+            return
+        replica = self.gate.decode_replica(job)
+        if replica is None:
+            self._to_decode(job, now)
+        else:
+            engine = replica.engine
+            assert isinstance(engine, DecodeEngine)
+            engine.add(job, now)
+        self.gate.pump(now)
 
     def _to_decode(self, job: Job, now: float) -> None:
         replica = self._pick("decode")
@@ -205,8 +228,14 @@ class ReplayCluster:
         self.observer.router_ttft(job, now - job.arrival)
 
     def _finished(self, job: Job, now: float) -> None:
-        self._unfinished -= 1
+        self.request_done()
         self.observer.router_finished(job)
+        if self.gate is not None:
+            self.gate.decode_freed(now)
+
+    def request_done(self) -> None:
+        """One request fewer to replay (finished, or refused by the router)."""
+        self._unfinished -= 1
 
     # ------------------------------------------------------------------------------------------- replicas
 
@@ -228,6 +257,8 @@ class ReplayCluster:
             def ready(at: float) -> None:
                 if replica.state == "starting":
                     replica.state = "ready"
+                    if self.gate is not None:
+                        self.gate.pump(at)
 
             self.schedule(replica.ready_at, ready)
         return replica

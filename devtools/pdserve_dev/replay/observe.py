@@ -190,6 +190,7 @@ class Observer:
                 deltas[replica.name] = _delta(snap, base, max(now - start, 1e-9))
         router_ttft, router_ttft_pd, router_itl, router_rate, ttft_p90, itl_p90 = self._router(now, horizon)
         q = config.slo.percentile / 100.0
+        gate = self.cluster.gate
         prefill, prefill_util = self._pool("prefill", now, deltas, q)
         decode, decode_util = self._pool("decode", now, deltas, q)
         signals = ServiceSignals(
@@ -204,6 +205,10 @@ class Observer:
                 itl_s=router_itl,
                 request_rate=router_rate,
                 freshness_s=0.0,
+                # The router's queue gauges (`pdserve_router_queue_*`), 0 without late binding.
+                queued_prefill_requests=float(gate.waiting("prefill")) if gate else 0.0,
+                queued_prefill_tokens=float(gate.waiting_tokens("prefill")) if gate else 0.0,
+                queued_decode_requests=float(gate.waiting("decode")) if gate else 0.0,
             ),
         )
         frontend = FrontendTotals(self.router_requests, self.router_prompt_tokens, self.router_output_tokens)

@@ -317,12 +317,17 @@ class Collector:
         now = tick.now
         answers = await self._ask(ROUTER_QUERIES, self.selector(target, "router", routers), tick, "router")
         scraped = answers.by_pod("router_last_scrape")
+        queued = answers.by_label("router_queue", "pool")
+        tokens = answers.by_label("router_queue_tokens", "pool")
         return RouterSignals(
             ttft_s=answers.scalar("router_ttft"),
             ttft_pd_s=answers.scalar("router_ttft_pd"),
             itl_s=answers.scalar("router_itl"),
             request_rate=answers.scalar("router_requests"),
             freshness_s=max((max(0.0, now - t) for t in scraped.values()), default=None) if scraped else None,
+            queued_prefill_requests=None if queued is None else queued.get("prefill", 0.0),
+            queued_prefill_tokens=None if tokens is None else tokens.get("prefill", 0.0),
+            queued_decode_requests=None if queued is None else queued.get("decode", 0.0),
         )
 
 

@@ -205,6 +205,21 @@ QUERIES: tuple[Query, ...] = (
         "finished requests per second, all routes",
     ),
     Query(
+        "router_queue",
+        Scope.ROUTER,
+        "sum by (pool) (pdserve_router_queue_requests{{{sel}}})",
+        False,
+        "requests waiting in the routers for an engine with room (late binding), per pool: the backlog the engines' "
+        "gauges no longer show",
+    ),
+    Query(
+        "router_queue_tokens",
+        Scope.ROUTER,
+        "sum by (pool) (pdserve_router_queue_prompt_tokens{{{sel}}})",
+        False,
+        "their uncached prompt tokens: the prefill work waiting in the routers",
+    ),
+    Query(
         "router_last_scrape",
         Scope.ROUTER,
         "max by (pod) (timestamp(up{{{sel}}} == 1))",

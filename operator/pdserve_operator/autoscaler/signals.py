@@ -131,6 +131,14 @@ class RouterSignals:
     #: Finished requests per second, all routes.
     request_rate: float | None = None
     freshness_s: float | None = None
+    #: Requests waiting in the routers for an engine with room (late binding), summed over router replicas at the
+    #: query's instant: a pool's backlog once it waits in the routers instead of in the engines' queues (the
+    #: engines' own waiting gauges and TTFT no longer show it). None when unknown.
+    queued_prefill_requests: float | None = None
+    #: Their uncached prompt tokens: the prefill work the routers hold back.
+    queued_prefill_tokens: float | None = None
+    #: Requests waiting in the routers for a decode engine with a free sequence.
+    queued_decode_requests: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

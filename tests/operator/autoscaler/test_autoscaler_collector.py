@@ -190,6 +190,8 @@ async def test_collector_reads_live_pods_from_a_real_prometheus(prometheus: Prom
     assert decode.kv_transfer_s is not None
     assert routed.ttft_s is not None and routed.ttft_pd_s is not None and routed.itl_s is not None
     assert routed.request_rate is not None and routed.request_rate > 0
+    # The routers' queue gauges are read (0 here: late binding is off, nothing waits in the router).
+    assert routed.queued_prefill_requests == routed.queued_prefill_tokens == routed.queued_decode_requests == 0.0
     # The live-pod filter: the ghost's series exist and are fresh, yet only count when it is listed.
     assert decode.running == 0, [(p.pod, p.running) for p in decode.pods]
     assert with_ghost.decode.running is not None and with_ghost.decode.running >= 3

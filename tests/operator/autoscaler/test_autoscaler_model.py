@@ -240,6 +240,28 @@ def test_a_growing_prefill_queue_is_arriving_demand_a_standing_one_only_drains()
     assert stood.prefill.demand == pytest.approx(100_000.0 + drain)
 
 
+def test_a_prefill_queue_in_the_routers_is_the_same_backlog_as_one_in_the_engines() -> None:
+    # Late binding moves the queue from the engines (vllm:num_requests_waiting) to the routers
+    # (pdserve_router_queue_prompt_tokens): the pool must be sized for it all the same.
+    raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0)
+    first = signals(at=100.0)
+    in_engines = signals(at=115.0, p=prefill(waiting=300.0))
+    routed = RouterSignals(ttft_s=0.3, ttft_pd_s=0.3, itl_s=0.02, request_rate=100.0, queued_prefill_tokens=300_000.0)
+    in_routers = signals(at=115.0, router=routed)
+    _, engines = run(first, in_engines, config=raw)
+    _, routers = run(first, in_routers, config=raw)
+    assert engines.prefill.demand is not None and engines.prefill.demand > 100_000.0
+    assert routers.prefill.demand == pytest.approx(engines.prefill.demand)
+
+
+def test_requests_waiting_in_the_routers_for_a_decode_sequence_are_decode_demand() -> None:
+    _, calm = run(signals())
+    routed = RouterSignals(ttft_s=0.3, ttft_pd_s=0.3, itl_s=0.02, request_rate=100.0, queued_decode_requests=80.0)
+    _, queued = run(signals(router=routed))
+    assert calm.decode.demand is not None and queued.decode.demand is not None
+    assert queued.decode.demand - calm.decode.demand == pytest.approx(2000.0)
+
+
 def test_requests_waiting_for_a_decode_slot_are_decode_demand() -> None:
     _, calm = run(signals())
     _, queued = run(signals(d=decode(waiting_capacity=80.0, waiting=80.0)))
@@ -291,6 +313,33 @@ ATTRIBUTION = [
         Cause.DECODE_SLOT,
         False,
         True,
+    ),
+    Attribution(
+        "late binding: prefill requests wait in the routers, the engines' own TTFT is fine",
+        {"engine_ttft_s": 0.2},
+        {},
+        RouterSignals(ttft_s=1.2, ttft_pd_s=1.2, itl_s=0.02, queued_prefill_requests=30.0),
+        Cause.PREFILL,
+        True,
+        False,
+    ),
+    Attribution(
+        "late binding: requests wait in the routers for a decode sequence",
+        {"engine_ttft_s": 0.2},
+        {},
+        RouterSignals(ttft_s=1.2, ttft_pd_s=1.2, itl_s=0.02, queued_decode_requests=20.0),
+        Cause.DECODE_SLOT,
+        False,
+        True,
+    ),
+    Attribution(
+        "late binding: a queue in the routers but clients within target",
+        {"engine_ttft_s": 0.2},
+        {},
+        RouterSignals(ttft_s=0.5, ttft_pd_s=0.5, itl_s=0.02, queued_prefill_requests=30.0),
+        Cause.NONE,
+        False,
+        False,
     ),
     Attribution(
         "slow KV pulls",
