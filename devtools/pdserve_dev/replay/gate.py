@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve_dev.replay.engines import DecodeEngine, Job, PrefillEngine
-from pdserve_dev.replay.histogram import Histogram
+from pdserve_dev.replay.scalers import profile_from_timing
 from pdserve_runtime.router.admission import (
-    POOLS,
     AdmissionQueue,
     Budget,
     EngineLoad,
@@ -35,7 +34,6 @@ from pdserve_runtime.router.admission import (
     Ticket,
     has_room,
 )
-from pdserve_runtime.router.gate import QUEUE_WAIT_BUCKETS
 from pdserve_sim.presets import TimingParams
 
 if TYPE_CHECKING:
@@ -73,13 +71,8 @@ class ReplayGate:
             QueueConfig(settings.max_queued, settings.max_wait_s, ttft_target_s=config.slo.ttft_s),
             service_s=self._service_s,
         )
-        timing = config.prefill_timing
-        self._prefill_step = timing.step_overhead + timing.prefill_fixed
-        self._prefill_per_token = timing.prefill_per_token
-        self._chunk = timing.max_num_batched_tokens
-        decode = config.decode_timing
-        self._decode_step = decode.step_overhead + decode.prefill_fixed
-        self._decode_per_token = decode.prefill_per_token
+        self._prefill = profile_from_timing(config.prefill_timing)
+        self._decode = profile_from_timing(config.decode_timing)
         #: Decode sequences reserved by PD requests still prefilling, per decode replica, and whose they are.
         self._reserved: dict[str, int] = {}
         self._bound: dict[Job, Replica] = {}
@@ -88,18 +81,16 @@ class ReplayGate:
         self._decode_blocked = False
         #: Requests refused or shed (misses that never reached an engine).
         self.shed = 0
-        #: Seconds each dispatched request waited in the queue, per pool (`pdserve_router_queue_wait_seconds`).
-        self.waits: dict[Pool, Histogram] = {pool: Histogram(QUEUE_WAIT_BUCKETS) for pool in POOLS}
 
     # -- the router's side ---------------------------------------------------------------------------------------
 
     def arrive(self, job: Job, pool: Pool, now: float) -> None:
         """Queue a request that just arrived, then dispatch what has room."""
         pushed = self.queue.push(job, client=CLIENT, pool=pool, tokens=job.prompt, now=now)
-        for victim in pushed.pushed_out:
-            self._drop(victim)
+        for _victim in pushed.pushed_out:
+            self._drop()
         if pushed.ticket is None:
-            self._drop(None)
+            self._drop()
         self.pump(now)
 
     def pump(self, now: float) -> None:
@@ -107,8 +98,8 @@ class ReplayGate:
         queue = self.queue
         if not len(queue):
             return
-        for ticket in queue.expire(now):
-            self._drop(ticket)
+        for _expired in queue.expire(now):
+            self._drop()
         while True:
             for ticket in queue.candidates(now):
                 if self._bind(ticket, now):
@@ -143,12 +134,10 @@ class ReplayGate:
     def _service_s(self, ticket: Ticket[Job]) -> float:
         """The path a request still has once dispatched, on idle engines: its prefill (chunked), then decode's
         first step."""
-        tokens = ticket.tokens
+        first_step = self._decode.decode_step_base_s()
         if ticket.pool == "prefill":
-            chunks = -(-tokens // self._chunk)
-            prefill = chunks * self._prefill_step + self._prefill_per_token * tokens
-            return prefill + self._decode_step
-        return self._decode_step + self._decode_per_token * tokens
+            return self._prefill.prefill_latency_s(ticket.tokens) + first_step
+        return first_step + self._decode.prefill_per_token_s * ticket.tokens
 
     def _bind(self, ticket: Ticket[Job], now: float) -> bool:
         job = ticket.item
@@ -156,15 +145,10 @@ class ReplayGate:
         if decode is None:
             self._decode_blocked = True
             return False
-        if ticket.pool == "decode":
-            self._take(ticket, now)
-            engine = decode.engine
-            assert isinstance(engine, DecodeEngine)
-            engine.add(job, now)
-            return True
-        if not any(r.state == "ready" for r in self.cluster.replicas["prefill"]):
-            # No prefill engine serves any more: the request falls back to decode, as the router's plan would.
-            job.route = "fallback"
+        if ticket.pool == "decode" or not any(r.state == "ready" for r in self.cluster.replicas["prefill"]):
+            if ticket.pool == "prefill":
+                # No prefill engine serves any more: the request falls back to decode, as the router's plan would.
+                job.route = "fallback"
             self._take(ticket, now)
             engine = decode.engine
             assert isinstance(engine, DecodeEngine)
@@ -220,10 +204,9 @@ class ReplayGate:
 
     def _take(self, ticket: Ticket[Job], now: float) -> None:
         self.queue.take(ticket, now)
-        self.waits[ticket.pool].observe(now - ticket.arrival)
         self.cluster.jobs.append(ticket.item)
 
-    def _drop(self, ticket: Ticket[Job] | None) -> None:
+    def _drop(self) -> None:
         """A request the router answered 429/503 without an engine: a miss, and one request fewer to wait for."""
         self.shed += 1
         self.cluster.request_done()
