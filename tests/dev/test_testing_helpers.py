@@ -4,14 +4,17 @@ is a test failure, a counted event is waited for on a real server's exposition."
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from pdserve_dev.testing import net
 from pdserve_dev.testing.metrics import series, wait_for_metric
-from pdserve_dev.testing.net import free_port, http_ok, listening
+from pdserve_dev.testing.net import free_port, free_ports, http_ok, listening
 from pdserve_dev.testing.prometheus import bool_comparisons
 from pdserve_dev.testing.wait import WaitTimeoutError, wait_for, wait_for_async
 
@@ -112,3 +115,23 @@ def test_bool_comparisons_turns_filters_into_0_1_and_leaves_label_matchers_alone
     assert bool_comparisons(expr) == (
         'max(x{a!="b", c=~"d>e"}) > bool 0 and on (a) y{s="1"} == bool 1 or z >= bool 2 or w > bool on (a) v'
     )
+
+
+def test_free_ports_are_never_ones_the_kernel_hands_to_outgoing_connections() -> None:
+    """Ports from bind(0) are also the source ports of outgoing connections, which took one before its server bound
+    it; the chosen ones lie below the kernel's ephemeral range, distinct and free."""
+    low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for _ in range(50):
+        ports = free_ports(8)
+        assert len(set(ports)) == 8, ports
+        assert all(port < low for port in ports), (ports, low, high)
+        for port in ports:
+            with socket.create_server(("127.0.0.1", port)):
+                pass
+
+
+def test_a_taken_port_is_not_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.create_server(("127.0.0.1", free_port())) as squatter:
+        taken = squatter.getsockname()[1]
+        monkeypatch.setattr(net, "_chosen_range", lambda: range(taken, taken + 2))
+        assert free_ports(1) == [taken + 1]

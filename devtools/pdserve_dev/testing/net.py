@@ -4,20 +4,50 @@ forwarder a test can cut (`TcpForwarder`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import random
 import socket
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+# Where the kernel takes ports for bind(0) and for the source port of every outgoing connection.
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# How many ports below that range to choose from, and the lowest port ever chosen.
+_SPAN, _LOWEST = 12_000, 10_000
+_random = random.Random()  # its own generator: a test that seeds `random` must not make every run pick the same
+
+
+def _chosen_range() -> range | None:
+    """Ports below the kernel's ephemeral range, or None when that range leaves too few below it."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    start = max(_LOWEST, low - _SPAN)
+    return range(start, low) if low - start >= 1000 else None
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct free TCP ports on `host` (held open together so they differ; a small race remains until
-    the caller binds them)."""
+    """`count` distinct TCP ports on `host` that are free now, held open together so they differ.
+
+    Chosen below the kernel's ephemeral port range: a port from bind(0) is one the kernel also hands out as the
+    source port of outgoing connections, and in the gap before the server binds it one of the suite's thousands of
+    connections took it (a store server could not listen on its port and the test waited 30 s for its /health).
+    Below that range only another listener that chose the same port can take it."""
     sockets: list[socket.socket] = []
+    chosen = _chosen_range()
     try:
-        for _ in range(count):
+        while len(sockets) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, _random.choice(chosen) if chosen is not None else 0))
+            except OSError as exc:
+                sock.close()
+                if chosen is None or exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
             sockets.append(sock)
         return [int(s.getsockname()[1]) for s in sockets]
     finally:
