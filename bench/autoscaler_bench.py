@@ -83,6 +83,7 @@ from pdserve_dev.replay.trace import Request, load_azure, shape, synthetic
 from pdserve_operator.autoscaler.core import AutoscalerConfig
 from pdserve_operator.autoscaler.model import ModelConfig, Slo
 from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
+from pdserve_operator.autoscaler.threshold import ThresholdConfig
 from pdserve_sim.presets import H200_8B
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +91,15 @@ TRACES = ROOT / "bench" / "traces"
 """The Azure traces, shipped with the repository gzipped (attribution and licence in its README)."""
 CHAT_TRACE = "azure-llm-2023-conv.csv"
 CODE_TRACE = "azure-llm-2023-code.csv"
-POLICIES = ("static-peak", "hpa-style", "llm-d-slo", "dynamo-planner", "pdserve", "pdserve-on-arrival")
+POLICIES = (
+    "static-peak",
+    "hpa-style",
+    "llm-d-slo",
+    "dynamo-planner",
+    "pdserve",
+    "pdserve-threshold",
+    "pdserve-on-arrival",
+)
 #: The policies pdserve must dominate (as much attainment, at most as many GPU-seconds).
 PEERS = ("hpa-style", "llm-d-slo", "dynamo-planner")
 #: The SLO of examples/pdservice.yaml: TTFT 800 ms and ITL 40 ms at p90.
@@ -101,6 +110,9 @@ INTERVAL_S = OperatorSettings.autoscaler_interval_seconds
 WINDOW_S = OperatorSettings.autoscaler_window_seconds or INTERVAL_S
 WARMUP_S = float(EffectiveServiceAutoscaling.warmup_seconds)
 THRESHOLD = 256
+#: pdserve-threshold: pdserve whose autoscaler also chooses the disaggregation threshold, within
+#: [THRESHOLD, THRESHOLD_MAX] (`spec.autoscaling.disaggregationThreshold`).
+THRESHOLD_MAX = 2048
 #: The router's late binding as the operator renders it for these engines (`spec.router.routing.lateBinding`).
 LATE_BINDING = LateBinding.rendered(H200_8B, H200_8B)
 #: Floors per scenario, (attainment at least, GPU-seconds vs static-peak at most): issue 19's for a full run;
@@ -253,9 +265,12 @@ def run_scenario(scenario: Scenario, startup_s: float, log: Callable[[str], None
         elif name == "dynamo-planner":
             scaler = DynamoPlannerScaler(bounds, model.prefill_profile, model.decode_profile, SLO.ttft_s, SLO.itl_s)
         else:
-            pdserve = PdserveScaler(AutoscalerConfig(model=model, policy=bounds, warmup_s=WARMUP_S, window_s=WINDOW_S))
+            limits = ThresholdConfig(THRESHOLD, THRESHOLD, THRESHOLD_MAX if name == "pdserve-threshold" else THRESHOLD)
+            pdserve = PdserveScaler(
+                AutoscalerConfig(model=model, policy=bounds, warmup_s=WARMUP_S, window_s=WINDOW_S, threshold=limits)
+            )
             scaler = pdserve
-            if name == "pdserve-on-arrival":
+            if name != "pdserve":
                 pdserve.name = name
         config = ReplayConfig(
             H200_8B,
@@ -333,14 +348,27 @@ def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: floa
         "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
         "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
         "kv_overflow_steps": outcome.kv_overflows,
+        "threshold": _threshold_summary(outcome),
         "replay_seconds": round(elapsed, 1),
     }
+
+
+def _threshold_summary(outcome: Outcome) -> dict[str, float]:
+    """The router's disaggregation threshold over the replay: least, time-weighted mean, most, changes."""
+    steps = outcome.thresholds or [(0.0, THRESHOLD)]
+    end = max(outcome.end_s, steps[-1][0])
+    spans = [(value, (steps[i + 1][0] if i + 1 < len(steps) else end) - at) for i, (at, value) in enumerate(steps)]
+    total = sum(span for _, span in spans)
+    mean = sum(value * span for value, span in spans) / total if total > 0 else float(steps[0][1])
+    values = [value for _, value in steps]
+    return {"min": min(values), "mean": round(mean, 1), "max": max(values), "changes": len(steps) - 1}
 
 
 def _print_table(results: list[dict[str, Any]], log: Callable[[str], None]) -> None:
     log(
         f"   {'policy':<30} {'attainment':>10} {'GPU-s':>10} {'vs static':>9} {'actions':>7} "
-        f"{'mean P/D':>11} {'max P/D':>9} {'shed':>5} {'p90 TTFT':>9} {'p99 TTFT':>9} {'p90 TPOT':>9}"
+        f"{'mean P/D':>11} {'max P/D':>9} {'shed':>5} {'p90 TTFT':>9} {'p99 TTFT':>9} {'p90 TPOT':>9} "
+        f"{'PD threshold min/mean/max (changes)':>36}"
     )
     for r in results:
         mean = f"{r['mean_replicas']['prefill']:.1f}/{r['mean_replicas']['decode']:.1f}"
@@ -349,8 +377,12 @@ def _print_table(results: list[dict[str, Any]], log: Callable[[str], None]) -> N
         log(
             f"   {name:<30} {r['attainment']:>10.2%} {r['gpu_seconds']:>10.0f} {r['ratio_to_static']:>9.3f} "
             f"{r['actions']:>7} {mean:>11} {peak:>9} {r['shed']:>5} {r['ttft_p90_s'] * 1000:>7.0f}ms "
-            f"{r['ttft_p99_s'] * 1000:>7.0f}ms {r['tpot_p90_s'] * 1000:>7.1f}ms"
+            f"{r['ttft_p99_s'] * 1000:>7.0f}ms {r['tpot_p90_s'] * 1000:>7.1f}ms {_threshold_text(r['threshold']):>36}"
         )
+
+
+def _threshold_text(threshold: dict[str, float]) -> str:
+    return f"{threshold['min']:.0f}/{threshold['mean']:.0f}/{threshold['max']:.0f} ({threshold['changes']:.0f})"
 
 
 def check_dominance(result: dict[str, Any]) -> list[str]:

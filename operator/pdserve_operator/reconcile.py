@@ -45,12 +45,20 @@ from typing import Any
 
 from pdserve.api.defaults import EffectiveRouting, EffectiveSpec
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
+from pdserve.api.router_config import RouterControl
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import Validated
 from pdserve_operator import gateway_status
 from pdserve_operator import plan as planner
 from pdserve_operator import status as status_mod
-from pdserve_operator.autoscaler.report import SCALING_ACTIVE, ScalingBoard, ScalingReport, kept_view, status_view
+from pdserve_operator.autoscaler.report import (
+    SCALING_ACTIVE,
+    ScalingBoard,
+    ScalingReport,
+    kept_view,
+    status_view,
+    threshold_view,
+)
 from pdserve_operator.executor import Executed, RetryLaterError, execute, post_event, write_status
 from pdserve_operator.kinds import INFERENCE_POOL, MANAGED
 from pdserve_operator.kube import ApiError, KubeIO
@@ -135,10 +143,12 @@ def reconcile(
     if body is None or body["metadata"].get("deletionTimestamp"):
         return Outcome("gone")  # deleted: ownerReferences garbage-collect the children
     checked = views.checked(body)
+    report = scaling.get((namespace, name)) if scaling is not None else None
     if checked.ok:
         snapshot = store.snapshot(namespace, name)
         spec = checked.require()[1]
-        facts = observe(snapshot.pods, spec, nodes, services=snapshot.uids("Service"))
+        control = report.threshold.control() if report is not None and report.threshold is not None else None
+        facts = observe(snapshot.pods, spec, nodes, services=snapshot.uids("Service"), router_control=control)
         desired = desired_children(checked, snapshot, facts)
         found, unreadable = look_up(api, unknown_names(desired, snapshot), applier)
         if unreadable:
@@ -160,7 +170,7 @@ def reconcile(
         api=api,
         now=now,
         crash_window=crash_window,
-        report=scaling.get((namespace, name)) if scaling is not None else None,
+        report=report,
         configured=scaling is not None and scaling.configured,
     )
     if reported is not None:
@@ -226,11 +236,13 @@ def observe(
     spec: EffectiveSpec,
     nodes: NodeLabels | None,
     services: Mapping[str, str] | None = None,
+    router_control: RouterControl | None = None,
 ) -> Observed:
     """The cluster facts the render needs: per pool, the kv-compat values its pods carry (every pod the cache holds,
     terminating ones too: they still serve); the labels of the nodes they run on, only if the router's topology
     needs node labels (`nodes` None: none are read, as in tests without nodes); and the Services the PDService
-    controls, by UID (`services`: what the router is told it may trust)."""
+    controls, by UID (`services`: what the router is told it may trust); the autoscaler's router control, passed
+    through (`router_control`: the threshold it decided last)."""
     values: dict[EngineRole, set[str]] = {role: set() for role in ENGINE_ROLES}
     node_names: set[str] = set()
     for pod in pods:
@@ -247,6 +259,7 @@ def observe(
         kv_compat={role: frozenset(found) for role, found in values.items()},
         node_labels=node_labels,
         services=dict(services or {}),
+        router_control=router_control,
     )
 
 
@@ -351,7 +364,14 @@ def status_intent(
     fields, conditions = status_view(spec, replicas, configured=configured, report=report, old_status=old)
     store = kv_store_status(checked.pds, spec, snapshot.child("Deployment", namespace, child_name(name, "kvstore")))
     return status_mod.Intent(
-        desired, fallback, router_endpoint(checked.pds, spec), kv_compat_hash(spec), fields, conditions, store
+        desired,
+        fallback,
+        router_endpoint(checked.pds, spec),
+        kv_compat_hash(spec),
+        fields,
+        conditions,
+        store,
+        threshold_view(spec, report, old),
     )
 
 

@@ -106,6 +106,9 @@ class Intent:
     scaling_conditions: Sequence[Condition]
     kv_store: Mapping[str, Any] | None = None
     """`status.kvStore` (`kvstore_status`); None without a store, or while the spec is invalid (then kept)."""
+    threshold: Mapping[str, Any] | None = None
+    """`status.disaggregationThreshold` (`autoscaler.report.threshold_view`); None while the spec does not let the
+    autoscaler choose it, or while the spec is invalid (then kept)."""
 
 
 # ------------------------------------------------------------------------------------------------- pool summaries
@@ -564,6 +567,10 @@ def compute_status(
         status["kvStore"] = dict(intent.kv_store)
     elif intent.kv_compat_hash is None and old.get("kvStore") is not None:
         status["kvStore"] = old["kvStore"]  # an invalid spec: the store runs as the last valid spec made it
+    if intent.threshold is not None:
+        status["disaggregationThreshold"] = dict(intent.threshold)
+    elif intent.kv_compat_hash is None and old.get("disaggregationThreshold") is not None:
+        status["disaggregationThreshold"] = old["disaggregationThreshold"]  # an invalid spec: routers keep it
     return status
 
 

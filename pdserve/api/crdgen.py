@@ -147,8 +147,9 @@ def _printer_columns() -> list[dict[str, Any]]:
     def column(name: str, path: str, kind: str = "string", *, priority: int = 0) -> dict[str, Any]:
         return {"name": name, "type": kind, "jsonPath": path, **({"priority": priority} if priority else {})}
 
-    # `kubectl get pds -o wide` (priority 1) adds each pool's current pods, why its scaler decided what it did and
-    # the client-visible latencies the SLO autoscaler saw; the default view stays narrow.
+    # `kubectl get pds -o wide` (priority 1) adds each pool's current pods, why its scaler decided what it did, the
+    # client-visible latencies the SLO autoscaler saw and the disaggregation threshold it chose (while it chooses
+    # one); the default view stays narrow.
     wide = 1
     return [
         column("Model", ".spec.model.name"),
@@ -163,6 +164,7 @@ def _printer_columns() -> list[dict[str, Any]]:
         column("Decode-Scaling", ".status.decode.autoscaling.reason", priority=wide),
         column("TTFT-ms", ".status.prefill.autoscaling.observedMilliseconds", "number", priority=wide),
         column("ITL-ms", ".status.decode.autoscaling.observedMilliseconds", "number", priority=wide),
+        column("PD-Threshold", ".status.disaggregationThreshold.tokens", "integer", priority=wide),
         column("Age", ".metadata.creationTimestamp", "date"),
     ]
 

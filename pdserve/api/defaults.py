@@ -62,6 +62,7 @@ from pdserve.api.v1alpha1 import (
     ServiceAutoscalingSpec,
     ServiceType,
     SloSpec,
+    ThresholdBounds,
     Toleration,
     UcxSpec,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "EffectiveServiceAutoscaling",
     "EffectiveSlo",
     "EffectiveSpec",
+    "EffectiveThresholdBounds",
     "EffectiveUcx",
     "default_sentences",
     "effective",
@@ -375,6 +377,13 @@ class EffectiveRatioBounds:
     max: float | None = default(None, doc="unbounded")
 
 
+@view(ThresholdBounds)
+@dataclass(frozen=True, kw_only=True)
+class EffectiveThresholdBounds:
+    min_tokens: int | None = default(None, doc="spec.router.routing.disaggregationThreshold")
+    max_tokens: int | None = default(None, doc="spec.router.routing.disaggregationThreshold")
+
+
 @view(ServiceAutoscalingSpec)
 @dataclass(frozen=True, kw_only=True)
 class EffectiveServiceAutoscaling:
@@ -383,6 +392,7 @@ class EffectiveServiceAutoscaling:
     warmup_seconds: int = default(60)
     scale_down_stabilization_seconds: int = default(180)
     burst_memory_seconds: int = default(300)
+    disaggregation_threshold: EffectiveThresholdBounds
 
 
 # -------------------------------------------------------------------------------------------------------- spec
@@ -402,6 +412,16 @@ class EffectiveSpec:
 
     def pool(self, role: Literal["prefill", "decode"]) -> EffectivePool:
         return self.prefill if role == "prefill" else self.decode
+
+    def disaggregation_threshold_bounds(self) -> tuple[int, int, int]:
+        """(configured, lowest, highest) disaggregation threshold: the router's configured value and the bounds the
+        autoscaler moves it within (each defaults to the configured value; the autoscaler chooses only when the
+        lowest is below the highest)."""
+        configured = self.router.routing.disaggregation_threshold
+        bounds = self.autoscaling.disaggregation_threshold
+        low = configured if bounds.min_tokens is None else bounds.min_tokens
+        high = configured if bounds.max_tokens is None else bounds.max_tokens
+        return configured, low, high
 
 
 def default_sentences(model: type[BaseModel]) -> dict[str, str]:

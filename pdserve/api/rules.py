@@ -34,6 +34,7 @@ from pdserve.api.v1alpha1 import (
     PDServiceSpec,
     PlacementSpec,
     RatioBounds,
+    ThresholdBounds,
     Toleration,
 )
 
@@ -206,6 +207,16 @@ RULES: tuple[CrossFieldRule[Any], ...] = (
         holds=lambda ratio: ratio.min is None or ratio.max is None or ratio.min <= ratio.max,
         message="min must be <= max; raise max or lower min",
         field="min",
+    ),
+    CrossFieldRule(
+        name="threshold-min-le-max",
+        model=ThresholdBounds,
+        cel="!has(self.minTokens) || !has(self.maxTokens) || self.minTokens <= self.maxTokens",
+        holds=lambda bounds: (
+            bounds.min_tokens is None or bounds.max_tokens is None or bounds.min_tokens <= bounds.max_tokens
+        ),
+        message="minTokens must be <= maxTokens; raise maxTokens or lower minTokens",
+        field="minTokens",
     ),
     CrossFieldRule(
         name="store-settings-need-backend",

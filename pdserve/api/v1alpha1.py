@@ -543,6 +543,17 @@ class RatioBounds(ApiModel):
     max: float | None = Field(default=None, gt=0, description="Most prefill replicas per decode replica.")
 
 
+class ThresholdBounds(ApiModel):
+    """Bounds of the disaggregation threshold the autoscaler chooses."""
+
+    min_tokens: int | None = Field(
+        default=None, ge=0, description="Lowest threshold: fewest prompts prefilled on decode."
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=0, description="Highest threshold: most prompts prefilled on decode."
+    )
+
+
 class ServiceAutoscalingSpec(ApiModel):
     """Settings of the SLO autoscaler that span both pools (each pool's bounds are in its own autoscaling)."""
 
@@ -580,6 +591,17 @@ class ServiceAutoscalingSpec(ApiModel):
             "A pool never shrinks below what the current load plus the largest burst of this window needs (a "
             "rise to at least triple within one pod start-up): bursty traffic keeps the replicas its next burst "
             "needs on arrival. 0 turns this off."
+        ),
+    )
+    disaggregation_threshold: ThresholdBounds | None = Field(
+        default=None,
+        description=(
+            "Bounds within which the autoscaler moves the router's disaggregation threshold each tick: up (more "
+            "prompts prefilled on decode) while prefill is short of capacity and decode's ITL has room for the "
+            "longer local prefills, down when decode's ITL nears its target, back to "
+            "spec.router.routing.disaggregationThreshold otherwise. It publishes the value to every router replica "
+            "(ConfigMap <name>-router-control) and reports it in status.disaggregationThreshold. Absent, or min = "
+            "max: the threshold stays as configured."
         ),
     )
 
@@ -675,6 +697,22 @@ class KvStoreStatus(ApiModel):
     message: str = Field(default="", description="What is missing while not ready.")
 
 
+class ThresholdStatus(ApiModel):
+    """The disaggregation threshold the routers use, as the autoscaler decided it, and why."""
+
+    tokens: int = Field(description="Uncached prompt tokens at or above which a request goes through prefill.")
+    min_tokens: int = Field(description="The lowest value the bounds allow.")
+    max_tokens: int = Field(description="The highest value the bounds allow.")
+    reason: str = Field(
+        description=(
+            "CamelCase reason of the last decision: Configured, PrefillShort, DecodeItlAtRisk, NoDecodeHeadroom, "
+            "Recovered, Steady, MetricsUnavailable."
+        )
+    )
+    message: str = Field(default="", description="The numbers behind the decision.")
+    last_change_time: str | None = Field(default=None, description="When the autoscaler last changed it (RFC 3339).")
+
+
 class PoolStatus(ApiModel):
     """Observed state of one pool."""
 
@@ -721,6 +759,10 @@ class PDServiceStatus(ApiModel):
     router_endpoint: str | None = Field(default=None, description="In-cluster URL of the router's Service.")
     kv_compat_hash: str | None = Field(default=None, description="Hash of what P and D must agree on.")
     kv_store: KvStoreStatus | None = Field(default=None, description="The KV store, when spec.engine.kvCache has one.")
+    disaggregation_threshold: ThresholdStatus | None = Field(
+        default=None,
+        description="While spec.autoscaling.disaggregationThreshold lets it move: the threshold routers use, and why.",
+    )
     inference_pool: InferencePoolStatus | None = Field(
         default=None, description="The InferencePool of router mode gateway, and the gateways that accepted it."
     )

@@ -84,7 +84,8 @@ def test_api_surface() -> None:
         "Available",
         "Age",
     ]
-    # `kubectl get pds -o wide`: current pods, the scalers' reasons, the latencies the autoscaler saw.
+    # `kubectl get pds -o wide`: current pods, the scalers' reasons, the latencies the autoscaler saw, the
+    # disaggregation threshold it chose.
     wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1}
     assert wide == {
         "Prefill-Current": ".status.prefill.replicas",
@@ -93,6 +94,7 @@ def test_api_surface() -> None:
         "Decode-Scaling": ".status.decode.autoscaling.reason",
         "TTFT-ms": ".status.prefill.autoscaling.observedMilliseconds",
         "ITL-ms": ".status.decode.autoscaling.observedMilliseconds",
+        "PD-Threshold": ".status.disaggregationThreshold.tokens",
     }
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert {"observedGeneration", "conditions", "prefill", "decode", "routerEndpoint", "kvCompatHash"} <= set(status)

@@ -200,6 +200,11 @@ CASES = [
         breaks=(("ratio-min-le-max", "spec.autoscaling.prefillToDecodeRatio"),),
     ),
     Case(
+        "threshold-min-above-max",
+        {"autoscaling": {"disaggregationThreshold": {"minTokens": 2048, "maxTokens": 512}}},
+        breaks=(("threshold-min-le-max", "spec.autoscaling.disaggregationThreshold"),),
+    ),
+    Case(
         "colocation-required-without-key",
         {"placement": {"colocation": "required"}},
         breaks=(("colocation-needs-topology-key", "spec.placement"),),

@@ -92,6 +92,11 @@ EXAMPLES: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         "spec.autoscaling.prefillToDecodeRatio",
         doc(autoscaling={"prefillToDecodeRatio": {"min": 0.5, "max": 0.5}}),
     ),
+    "threshold-min-le-max": (
+        doc(autoscaling={"disaggregationThreshold": {"minTokens": 2048, "maxTokens": 512}}),
+        "spec.autoscaling.disaggregationThreshold",
+        doc(autoscaling={"disaggregationThreshold": {"minTokens": 512, "maxTokens": 512}}),
+    ),
     "colocation-needs-topology-key": (
         doc(placement={"colocation": "preferred"}),
         "spec.placement",

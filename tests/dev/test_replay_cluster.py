@@ -7,6 +7,7 @@ import random
 import pytest
 
 from pdserve_dev.replay.cluster import ReplayCluster, ReplayConfig
+from pdserve_dev.replay.observe import Observation
 from pdserve_dev.replay.scalers import (
     HpaBehavior,
     HpaScaler,
@@ -22,6 +23,7 @@ from pdserve_operator.autoscaler.core import AutoscalerConfig
 from pdserve_operator.autoscaler.model import H200_8B as PROFILE
 from pdserve_operator.autoscaler.model import ModelConfig, Slo
 from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
+from pdserve_operator.autoscaler.threshold import ThresholdConfig
 from pdserve_sim.presets import H200_8B
 from tests.dev.replay_support import Script
 
@@ -135,3 +137,49 @@ def test_attainment_is_the_clients_ttft_and_counts_shed_requests_as_misses() -> 
     assert outcome.attainment(slow) == 0.0
     outcome.shed = len(outcome.jobs)
     assert outcome.attainment(SLO) == pytest.approx(good / 2), "a shed request is a miss"
+
+
+class Publishing(Script):
+    """A scripted scaler that also publishes a disaggregation threshold from a given time on."""
+
+    def __init__(self, size: tuple[int, int], at: float, threshold: int) -> None:
+        super().__init__([(0.0, size)])
+        self.at, self.published = at, threshold
+        self.threshold = 256
+
+    def tick(self, observation: Observation) -> tuple[int, int]:
+        if observation.at >= self.at:
+            self.threshold = self.published
+        return super().tick(observation)
+
+
+def test_the_router_routes_by_the_threshold_a_scaler_published_at_its_last_tick() -> None:
+    requests = steady(20.0, 120.0)
+    outcome = ReplayCluster(config((2, 2)), requests, Publishing((2, 2), 60.0, 1000)).run()
+    # Ticks every 15 s: the one at 60 s publishes 1000; 600-token prompts go decode-only from then on.
+    assert outcome.thresholds == [(0.0, 256), (60.0, 1000)]
+    middling = [job for job in outcome.jobs if job.prompt == 600]
+    assert {job.route for job in middling if job.arrival < 60.0} == {"pd"}
+    assert {job.route for job in middling if job.arrival > 60.0} == {"decode-only"}
+    assert {job.route for job in outcome.jobs if job.prompt == 3000} == {"pd"}
+
+
+def test_pdserve_with_threshold_bounds_moves_short_prompts_to_decode_while_prefill_is_short() -> None:
+    # Prefill held at one replica (bounds 1-1) under more long prompts than it computes: the autoscaler's only
+    # lever is the threshold, which it raises while decode's ITL has room for the local prefills.
+    requests = steady(60.0, 180.0)
+    profile = profile_from_timing(H200_8B)
+    replay = config((1, 2))
+    model = ModelConfig(slo=SLO, interval_s=replay.interval_s, prefill_profile=profile, decode_profile=profile)
+    bounds = PolicyConfig(prefill=PoolBounds(1, 1), decode=PoolBounds(2, 2))
+    limits = ThresholdConfig(base=256, minimum=256, maximum=2048)
+    scaler = PdserveScaler(
+        AutoscalerConfig(
+            model=model, policy=bounds, warmup_s=replay.warmup_s, window_s=replay.window_s, threshold=limits
+        )
+    )
+    outcome = ReplayCluster(replay, requests, scaler).run()
+    assert max(value for _, value in outcome.thresholds) > 256, outcome.thresholds
+    raised = outcome.thresholds[1][0]
+    assert any(job.route == "decode-only" and job.prompt >= 256 for job in outcome.jobs if job.arrival > raised)
+    assert all(256 <= value <= 2048 for _, value in outcome.thresholds)

@@ -3,8 +3,9 @@
 Event loop: a heap of (time, sequence, callback) in virtual seconds. Arrivals, engine steps, KV pulls, replicas
 becoming ready and control ticks are all events; nothing runs in wall-clock time.
 
-- Router: a prompt of at least `disaggregation_threshold` tokens goes prefill -> decode ("pd"), a shorter one
-  straight to decode ("decode-only"), as pdserve's router does without prefix hits; within a pool the
+- Router: a prompt of at least the threshold (`disaggregation_threshold`, or what a `ThresholdPublisher` scaler
+  chose at its last tick) goes prefill -> decode ("pd"), a shorter one straight to decode ("decode-only"),
+  as pdserve's router does without prefix hits; within a pool the
   replica with the least outstanding work gets it (prompt tokens for prefill, requests for decode). Draining
   and starting replicas get nothing new. With no ready prefill replica a long prompt falls back to decode.
 - Replicas: a new replica holds its GPUs from the moment it is created and serves `startup_s` later. A removed
@@ -26,7 +27,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from pdserve_dev.replay.engines import DecodeEngine, Job, PrefillEngine
 from pdserve_dev.replay.gate import LateBinding, ReplayGate
@@ -45,6 +46,14 @@ class Scaler(Protocol):
     def tick(self, observation: Observation) -> tuple[int, int]:
         """Replicas wanted for (prefill, decode)."""
         ...
+
+
+@runtime_checkable
+class ThresholdPublisher(Protocol):
+    """A scaler that also chooses the disaggregation threshold (pdserve's, with bounds): the replay's router uses
+    `threshold` from the tick after which it changed, as every router replica applies the published control."""
+
+    threshold: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,8 @@ class Outcome:
     kv_overflows: int = 0
     #: Requests refused or shed by the router (only with late binding). Each is a miss.
     shed: int = 0
+    #: (time, threshold) from the start and at every change of the router's disaggregation threshold.
+    thresholds: list[tuple[float, int]] = field(default_factory=list)
 
     def attainment(self, slo: Slo) -> float:
         """Share of requests meeting both TTFT (the client's, from router arrival) and TPOT targets; a shed
@@ -131,6 +142,9 @@ class ReplayCluster:
         self._unfinished = 0
         self._next_request = 0
         self.gate = ReplayGate(config.late_binding, self) if config.late_binding is not None else None
+        #: The threshold the router uses now: the configured one until a scaler publishes another.
+        self.threshold = config.disaggregation_threshold
+        self.thresholds: list[tuple[float, int]] = [(0.0, self.threshold)]
 
     # --------------------------------------------------------------------------------------------- events
 
@@ -162,7 +176,9 @@ class ReplayCluster:
             r.engine.kv_overflows for r in [*self.gone, *self.replicas["decode"]] if isinstance(r.engine, DecodeEngine)
         )
         shed = self.gate.shed if self.gate is not None else 0
-        return Outcome(self.scaler.name, self.jobs, gpu, self.actions, self.timeline, end, overflows, shed)
+        return Outcome(
+            self.scaler.name, self.jobs, gpu, self.actions, self.timeline, end, overflows, shed, self.thresholds
+        )
 
     # --------------------------------------------------------------------------------------------- router
 
@@ -172,20 +188,20 @@ class ReplayCluster:
         if self._next_request < len(self.requests):
             self.schedule(self.requests[self._next_request].arrival, self._arrive)
         if self.gate is not None:
-            long = request.prompt >= self.config.disaggregation_threshold
+            long = request.prompt >= self.threshold
             serving = long and any(r.state == "ready" for r in self.replicas["prefill"])
             route = "pd" if serving else "fallback" if long else "decode-only"
             self.gate.arrive(Job(request, route), "prefill" if route == "pd" else "decode", now)
             return
         prefill = self._pick("prefill")
-        if request.prompt >= self.config.disaggregation_threshold and prefill is not None:
+        if request.prompt >= self.threshold and prefill is not None:
             job = Job(request, "pd")
             self.jobs.append(job)
             engine = prefill.engine
             assert isinstance(engine, PrefillEngine)
             engine.add(job, now)
             return
-        job = Job(request, "decode-only" if request.prompt < self.config.disaggregation_threshold else "fallback")
+        job = Job(request, "decode-only" if request.prompt < self.threshold else "fallback")
         self.jobs.append(job)
         self._to_decode(job, now)
 
@@ -311,6 +327,9 @@ class ReplayCluster:
     def _tick(self, now: float) -> None:
         observation = self.observer.tick(now)
         prefill, decode = self.scaler.tick(observation)
+        if isinstance(self.scaler, ThresholdPublisher) and self.scaler.threshold != self.threshold:
+            self.threshold = self.scaler.threshold
+            self.thresholds.append((now, self.threshold))
         for role, wanted in (("prefill", prefill), ("decode", decode)):
             if wanted != len(self.active(role)):  # type: ignore[arg-type]
                 self.actions += 1

@@ -225,9 +225,14 @@ class PdserveScaler:
         self.autoscaler = Autoscaler(config)
         self.decisions: list[Decision] = []
 
+    @property
+    def threshold(self) -> int:
+        """The disaggregation threshold it publishes (the configured one unless its config has bounds)."""
+        return self.autoscaler.threshold
+
     def tick(self, observation: Observation) -> tuple[int, int]:
         decision = self.autoscaler.step(observation.signals)
-        if decision.actions():
+        if decision.actions() or (decision.threshold is not None and decision.threshold.changed):
             self.decisions.append(decision)
         return decision.prefill.desired, decision.decode.desired
 

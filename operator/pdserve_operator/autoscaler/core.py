@@ -9,7 +9,7 @@ handed: nothing here has a default of its own for either.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.api.defaults import EffectivePool, EffectiveSpec
 from pdserve_operator.autoscaler.bounds import bounded
@@ -17,6 +17,7 @@ from pdserve_operator.autoscaler.decision import Decision, Reason
 from pdserve_operator.autoscaler.model import H200_8B, EngineProfile, ModelConfig, ModelState, Slo, estimate
 from pdserve_operator.autoscaler.policy import PolicyConfig, PolicyState, PoolBounds, decide
 from pdserve_operator.autoscaler.signals import ServiceSignals
+from pdserve_operator.autoscaler.threshold import ThresholdConfig, decide_threshold
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,16 +34,31 @@ class AutoscalerConfig:
     #: load shows in full at the next tick: a longer window hides half of it). Needs a scrape interval of at most
     #: a third of it.
     window_s: float
+    #: The disaggregation threshold's bounds around the configured value (`threshold.py`; chosen each tick only
+    #: when `adaptive`). None: fixed at the model's `disaggregation_threshold`.
+    threshold: ThresholdConfig | None = None
+
+    @property
+    def threshold_limits(self) -> ThresholdConfig:
+        """`threshold`, or the fixed bounds of the model's configured threshold."""
+        if self.threshold is not None:
+            return self.threshold
+        fixed = self.model.disaggregation_threshold
+        return ThresholdConfig.of(fixed, fixed, fixed)
 
 
 class Autoscaler:
     """Model + policy + their state for one service."""
 
-    def __init__(self, config: AutoscalerConfig) -> None:
+    def __init__(self, config: AutoscalerConfig, threshold: int | None = None) -> None:
+        """`threshold`: the disaggregation threshold the routers use now (a previous leader's, from status);
+        None: the configured one."""
         self.config = config
         self.model_state = ModelState()
         self.policy_state = PolicyState()
         self.last: Decision | None = None
+        limits = config.threshold_limits
+        self.threshold = limits.clamp(limits.base if threshold is None else threshold)
 
     def reconfigure(self, config: AutoscalerConfig) -> None:
         """Take a new configuration (the spec changed) and keep what was learned."""
@@ -51,16 +67,19 @@ class Autoscaler:
     def step(self, signals: ServiceSignals) -> Decision:
         """One tick: signals in (bounded to what the replicas can physically do: `bounds`), decision out; the
         learned capacity and the history move forward."""
-        signals = bounded(signals, self.config.model)
-        model_state, estimates = estimate(self.config.model, self.model_state, signals)
+        limits = self.config.threshold_limits
+        model = replace(self.config.model, disaggregation_threshold=limits.clamp(self.threshold))
+        signals = bounded(signals, model)
+        model_state, estimates = estimate(model, self.model_state, signals)
         decision, policy_state = decide(
-            self.config.policy,
-            self.config.model.slo,
-            self.policy_state,
-            signals,
-            estimates,
-            horizon_s=self.config.model.horizon_s,
+            self.config.policy, model.slo, self.policy_state, signals, estimates, horizon_s=model.horizon_s
         )
+        if limits.adaptive:
+            threshold = decide_threshold(limits, model.disaggregation_threshold, model, signals, estimates)
+            decision = replace(decision, threshold=threshold)
+            self.threshold = threshold.desired
+        else:
+            self.threshold = limits.base
         self.model_state, self.policy_state, self.last = model_state, policy_state, decision
         return decision
 
@@ -108,7 +127,11 @@ def config_from_spec(
         burst_memory_s=float(spec.autoscaling.burst_memory_seconds),
     )
     return AutoscalerConfig(
-        model=model, policy=policy, warmup_s=float(spec.autoscaling.warmup_seconds), window_s=window_s
+        model=model,
+        policy=policy,
+        warmup_s=float(spec.autoscaling.warmup_seconds),
+        window_s=window_s,
+        threshold=ThresholdConfig.of(*spec.disaggregation_threshold_bounds()),
     )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pdserve_operator.autoscaler.model import Cause, PoolEstimate
 from pdserve_operator.autoscaler.signals import Role
+from pdserve_operator.autoscaler.threshold import ThresholdDecision
 from pdserve_operator.conditions import Condition
 
 
@@ -81,6 +82,8 @@ class Decision:
     prefill: PoolDecision
     decode: PoolDecision
     ttft_cause: Cause = Cause.NONE
+    #: The disaggregation threshold's tick, when the bounds let the autoscaler choose it (`threshold.py`).
+    threshold: ThresholdDecision | None = None
 
     def pool(self, role: Role) -> PoolDecision:
         return self.prefill if role == "prefill" else self.decode

@@ -41,7 +41,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -51,7 +51,7 @@ from pdserve_operator.autoscaler.collector import Target
 from pdserve_operator.autoscaler.core import Autoscaler, AutoscalerConfig, NoSloTargetError, config_from_spec
 from pdserve_operator.autoscaler.decision import Decision
 from pdserve_operator.autoscaler.metrics import AutoscalerMetrics
-from pdserve_operator.autoscaler.report import ScalingBoard, ScalingReport, from_decision, holding
+from pdserve_operator.autoscaler.report import ScalingBoard, ScalingReport, ThresholdReport, from_decision, holding
 from pdserve_operator.autoscaler.signals import ROLES, PodState, Role, ServiceSignals
 from pdserve_operator.kube import ApiError, KubeIO, NotLeaderError
 from pdserve_operator.names import ROLE_LABEL, child_name
@@ -233,6 +233,14 @@ class ServiceLoop:
         self.last_scale_time: dict[Role, str | None] = {
             role: ((status.get(role) or {}).get("autoscaling") or {}).get("lastScaleTime") for role in ROLES
         }
+        # And the threshold the routers use, so a takeover neither jumps back to the configured one nor forgets
+        # when and why it last changed.
+        threshold = status.get("disaggregationThreshold") or {}
+        self.threshold: int | None = threshold.get("tokens") if isinstance(threshold.get("tokens"), int) else None
+        self.threshold_changed: tuple[str | None, str] = (
+            threshold.get("lastChangeTime"),
+            str(threshold.get("message", "")) if threshold.get("lastChangeTime") else "",
+        )
 
     async def run(self) -> None:
         try:
@@ -313,7 +321,7 @@ class ServiceLoop:
         """Step 2: model and policy (pure) on this tick's signals, with what they learned before (the spec may
         have changed: the configuration is taken anew, the learned state kept)."""
         if self.autoscaler is None:
-            self.autoscaler = Autoscaler(config)
+            self.autoscaler = Autoscaler(config, threshold=self.threshold)
         else:
             self.autoscaler.reconfigure(config)
         try:
@@ -359,6 +367,14 @@ class ServiceLoop:
                 pool.message,
             )
             await self._event(body, "Normal", "Scaled", pool.event() or "", now)
+        threshold = decision.threshold
+        if threshold is not None and threshold.changed:
+            # Published by the reconcile the report queues (the router control ConfigMap), within this tick.
+            self.threshold_changed = (_iso(now), threshold.message)
+            log.info("Changed disaggregation threshold pdservice=%s/%s from=%d to=%d reason=%s message=%s",
+                     namespace, name, threshold.current, threshold.desired, threshold.reason,
+                     threshold.message)  # fmt: skip
+            await self._event(body, "Normal", "DisaggregationThreshold", threshold.event() or "", now)
         return failed
 
     def explain(
@@ -375,7 +391,15 @@ class ServiceLoop:
         )
         for role, line in report.pools.items():
             self.last_scale_time[role] = line.last_scale_time
-        return report
+        threshold = decision.threshold
+        if threshold is None:
+            return report
+        limits = config.threshold_limits
+        at, why = self.threshold_changed
+        published = ThresholdReport(
+            threshold.desired, limits.minimum, limits.maximum, str(threshold.reason), threshold.message, at, why
+        )
+        return replace(report, threshold=published)
 
     def report(
         self, report: ScalingReport, decision: Decision | None = None, signals: ServiceSignals | None = None

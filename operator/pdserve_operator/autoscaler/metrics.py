@@ -12,6 +12,9 @@ Names are a contract (dashboards and alerts read them); every per-service series
   kind `ttft` and `itl` are the routers' client-visible ones, `prefill_ttft` the prefill engines' TTFT and
   `decode_itl` the decode engines' ITL.
 - `pdserve_autoscaler_decisions_total` {.., pool, reason}: one per pool per tick, by the decision's reason.
+- `pdserve_autoscaler_disaggregation_threshold_tokens` {namespace, pdservice}: the threshold the autoscaler
+  publishes to the routers (only while spec.autoscaling.disaggregationThreshold lets it choose one).
+- `pdserve_autoscaler_threshold_decisions_total` {.., reason}: one per tick while it chooses, by reason.
 - `pdserve_autoscaler_query_errors_total` {.., query}: PromQL queries that failed (`queries.py` names).
 - `pdserve_autoscaler_errors_total` {.., stage}: ticks that failed (`collect`, `decide`) and /scale writes the API
   server refused (`scale`); each is retried with backoff.
@@ -33,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pdserve_operator.autoscaler.decision import Decision
 from pdserve_operator.autoscaler.queries import BY_NAME
 from pdserve_operator.autoscaler.signals import ROLES, ServiceSignals
+from pdserve_operator.autoscaler.threshold import ThresholdReason
 
 SERVICE_LABELS = ("namespace", "pdservice")
 LATENCY_KINDS = ("ttft", "itl", "prefill_ttft", "decode_itl")
@@ -86,6 +90,18 @@ class AutoscalerMetrics:
             [*SERVICE_LABELS, "pool", "reason"],
             registry=registry,
         )
+        self.threshold = Gauge(
+            "pdserve_autoscaler_disaggregation_threshold_tokens",
+            "Disaggregation threshold the autoscaler publishes to the routers (uncached prompt tokens).",
+            list(SERVICE_LABELS),
+            registry=registry,
+        )
+        self.threshold_decisions = Counter(
+            "pdserve_autoscaler_threshold_decisions_total",
+            "Disaggregation threshold decisions per tick, by reason.",
+            [*SERVICE_LABELS, "reason"],
+            registry=registry,
+        )
         self.query_errors = Counter(
             "pdserve_autoscaler_query_errors_total",
             "PromQL queries of the collector that failed.",
@@ -121,6 +137,11 @@ class AutoscalerMetrics:
             _set(self.latency, (namespace, name, kind), value)
         for query in signals.failed_queries:
             self.query_errors.labels(namespace, name, query).inc()
+        if decision.threshold is None:
+            _remove(self.threshold, (namespace, name))
+        else:
+            self.threshold.labels(namespace, name).set(decision.threshold.desired)
+            self.threshold_decisions.labels(namespace, name, str(decision.threshold.reason)).inc()
 
     def begin(self, namespace: str, name: str) -> None:
         """A service's loop started: its error counters exist at 0 (see the module docstring)."""
@@ -140,6 +161,9 @@ class AutoscalerMetrics:
                 _remove(gauge, (namespace, name, role))
         for kind in LATENCY_KINDS:
             _remove(self.latency, (namespace, name, kind))
+        _remove(self.threshold, (namespace, name))
+        for reason in ThresholdReason:
+            _remove(self.threshold_decisions, (namespace, name, str(reason)))
         for stage in ERROR_STAGES:
             _remove(self.errors, (namespace, name, stage))
         for query in BY_NAME:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api.defaults import EffectiveSpec
+from pdserve.api.router_config import RouterControl
 from pdserve_operator.autoscaler.decision import Decision, PoolDecision, Reason
 from pdserve_operator.autoscaler.model import Slo
 from pdserve_operator.autoscaler.signals import ROLES, Role, ServiceSignals
@@ -93,11 +94,47 @@ class PoolReport:
 
 
 @dataclass(frozen=True, slots=True)
+class ThresholdReport:
+    """The disaggregation threshold after a tick (`threshold.py`): `status.disaggregationThreshold`, and what the
+    router control ConfigMap publishes (the value, and the change that set it: it is rewritten only on a change)."""
+
+    tokens: int
+    minimum: int
+    maximum: int
+    reason: str
+    message: str
+    #: When the autoscaler last changed the value, and why (None, "": it has not changed it).
+    last_change_time: str | None = None
+    last_change: str = ""
+
+    def fields(self) -> dict[str, Any]:
+        """The status fields (camelCase)."""
+        values: dict[str, Any] = {
+            "tokens": self.tokens,
+            "minTokens": self.minimum,
+            "maxTokens": self.maximum,
+            "reason": self.reason,
+            "message": self.message,
+            "lastChangeTime": self.last_change_time,
+        }
+        return {key: value for key, value in values.items() if value is not None}
+
+    def control(self) -> RouterControl:
+        """What the routers are told."""
+        reason = self.last_change or "the configured threshold"
+        return RouterControl(
+            disaggregation_threshold=self.tokens, reason=reason[:1024], decided_at=self.last_change_time or ""
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ScalingReport:
-    """One service's latest report: per managed or external pool, and the three HPA-style conditions."""
+    """One service's latest report: per managed or external pool, and the three HPA-style conditions; the
+    disaggregation threshold while the spec lets the autoscaler choose it."""
 
     pools: Mapping[Role, PoolReport]
     conditions: tuple[Condition, ...]
+    threshold: ThresholdReport | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- the board
@@ -302,6 +339,23 @@ def status_view(
         return fields, kept_conditions
     waiting = "the autoscaler has not decided yet"
     return fields, [Condition(type_, "Unknown", WAITING_FOR_METRICS, waiting) for type_ in SCALING_CONDITION_TYPES]
+
+
+def threshold_view(
+    spec: EffectiveSpec, report: ScalingReport | None, old_status: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """`status.disaggregationThreshold`: None unless the spec lets the autoscaler choose the threshold; then the
+    report's, else what the previous leader wrote (within today's bounds), else the configured value."""
+    configured, low, high = spec.disaggregation_threshold_bounds()
+    if low >= high:
+        return None
+    if report is not None and report.threshold is not None:
+        return report.threshold.fields()
+    old = (old_status or {}).get("disaggregationThreshold")
+    if isinstance(old, Mapping) and (old.get("minTokens"), old.get("maxTokens")) == (low, high):
+        return dict(old)
+    waiting = "the configured threshold: the autoscaler has not decided yet"
+    return ThresholdReport(max(low, min(high, configured)), low, high, "Configured", waiting).fields()
 
 
 def kept_view(old_status: Mapping[str, Any] | None) -> tuple[dict[Role, dict[str, Any]], list[Condition]]:

@@ -33,6 +33,9 @@ def render(checked: Validated, observed: Observed = NOTHING_OBSERVED) -> list[di
         router.config_map(pds, spec),
         discovery.discovery_config_map(pds, spec, observed),
     ]
+    control = router.control_config_map(pds, spec, observed)
+    if control is not None:
+        objects.append(control)
     objects += kvcache.objects(pds, spec)
     for role in ENGINE_ROLES:
         objects += [

@@ -70,6 +70,7 @@ from pdserve.api.router_config import (
     KvEventsPortNames,
     NodeTopology,
     OwnedServices,
+    RouterControl,
 )
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.names import ENGINE_ROLES, INSTANCE_LABEL, ROLE_LABEL, EngineRole, child_name, selector_labels
@@ -90,6 +91,9 @@ class Observed:
     """Node name -> its labels (at least the topology ones), for the nodes the engine pods run on."""
     services: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     """Service name -> UID, for the Services the PDService controls (the operator's cache)."""
+    router_control: RouterControl | None = None
+    """The autoscaler's latest router control (its disaggregation threshold, `autoscaler.threshold`); None: it has
+    decided nothing yet (the control ConfigMap then publishes the configured threshold)."""
 
 
 NOTHING_OBSERVED = Observed()

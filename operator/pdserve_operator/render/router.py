@@ -26,10 +26,12 @@ import yaml
 
 from pdserve.api.defaults import EffectiveSpec
 from pdserve.api.router_config import (
+    ROUTER_CONTROL_KEY,
     AdmissionConfig,
     DiscoveryConfigMap,
     EndpointSelector,
     RouterConfig,
+    RouterControl,
     RouterControlSource,
     RouterPeers,
     RoutingPolicyConfig,
@@ -131,6 +133,33 @@ def config_map(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
         "kind": "ConfigMap",
         "metadata": metadata(pds, child_name(pds, "router"), "router"),
         "data": {CONFIG_KEY: config_text(pds, spec)},
+    }
+
+
+def control_config_map(pds: PDService, spec: EffectiveSpec, observed: discovery.Observed) -> dict[str, Any] | None:
+    """The router control ConfigMap (`<name>-router-control`, key control.json) while the spec lets the autoscaler
+    choose the disaggregation threshold (spec.autoscaling.disaggregationThreshold with lowest < highest): what it
+    decided last (`observed.router_control`), else the configured threshold kept within the bounds. None
+    otherwise: the routers use their configured threshold, and a ConfigMap published before is pruned."""
+    configured, low, high = spec.disaggregation_threshold_bounds()
+    if low >= high:
+        return None
+    control = observed.router_control or RouterControl(
+        disaggregation_threshold=max(low, min(high, configured)),
+        reason="the configured threshold: the autoscaler has not decided yet",
+    )
+    if not low <= control.disaggregation_threshold <= high:
+        # Decided under other bounds (the spec changed since): never publish outside the ones the spec sets now.
+        control = RouterControl(
+            disaggregation_threshold=max(low, min(high, control.disaggregation_threshold)),
+            reason=f"{control.reason} (kept within [{low}, {high}])"[:1024],
+            decided_at=control.decided_at,
+        )
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(pds, router_control_name(pds), "router"),
+        "data": {ROUTER_CONTROL_KEY: control.model_dump_json(by_alias=True)},
     }
 
 

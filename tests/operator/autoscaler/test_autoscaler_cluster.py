@@ -121,6 +121,56 @@ def test_without_prometheus_pools_hold_and_say_so(cluster: ClusterHelper, namesp
     assert "PREFILL-SCALING" in wide and "PrometheusNotConfigured" in wide
 
 
+def test_the_threshold_bounds_publish_a_router_control_the_operator_owns(
+    cluster: ClusterHelper, namespace: str, tmp_path: Path
+) -> None:
+    """Bounds on the disaggregation threshold make the operator publish the router control ConfigMap (its child:
+    an edit is undone, and removing the bounds prunes it) and report the threshold in status, which the CRD's
+    schema keeps (an unknown status field would be pruned by the API server), and in `kubectl get pds -o wide`.
+    No Prometheus here, so nothing is decided: the configured 512 kept within the bounds, 1024."""
+    name = "bounds"
+    document = example(name, namespace, prefill={"enabled": True, "minReplicas": 1, "maxReplicas": 2})
+    document["spec"]["autoscaling"] = {"disaggregationThreshold": {"minTokens": 1024, "maxTokens": 8192}}
+    control = f"{name}-router-control"
+
+    def published() -> int | None:
+        found = cluster.kubectl("get", "configmap", control, f"--namespace={namespace}", "-o", "json", check=False)
+        if found.returncode != 0:
+            return None
+        return int(json.loads(json.loads(found.stdout)["data"]["control.json"])["disaggregationThreshold"])
+
+    with operator(cluster, namespace, tmp_path / "bounds.log") as op:
+        op.wait_ready()
+        cluster.apply(document)
+        assert wait_for(published, 60, message=lambda: op.log_tail(20)) == 1024
+        config_map = get(cluster, namespace, "configmap", control)
+        [owner] = config_map["metadata"]["ownerReferences"]
+        body = get(cluster, namespace, "pdservices.pdserve.io", name)
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+            "PDService", name, body["metadata"]["uid"], True,
+        )  # fmt: skip
+
+        def reported() -> dict[str, Any] | None:
+            status = get(cluster, namespace, "pdservices.pdserve.io", name).get("status") or {}
+            return status.get("disaggregationThreshold")
+
+        threshold = wait_for(reported, 60, message=lambda: op.log_tail(20))
+        assert (threshold["tokens"], threshold["minTokens"], threshold["maxTokens"]) == (1024, 1024, 8192)
+        assert threshold["reason"] == "Configured"
+        wide = cluster.kubectl("get", "pds", name, f"--namespace={namespace}", "-o", "wide").stdout
+        header, row = wide.splitlines()[:2]
+        assert row[header.index("PD-THRESHOLD") :].split()[0] == "1024", wide  # kubectl aligns its columns
+        # Someone with ConfigMap rights in the namespace edits it: the operator puts it back.
+        edited = json.dumps({"data": {"control.json": json.dumps({"disaggregationThreshold": 1})}})
+        cluster.kubectl("patch", "configmap", control, f"--namespace={namespace}", "--type=merge", f"--patch={edited}")
+        wait_for(lambda: published() == 1024, 60, message=lambda: op.log_tail(20))
+        # The bounds removed: nothing is published (the routers use their configured threshold), nothing reported.
+        unbound = json.dumps({"spec": {"autoscaling": None}})
+        cluster.kubectl("patch", "pds", name, f"--namespace={namespace}", "--type=merge", f"--patch={unbound}")
+        wait_for(lambda: published() is None, 60, message=lambda: op.log_tail(20))
+        wait_for(lambda: reported() is None, 60, message=lambda: op.log_tail(20))
+
+
 def test_each_pool_keeps_the_replicas_its_owner_wrote(
     cluster: ClusterHelper, namespace: str, prometheus: PrometheusHelper, tmp_path: Path
 ) -> None:

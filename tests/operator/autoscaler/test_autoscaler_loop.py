@@ -25,6 +25,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from pdserve.api.policy import DEFAULT_POLICY
+from pdserve.api.router_config import RouterControl
 from pdserve.api.settings import OperatorSettings
 from pdserve_dev.testing.fake_kube import FakeKube
 from pdserve_dev.testing.fake_prometheus import fake_prometheus
@@ -376,6 +377,56 @@ async def test_a_breach_scales_prefill_through_its_statefulset_scale_and_says_wh
     mark = world.kube.mark()
     world.reconcile()
     assert [c for c in world.kube.calls_since(mark) if c.verb == "status"] == []
+
+
+async def test_the_threshold_it_chooses_reaches_the_routers_status_events_and_metrics() -> None:
+    doc = document()
+    doc["spec"]["router"]["routing"]["disaggregationThreshold"] = 256
+    doc["spec"]["autoscaling"] = {"disaggregationThreshold": {"minTokens": 128, "maxTokens": 4096}}
+    world = World(doc)
+    control = ("ConfigMap", NAMESPACE, f"{NAME}-router-control")
+
+    def published() -> RouterControl:
+        return RouterControl.model_validate_json(world.kube.objects[control]["data"]["control.json"])
+
+    # Before any tick: the configured value, published and in status.
+    assert published().disaggregation_threshold == 256
+    assert world.status()["disaggregationThreshold"]["reason"] == "Configured"
+    # Prefill's TTFT breaks its budget and decode's ITL (20 ms of 40) has room for prompts up to 511 tokens
+    # (256 more tokens in a step: 8 ms).
+    world.source.load, world.source.ttft_s = 100_000.0, 1.2
+    loop, _ = await tick(world)
+    [event] = [e for e in world.kube.events if e["reason"] == "DisaggregationThreshold"]
+    assert event["message"].startswith("Disaggregation threshold 256 -> 512 tokens: prefill engine TTFT 960 ms >")
+    labels = {"namespace": NAMESPACE, "pdservice": NAME}
+    assert world.metric("pdserve_autoscaler_disaggregation_threshold_tokens", **labels) == 512
+    assert world.metric("pdserve_autoscaler_threshold_decisions_total", **labels, reason="PrefillShort") == 1
+    world.reconcile()
+    assert published().disaggregation_threshold == 512
+    assert published().reason == event["message"].removeprefix("Disaggregation threshold 256 -> 512 tokens: ")
+    status = world.status()["disaggregationThreshold"]
+    assert (status["tokens"], status["minTokens"], status["maxTokens"], status["reason"]) == (
+        512, 128, 4096, "PrefillShort",
+    )  # fmt: skip
+    assert status["lastChangeTime"] == event["time"]
+    # 512 -> 1024 would add 16 ms to decode's 20 ms steps: held, said so; the ConfigMap is not rewritten.
+    mark = world.kube.mark()
+    await tick(world, loop)
+    world.reconcile()
+    assert world.status()["disaggregationThreshold"]["reason"] == "NoDecodeHeadroom"
+    assert not [c for c in world.kube.calls_since(mark) if c.verb == "apply" and c.kind == "ConfigMap"]
+    # A new leader starts from what status says, not from the configured value; prefill calm, it steps back.
+    world.source.load, world.source.ttft_s = 1000.0, 0.2
+    await tick(world)
+    assert world.metric("pdserve_autoscaler_disaggregation_threshold_tokens", **labels) == 256
+    [_, back] = [e for e in world.kube.events if e["reason"] == "DisaggregationThreshold"]
+    assert back["message"].startswith("Disaggregation threshold 512 -> 256 tokens: prefill has capacity again")
+    # Bounds removed from the spec: the ConfigMap is pruned (routers go back to their configured value), and so is
+    # the status field.
+    world.put_spec(document())
+    world.reconcile()
+    assert control not in world.kube.objects
+    assert "disaggregationThreshold" not in world.status()
 
 
 async def test_the_operator_apply_keeps_what_the_autoscaler_wrote() -> None:

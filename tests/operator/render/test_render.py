@@ -11,10 +11,10 @@ import yaml
 from pdserve.api.defaults import effective
 from pdserve.api.kvcompat import KV_COMPAT_LABEL, kv_compat_hash
 from pdserve.api.policy import Policy
-from pdserve.api.router_config import RouterConfig
+from pdserve.api.router_config import RouterConfig, RouterControl
 from pdserve.api.v1alpha1 import PDService
 from pdserve.api.validation import InvalidSpecError, validate
-from pdserve_operator.render import render
+from pdserve_operator.render import Observed, render
 
 
 def pds(**spec: Any) -> PDService:
@@ -295,6 +295,40 @@ def test_autoscaling_clamps_replicas() -> None:
     assert by_kind(objects, "StatefulSet", "svc-decode")["spec"]["replicas"] == 5
     objects = render(validate(pds(decode={"autoscaling": {"enabled": True, "minReplicas": 3}})))
     assert by_kind(objects, "StatefulSet", "svc-decode")["spec"]["replicas"] == 3
+
+
+def control_of(objects: list[dict[str, Any]]) -> RouterControl | None:
+    """The router control ConfigMap's content, None when none is rendered."""
+    found = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "svc-router-control"]
+    return RouterControl.model_validate_json(found[0]["data"]["control.json"]) if found else None
+
+
+def test_the_router_control_configmap_publishes_the_threshold_while_the_autoscaler_may_choose_it() -> None:
+    assert control_of(render(validate(pds()))) is None  # no bounds: routers keep their configured threshold
+    fixed = pds(autoscaling={"disaggregationThreshold": {"minTokens": 256, "maxTokens": 256}})
+    assert control_of(render(validate(fixed))) is None
+    bounded = validate(
+        pds(
+            router={"routing": {"disaggregationThreshold": 128}},
+            autoscaling={"disaggregationThreshold": {"minTokens": 256, "maxTokens": 2048}},
+        )
+    )
+    objects = render(bounded)
+    control = control_of(objects)
+    # Nothing decided yet: the configured value, kept within the bounds; the router's own config is unchanged.
+    assert control is not None and control.disaggregation_threshold == 256
+    assert "not decided yet" in control.reason
+    router = RouterConfig.model_validate(
+        yaml.safe_load(by_kind(objects, "ConfigMap", "svc-router")["data"]["router.yaml"])
+    )
+    assert router.policy.disaggregation_threshold_tokens == 128
+    decided = RouterControl(disaggregation_threshold=1024, reason="prefill short", decided_at="2026-12-03T00:00:00Z")
+    assert control_of(render(bounded, Observed(router_control=decided))) == decided
+    # Decided under wider bounds than the spec's now: never published outside them.
+    wide = RouterControl(disaggregation_threshold=8192, reason="prefill short")
+    clamped = control_of(render(bounded, Observed(router_control=wide)))
+    assert clamped is not None and clamped.disaggregation_threshold == 2048
+    assert clamped.reason == "prefill short (kept within [256, 2048])"
 
 
 def test_invalid_spec_is_not_rendered() -> None:
