@@ -134,6 +134,12 @@ class RouterControlSource(_Model):
 
     namespace: str = Field(description="Namespace of the ConfigMap.")
     name: str = Field(min_length=1, description="Name of the ConfigMap (the router may read only this one).")
+    owner_uid: str | None = Field(
+        default=None,
+        description="UID of the PDService whose controller reference the ConfigMap must carry (the operator "
+        "renders it): a ConfigMap of that name that anyone else made is ignored, so a namespace user with ConfigMap "
+        "rights cannot move the threshold. None: any ConfigMap of that name (a router configured by hand).",
+    )
 
 
 class RouterControl(_Model):

@@ -208,20 +208,13 @@ def test_the_router_reads_the_published_node_topology(cluster: ClusterHelper, se
     assert "Failed watching" not in service.router_log.read_text()
 
 
-def test_the_router_applies_the_published_threshold_and_counts_the_router_replicas(
+def test_the_router_applies_the_threshold_the_operator_publishes_and_counts_the_router_replicas(
     cluster: ClusterHelper, service: Service
 ) -> None:
-    """As its ServiceAccount, the router reads the router control ConfigMap (issue 19: the autoscaler publishes the
-    PD threshold there; here the test does) and its Service's EndpointSlices (the ready router pods, the N that
-    divides every engine's budget: the one router pod the operator runs)."""
-    document = {"disaggregationThreshold": 777, "reason": "the e2e test", "decidedAt": "2026-12-02T10:00:00Z"}
-    config_map = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": CONTROL},
-        "data": {"control.json": json.dumps(document)},
-    }
-    cluster.apply(config_map, namespace=service.namespace)
+    """As its ServiceAccount, the router reads the router control ConfigMap (issue 19: the operator publishes the
+    PD threshold there while the spec gives it bounds) and its Service's EndpointSlices (the ready router pods,
+    the N that divides every engine's budget: the one router pod the operator runs). A ConfigMap of that name
+    that a namespace user made is ignored: only the PDService's own (its controller reference) counts."""
 
     def shown(name: str) -> float:
         return metric_value(scrape_sync(service.metrics + "/metrics"), name)
@@ -229,11 +222,28 @@ def test_the_router_applies_the_published_threshold_and_counts_the_router_replic
     def log() -> str:
         return f"router log:\n{service.router_log.read_text()[-3000:]}"
 
+    forged = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": CONTROL},
+        "data": {"control.json": json.dumps({"disaggregationThreshold": 1, "reason": "a tenant's"})},
+    }
+    cluster.apply(forged, namespace=service.namespace)
+    wait_for(lambda: "Ignored router control" in service.router_log.read_text(), timeout=30, message=log)
+    assert shown("pdserve_router_disaggregation_threshold") == 64
+    cluster.kubectl("delete", "configmap", CONTROL, f"--namespace={service.namespace}")
+
+    # Bounds that exclude the configured 64: with no Prometheus the operator decides nothing and publishes the
+    # configured value kept within them, 777.
+    bounds = {"spec": {"autoscaling": {"disaggregationThreshold": {"minTokens": 777, "maxTokens": 4096}}}}
+    patch = ("patch", f"pds/{NAME}", f"--namespace={service.namespace}", "--type=merge")
+    cluster.kubectl(*patch, f"--patch={json.dumps(bounds)}")
     wait_for(lambda: shown("pdserve_router_disaggregation_threshold") == 777, timeout=30, message=log)
     ready_routers = [pod for pod in cluster.pods(service.namespace, "pdserve.io/role=router") if _ready(pod)]
     assert ready_routers
     wait_for(lambda: shown("pdserve_router_replicas") == len(ready_routers), timeout=30, message=log)
-    cluster.kubectl("delete", "configmap", CONTROL, f"--namespace={service.namespace}")
+    # The bounds removed: the operator prunes its ConfigMap, the router is back on its configured value.
+    cluster.kubectl(*patch, f"--patch={json.dumps({'spec': {'autoscaling': None}})}")
     wait_for(lambda: shown("pdserve_router_disaggregation_threshold") == 64, timeout=30, message="static again")
     assert "Failed watching" not in service.router_log.read_text()
 

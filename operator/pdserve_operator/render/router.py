@@ -118,7 +118,9 @@ def router_config(pds: PDService, spec: EffectiveSpec) -> RouterConfig:
             kv_store=spec.engine.kv_cache.store.enabled,
         ),
         admission=admission(pds, spec),
-        router_control=RouterControlSource(namespace=namespace, name=router_control_name(pds)),
+        router_control=RouterControlSource(
+            namespace=namespace, name=router_control_name(pds), owner_uid=pds.metadata.uid
+        ),
     )
 
 

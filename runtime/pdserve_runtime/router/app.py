@@ -138,7 +138,8 @@ class RouterApp:
             fallback_to_decode=policy.fallback_to_decode,
             retry_after_s=config.retry_after_seconds,
         )
-        self.threshold = Threshold(self.scheduler)
+        control = config.router_control
+        self.threshold = Threshold(self.scheduler, control.owner_uid if control is not None else None)
         self.metrics.registry.register(ThresholdCollector(self.scheduler))
         self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
         self.proxy = proxy_class(config, self.scheduler, self.tracker, self.metrics, self.client, gate=self.gate)

@@ -4,7 +4,9 @@ The operator's autoscaler writes the ConfigMap `<pdservice>-router-control` (`ro
 config names it), key `control.json`, a `RouterControl`. Each replica watches that one ConfigMap (list and watch
 selecting its name, as the router's Role allows) and applies what it says at once: the next request is planned
 with the new threshold. When the ConfigMap is absent, or its content does not parse, the configured static
-threshold (`policy.disaggregationThresholdTokens`) is used, and a malformed one is logged with the reason.
+threshold (`policy.disaggregationThresholdTokens`) is used, and a malformed one is logged with the reason. So is
+one the PDService does not control (`RouterControlSource.owner_uid`: the operator's ConfigMap carries its
+controller reference): ConfigMap rights in the namespace must not be enough to move the threshold.
 `pdserve_router_disaggregation_threshold` shows the value in use.
 """
 
@@ -41,8 +43,10 @@ def parse_control(config_map: Mapping[str, Any]) -> RouterControl:
 class Threshold:
     """The threshold in use: the published one when there is a good one, else the static one."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, owner_uid: str | None = None) -> None:
+        """`owner_uid`: the UID a published ConfigMap's controller reference must carry (None: any)."""
         self._scheduler = scheduler
+        self._owner_uid = owner_uid
         self.static = scheduler.policy.disaggregation_threshold_tokens
         self.source = "static"
 
@@ -52,6 +56,9 @@ class Threshold:
         found = next(iter(objects.values()), None)
         if found is None:
             value, self.source, reason = self.static, "static", "no router control published"
+        elif (why := self._untrusted(found)) is not None:
+            value, self.source, reason = self.static, "static", f"ignored a router control: {why}"
+            log.warning("Ignored router control configmap=%s reason=%s", found["metadata"]["name"], why)
         else:
             try:
                 control = parse_control(found)
@@ -64,6 +71,19 @@ class Threshold:
         if (value, self.source) != before:
             log.info("Applied disaggregation threshold before=%d after=%d source=%s reason=%r", before[0], value,
                      self.source, reason[:200])  # fmt: skip
+
+    def _untrusted(self, config_map: Mapping[str, Any]) -> str | None:
+        """Why the ConfigMap is not the PDService's own (None: it is, or no owner is required)."""
+        if self._owner_uid is None:
+            return None
+        refs = [
+            ref
+            for ref in (config_map.get("metadata") or {}).get("ownerReferences") or ()
+            if isinstance(ref, Mapping) and ref.get("controller")
+        ]
+        if len(refs) != 1 or refs[0].get("kind") != "PDService" or refs[0].get("uid") != self._owner_uid:
+            return f"not controlled by the PDService (uid {self._owner_uid})"
+        return None
 
 
 class ControlWatch:

@@ -78,6 +78,31 @@ def test_the_threshold_follows_the_control_and_falls_back_to_the_static_one() ->
     assert (plans.threshold, threshold.source, shown()) == (256, "static", 256)
 
 
+def owned_by(obj: dict[str, Any], kind: str, uid: str, *, controller: bool = True) -> dict[str, Any]:
+    reference = {"apiVersion": "pdserve.io/v1alpha1", "kind": kind, "name": "llm", "uid": uid, "controller": controller}
+    return {**obj, "metadata": {**obj["metadata"], "ownerReferences": [reference]}}
+
+
+def test_only_the_pdservices_own_control_moves_the_threshold() -> None:
+    """A namespace user with ConfigMap rights makes (or replaces) the control ConfigMap: without the PDService's
+    controller reference (its UID) it is ignored, as if absent."""
+    plans = scheduler(static=256)
+    threshold = Threshold(plans, owner_uid="pds-uid")
+    published = control(disaggregationThreshold=4096, reason="prefill short")
+    for forged in (
+        published,
+        owned_by(published, "PDService", "other-uid"),
+        owned_by(published, "PDService", "pds-uid", controller=False),
+        owned_by(published, "Deployment", "pds-uid"),
+    ):
+        threshold.apply({"llm-router-control": forged})
+        assert (plans.threshold, threshold.source) == (256, "static"), forged["metadata"]
+    threshold.apply({"llm-router-control": owned_by(published, "PDService", "pds-uid")})
+    assert (plans.threshold, threshold.source) == (4096, "control")
+    threshold.apply({"llm-router-control": published})  # replaced by someone else: static again
+    assert (plans.threshold, threshold.source) == (256, "static")
+
+
 def endpoint(address: str, **conditions: bool) -> dict[str, Any]:
     return {"addresses": [address], "conditions": conditions}
 
