@@ -371,7 +371,7 @@ def status_intent(
         fields,
         conditions,
         store,
-        threshold_view(spec, report, old),
+        threshold_view(spec, report, old, configured=configured),
     )
 
 

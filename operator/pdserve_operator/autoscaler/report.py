@@ -342,20 +342,38 @@ def status_view(
 
 
 def threshold_view(
-    spec: EffectiveSpec, report: ScalingReport | None, old_status: Mapping[str, Any] | None = None
+    spec: EffectiveSpec,
+    report: ScalingReport | None,
+    old_status: Mapping[str, Any] | None = None,
+    *,
+    configured: bool = True,
 ) -> dict[str, Any] | None:
     """`status.disaggregationThreshold`: None unless the spec lets the autoscaler choose the threshold; then the
-    report's, else what the previous leader wrote (within today's bounds), else the configured value."""
-    configured, low, high = spec.disaggregation_threshold_bounds()
+    report's, else what the previous leader wrote (within today's bounds), else the configured value and why the
+    autoscaler does not choose (`configured`: whether the operator has a Prometheus)."""
+    value, low, high = spec.disaggregation_threshold_bounds()
     if low >= high:
         return None
     if report is not None and report.threshold is not None:
         return report.threshold.fields()
+    scaled = any(p.autoscaling.enabled and p.autoscaling.mode == "pdserve" for p in (spec.prefill, spec.decode))
     old = (old_status or {}).get("disaggregationThreshold")
-    if isinstance(old, Mapping) and (old.get("minTokens"), old.get("maxTokens")) == (low, high):
+    if (
+        configured
+        and scaled
+        and isinstance(old, Mapping)
+        and (old.get("minTokens"), old.get("maxTokens")) == (low, high)
+    ):
         return dict(old)
-    waiting = "the configured threshold: the autoscaler has not decided yet"
-    return ThresholdReport(max(low, min(high, configured)), low, high, "Configured", waiting).fields()
+    if not scaled:
+        why = "no pool is scaled by pdserve, so its autoscaler does not run"
+    elif not configured:
+        why = "the operator runs without --prometheus-url, so its autoscaler does not run"
+    else:
+        why = "the autoscaler has not decided yet"
+    return ThresholdReport(
+        max(low, min(high, value)), low, high, "Configured", f"the configured threshold: {why}"
+    ).fields()
 
 
 def kept_view(old_status: Mapping[str, Any] | None) -> tuple[dict[Role, dict[str, Any]], list[Condition]]:

@@ -7,9 +7,12 @@ from typing import Any
 
 import pytest
 
+from pdserve.api.defaults import effective
+from pdserve.api.router_config import RouterControl
 from pdserve.api.v1alpha1 import PDService
 from pdserve_operator.autoscaler.core import Autoscaler
 from pdserve_operator.autoscaler.model import H200_8B, ModelConfig, Slo
+from pdserve_operator.autoscaler.report import ScalingReport, ThresholdReport, threshold_view
 from pdserve_operator.autoscaler.signals import PoolSignals, RouterSignals, ServiceSignals
 from pdserve_operator.autoscaler.threshold import ThresholdConfig, ThresholdReason, local_prefill_cost_s
 from tests.operator.autoscaler.test_autoscaler_core import configure, service
@@ -151,3 +154,34 @@ def test_a_previous_leaders_value_is_where_it_starts() -> None:
     assert decision.threshold.event() == (
         "Disaggregation threshold 1024 -> 512 tokens: prefill has capacity again: back toward the configured 256 tokens"
     )
+
+
+def test_status_says_the_threshold_and_why_the_autoscaler_does_not_choose_it() -> None:
+    spec = effective(bounded(512, 4096).spec)
+    assert threshold_view(effective(service().spec), None) is None  # no bounds: nothing to report
+    waiting = threshold_view(spec, None)
+    assert waiting is not None and (waiting["tokens"], waiting["reason"]) == (512, "Configured")
+    assert waiting["message"].endswith("the autoscaler has not decided yet")
+    blind = threshold_view(spec, None, configured=False)
+    assert blind is not None and "--prometheus-url" in blind["message"]
+    unscaled = threshold_view(
+        effective(service(autoscaling={"disaggregationThreshold": {"maxTokens": 1024}}).spec), None
+    )
+    assert unscaled is not None and "no pool is scaled by pdserve" in unscaled["message"]
+    # A previous leader's report is kept while the bounds are the same, not once they changed.
+    previous = {"disaggregationThreshold": {**waiting, "tokens": 2048, "reason": "PrefillShort"}}
+    assert threshold_view(spec, None, previous) == previous["disaggregationThreshold"]
+    moved = threshold_view(effective(bounded(512, 1024).spec), None, previous)
+    assert moved is not None and moved["tokens"] == 512
+    report = ScalingReport({}, (), ThresholdReport(1024, 512, 4096, "PrefillShort", "prefill short", "t", "why"))
+    decided = threshold_view(spec, report)
+    assert decided == {
+        "tokens": 1024,
+        "minTokens": 512,
+        "maxTokens": 4096,
+        "reason": "PrefillShort",
+        "message": "prefill short",
+        "lastChangeTime": "t",
+    }
+    assert report.threshold is not None
+    assert report.threshold.control() == RouterControl(disaggregation_threshold=1024, reason="why", decided_at="t")
