@@ -124,7 +124,13 @@ def test_the_autoscaler_bench_runs_from_a_copy_with_nothing_beside_it(tmp_path: 
         "llm-d-slo",
         "dynamo-planner",
         "pdserve",
+        "pdserve-threshold",
         "pdserve-on-arrival",
     ]
     assert all(p["shed"] >= 0 and p["ttft_p99_s"] >= p["ttft_p90_s"] for p in scenarios["chat"]["policies"])
+    # Every policy reports the PD threshold over time; only pdserve-threshold may move it off the configured value.
+    thresholds = {p["name"]: p["threshold"] for p in scenarios["chat"]["policies"]}
+    fixed = [t for name, t in thresholds.items() if name != "pdserve-threshold"]
+    assert all(t["min"] == t["max"] and t["changes"] == 0 for t in fixed), thresholds
+    assert thresholds["pdserve-threshold"]["min"] <= thresholds["pdserve-threshold"]["mean"]
     assert scenarios["synthetic"]["requests"] > 1000
