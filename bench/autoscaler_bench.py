@@ -2,7 +2,7 @@
 Dynamo's SLA planner.
 
 Run: ``.venv/bin/python bench/autoscaler_bench.py [--quick] [--json FILE] [--only chat,code,synthetic,large]
-[--cluster] [--duration SECONDS]``
+[--cluster [code|chat]] [--duration SECONDS]``
 
 Every policy replays the same requests through the same simulated service (`pdserve_dev.replay`): a PD router
 with late binding (`spec.router.routing.lateBinding: true`: the router's own admission rule, `pdserve_dev.replay.gate`;
@@ -33,14 +33,18 @@ minute with lengths drawn from requests within a minute of it (k times the users
 scenario to its first SECONDS of trace: a smoke run in seconds (the tests run it from a bare copy of the
 repository), whose figures are not the benchmark's and whose floor is not judged.
 
-``--cluster`` adds the closed loop: a two-minute slice of the chat trace (minutes 22-34, time compression 6, rate
-scale 0.2: ~9 requests/s) replayed through the real product on a fresh local cluster (`pdserve_dev.replay.live`:
-the operator with its autoscaler loop, `pdserve sim` engines with `h200-8b` timing on the process node, the router,
-the cluster's Prometheus), printed beside the discrete-event replay of the very same requests with the same SLO
-(TTFT 300 ms / ITL 40 ms p90), bounds (prefill 1-3, decode 1-2), tick (2 s), window (6 s), warm-up (10 s) and
-scale-down window (30 s). It runs in real time (about four minutes with the cluster's start) and on this machine's
-CPUs, which also run every engine, the router and the load: a check that the loop in the product behaves as the
-model of it does, not a measurement at scale.
+``--cluster [code|chat]`` adds the closed loop: a two-minute slice of a trace (``code``, the default: minutes 9-21
+of the code trace, bursts between silent minutes; ``chat``: minutes 22-34 of the chat trace; time compression 6,
+rate scale 0.2: 4.5-9 requests/s) replayed through the real product on a fresh local cluster
+(`pdserve_dev.replay.live`: the operator with its autoscaler loop choosing replicas and the disaggregation
+threshold within 256-2048, `pdserve sim` engines with `h200-8b` timing on the process node, the router with its
+queue, the cluster's Prometheus), printed beside the discrete-event replay of the very same requests with the same
+SLO (TTFT 300 ms / ITL 40 ms p90), bounds, tick (2 s), window (6 s), warm-up (10 s) and scale-down window (30 s).
+The closed loop must agree with the replay of pdserve-threshold (`check_agreement`: attainment within 3 points, the
+pools and the threshold moving the same way; exit status 1 otherwise). ``--only ""`` with ``--cluster`` runs the
+closed loop alone. It runs in real time (about four minutes with the cluster's start) and on this machine's CPUs,
+which also run every engine, the router and the load: a check that the loop in the product behaves as the model of
+it does, not a measurement at scale.
 
 Reported per policy: attainment (share of requests with TTFT <= target and mean time per output token <=
 target; TTFT is the client's, from the request's arrival at the router, so every wait on the way counts; a shed
@@ -226,6 +230,35 @@ def model_config(slo: Slo, interval_s: float, startup_s: float) -> ModelConfig:
     )
 
 
+def make_scaler(
+    name: str, model: ModelConfig, bounds: PolicyConfig, peak: tuple[int, int], *, warmup_s: float, window_s: float
+) -> Scaler:
+    """The scaler of policy `name` (`POLICIES`) for one replay: the same construction for the scenarios and the
+    closed loop. static-peak holds `peak`; pdserve-threshold also chooses the disaggregation threshold within
+    [THRESHOLD, THRESHOLD_MAX], the other pdserve policies keep it at THRESHOLD."""
+    if name == "static-peak":
+        return StaticScaler(*peak)
+    if name == "hpa-style":
+        return HpaScaler(bounds)
+    if name == "llm-d-slo":
+        return LlmdSloScaler(bounds, model.slo.ttft_s, model.slo.itl_s)
+    if name == "dynamo-planner":
+        return DynamoPlannerScaler(
+            bounds, model.prefill_profile, model.decode_profile, model.slo.ttft_s, model.slo.itl_s
+        )
+    highest = THRESHOLD_MAX if name == "pdserve-threshold" else THRESHOLD
+    config = AutoscalerConfig(
+        model=model,
+        policy=bounds,
+        warmup_s=warmup_s,
+        window_s=window_s,
+        threshold=ThresholdConfig(THRESHOLD, THRESHOLD, highest),
+    )
+    pdserve = PdserveScaler(config)
+    pdserve.name = name
+    return pdserve
+
+
 def run_scenario(scenario: Scenario, startup_s: float, log: Callable[[str], None]) -> dict[str, Any]:
     """Replay one scenario under every policy; the result dict of the JSON output."""
     requests = scenario.make()
@@ -254,29 +287,12 @@ def run_scenario(scenario: Scenario, startup_s: float, log: Callable[[str], None
     static_gpu = 0.0
     pdserve_events: list[str] = []
     for name in POLICIES:
-        scaler: Scaler
-        start = initial
-        if name == "static-peak":
-            scaler, start = StaticScaler(peak_p, peak_d), (peak_p, peak_d)
-        elif name == "hpa-style":
-            scaler = HpaScaler(bounds)
-        elif name == "llm-d-slo":
-            scaler = LlmdSloScaler(bounds, SLO.ttft_s, SLO.itl_s)
-        elif name == "dynamo-planner":
-            scaler = DynamoPlannerScaler(bounds, model.prefill_profile, model.decode_profile, SLO.ttft_s, SLO.itl_s)
-        else:
-            limits = ThresholdConfig(THRESHOLD, THRESHOLD, THRESHOLD_MAX if name == "pdserve-threshold" else THRESHOLD)
-            pdserve = PdserveScaler(
-                AutoscalerConfig(model=model, policy=bounds, warmup_s=WARMUP_S, window_s=WINDOW_S, threshold=limits)
-            )
-            scaler = pdserve
-            if name != "pdserve":
-                pdserve.name = name
+        scaler = make_scaler(name, model, bounds, (peak_p, peak_d), warmup_s=WARMUP_S, window_s=WINDOW_S)
         config = ReplayConfig(
             H200_8B,
             H200_8B,
             SLO,
-            start,
+            (peak_p, peak_d) if name == "static-peak" else initial,
             startup_s=startup_s,
             interval_s=INTERVAL_S,
             window_s=WINDOW_S,
@@ -290,7 +306,7 @@ def run_scenario(scenario: Scenario, startup_s: float, log: Callable[[str], None
         if name == "static-peak":
             static_gpu = outcome.gpu_seconds
         if name == "pdserve" and isinstance(scaler, PdserveScaler):
-            pdserve_events = [event for d in pdserve.decisions[:4] for event in d.events()]
+            pdserve_events = [event for d in scaler.decisions[:4] for event in d.events()]
         results.append(_policy_result(name, outcome, static_gpu, elapsed))
     _print_table(results, log)
     for event in pdserve_events[:4]:
@@ -355,8 +371,12 @@ def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: floa
 
 def _threshold_summary(outcome: Outcome) -> dict[str, float]:
     """The router's disaggregation threshold over the replay: least, time-weighted mean, most, changes."""
-    steps = outcome.thresholds or [(0.0, THRESHOLD)]
-    end = max(outcome.end_s, steps[-1][0])
+    return _threshold_steps_summary(outcome.thresholds or [(0.0, THRESHOLD)], outcome.end_s)
+
+
+def _threshold_steps_summary(steps: Sequence[tuple[float, int]], end_s: float) -> dict[str, float]:
+    """Least, time-weighted mean, most and changes of a threshold that took each value from its time on."""
+    end = max(end_s, steps[-1][0])
     spans = [(value, (steps[i + 1][0] if i + 1 < len(steps) else end) - at) for i, (at, value) in enumerate(steps)]
     total = sum(span for _, span in spans)
     mean = sum(value * span for value, span in spans) / total if total > 0 else float(steps[0][1])
@@ -416,76 +436,122 @@ def check_floor(result: dict[str, Any], floor: tuple[float, float]) -> list[str]
     return [("PASS " if ok else "FAIL ") + text for ok, text in checks] + check_dominance(result)
 
 
-#: The closed-loop slice (`--cluster`): small enough for one machine's CPUs, busy enough that the pools move.
+@dataclass(frozen=True, slots=True)
+class LiveSlice:
+    """A slice of a trace that one machine's CPUs can replay through the product in real time (`--cluster`):
+    small enough for them, busy enough that the pools move."""
+
+    trace: str
+    start_min: int
+    duration_min: int
+    prefill: tuple[int, int]
+    decode: tuple[int, int]
+    why: str
+    compression: float = 6.0
+    rate_scale: float = 0.2
+
+    def describe(self) -> str:
+        return (
+            f"{self.trace} minutes {self.start_min}-{self.start_min + self.duration_min}, compression "
+            f"{self.compression:g}, rate scale {self.rate_scale:g} ({self.why})"
+        )
+
+
+#: The closed loop's slices. code (the default, issue 19's): bursts of 400-630 requests a minute between silent
+#: minutes; chat: the busiest quarter hour of a smooth trace.
+LIVE_SLICES = {
+    "code": LiveSlice(
+        CODE_TRACE, 9, 12, (1, 5), (1, 2), "bursts: 476, 421, 63, 0, 0, 632, 299, 0, 20, 396, 315, 116 requests/min"
+    ),
+    "chat": LiveSlice(CHAT_TRACE, 22, 12, (1, 3), (1, 2), "smooth: 386-507 requests/min"),
+}
 LIVE_SLO = Slo(ttft_s=0.3, itl_s=0.040, percentile=90)
-LIVE_SLICE = {"start_s": 22 * 60.0, "duration_s": 12 * 60.0, "compression": 6.0, "rate_scale": 0.2}
 LIVE_INTERVAL_S, LIVE_WINDOW_S, LIVE_WARMUP_S, LIVE_SCALE_DOWN_S, LIVE_STARTUP_S = 2.0, 6.0, 10, 30, 5.0
+#: The closed loop agrees with the discrete-event replay when its attainment is within this of the replay's (and
+#: the pools and the threshold move the same way: `check_agreement`).
+LIVE_AGREEMENT = 0.03
+#: The policy the closed loop runs: pdserve choosing replicas and the disaggregation threshold.
+LIVE_POLICY = "pdserve-threshold"
 
 
-def live_requests() -> list[Request]:
-    requests = load_azure(trace_path(CHAT_TRACE))
-    sliced = shape(requests, **LIVE_SLICE, jitter_s=10.0, mix_s=60.0, seed=1)
+def live_requests(live: LiveSlice) -> list[Request]:
+    requests = load_azure(trace_path(live.trace))
+    sliced = shape(
+        requests,
+        start_s=live.start_min * 60.0,
+        duration_s=live.duration_min * 60.0,
+        compression=live.compression,
+        rate_scale=live.rate_scale,
+        jitter_s=10.0,
+        mix_s=60.0,
+        seed=1,
+    )
     # The live engines serve up to 16k tokens of context: the slice's few longer prompts are cut (in both replays).
     return [Request(r.arrival, min(r.prompt, 12_000), min(r.output, 2_000)) for r in sliced]
 
 
-def run_closed_loop(log: Callable[[str], None]) -> dict[str, Any]:
-    """The chat slice through the discrete-event replay (every policy) and through the product on the local
-    cluster (pdserve); the result dict of the JSON output's `closed_loop`."""
+def check_agreement(replayed: dict[str, Any], live: dict[str, Any], start: tuple[int, int]) -> list[str]:
+    """The closed loop against the discrete-event replay of the same policy and requests: attainment within
+    `LIVE_AGREEMENT`, and the same direction (each pool grown past its start in both or in neither, the threshold
+    raised past its configured value in both or in neither). Every line starts with PASS or FAIL."""
+    gap = abs(live["attainment"] - replayed["attainment"])
+    lines = [
+        (gap <= LIVE_AGREEMENT, f"attainment {live['attainment']:.2%} (cluster) vs {replayed['attainment']:.2%} "
+         f"(replay): {gap * 100:.1f} points <= {LIVE_AGREEMENT * 100:.0f}"),
+    ]  # fmt: skip
+    for index, pool in enumerate(("prefill", "decode")):
+        grew = [r["max_replicas"][pool] > start[index] for r in (live, replayed)]
+        lines.append((grew[0] == grew[1], f"{pool} grew past {start[index]}: cluster {grew[0]}, replay {grew[1]}"))
+    raised = [r["threshold"]["max"] > THRESHOLD for r in (live, replayed)]
+    text = f"threshold raised past {THRESHOLD}: cluster {raised[0]}, replay {raised[1]}"
+    lines.append((raised[0] == raised[1], text))
+    return [("PASS " if ok else "FAIL ") + text for ok, text in lines]
+
+
+def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """The slice `name` (`LIVE_SLICES`) through the discrete-event replay (every policy) and through the product on
+    the local cluster (pdserve-threshold); the result dict of the JSON output's `closed_loop`."""
     from pdserve_dev.replay.live import LiveConfig, run_live
 
-    requests = live_requests()
+    live_slice = LIVE_SLICES[name]
+    requests = live_requests(live_slice)
     model = model_config(LIVE_SLO, LIVE_INTERVAL_S, LIVE_STARTUP_S)
     bounds = PolicyConfig(
-        prefill=PoolBounds(1, 3), decode=PoolBounds(1, 2), scale_down_window_s=float(LIVE_SCALE_DOWN_S)
+        prefill=PoolBounds(*live_slice.prefill),
+        decode=PoolBounds(*live_slice.decode),
+        scale_down_window_s=float(LIVE_SCALE_DOWN_S),
     )
-    peak_p, peak_d, _ = static_peak(model, requests, 60.0 / LIVE_SLICE["compression"], THRESHOLD)
+    peak_p, peak_d, _ = static_peak(model, requests, 60.0 / live_slice.compression, THRESHOLD)
+    start = (bounds.prefill.min_replicas, bounds.decode.min_replicas)
     log(
-        f"\n== closed loop: chat trace minutes 22-34, compression {LIVE_SLICE['compression']:g}, rate scale "
-        f"{LIVE_SLICE['rate_scale']:g}: {len(requests)} requests over {requests[-1].arrival:.0f} s; SLO TTFT "
-        f"{LIVE_SLO.ttft_s * 1000:.0f} ms / ITL {LIVE_SLO.itl_s * 1000:.0f} ms p90; bounds prefill 1-3, decode 1-2; "
-        f"static-peak {peak_p}+{peak_d}"
+        f"\n== closed loop: {live_slice.describe()}: {len(requests)} requests over {requests[-1].arrival:.0f} s; "
+        f"SLO TTFT {LIVE_SLO.ttft_s * 1000:.0f} ms / ITL {LIVE_SLO.itl_s * 1000:.0f} ms p90; bounds prefill "
+        f"{live_slice.prefill[0]}-{live_slice.prefill[1]}, decode {live_slice.decode[0]}-{live_slice.decode[1]}, "
+        f"threshold {THRESHOLD}-{THRESHOLD_MAX}; static-peak {peak_p}+{peak_d}"
     )
     results: list[dict[str, Any]] = []
     static_gpu = 0.0
-    for name in POLICIES:
-        scaler: Scaler
-        start: tuple[int, int] = (1, 1)
-        if name == "static-peak":
-            scaler, start = StaticScaler(peak_p, peak_d), (peak_p, peak_d)
-        elif name == "hpa-style":
-            scaler = HpaScaler(bounds)
-        elif name == "llm-d-slo":
-            scaler = LlmdSloScaler(bounds, LIVE_SLO.ttft_s, LIVE_SLO.itl_s)
-        elif name == "dynamo-planner":
-            scaler = DynamoPlannerScaler(
-                bounds, model.prefill_profile, model.decode_profile, LIVE_SLO.ttft_s, LIVE_SLO.itl_s
-            )
-        else:
-            config = AutoscalerConfig(
-                model=model,
-                policy=bounds,
-                warmup_s=float(LIVE_WARMUP_S),
-                window_s=LIVE_WINDOW_S,
-            )
-            scaler = PdserveScaler(config)
+    for policy in POLICIES:
+        scaler = make_scaler(
+            policy, model, bounds, (peak_p, peak_d), warmup_s=float(LIVE_WARMUP_S), window_s=LIVE_WINDOW_S
+        )
         replay = ReplayConfig(
             H200_8B,
             H200_8B,
             LIVE_SLO,
-            start,
+            (peak_p, peak_d) if policy == "static-peak" else start,
             startup_s=LIVE_STARTUP_S,
             interval_s=LIVE_INTERVAL_S,
             window_s=LIVE_WINDOW_S,
             warmup_s=float(LIVE_WARMUP_S),
             disaggregation_threshold=THRESHOLD,
-            late_binding=None if name == "pdserve-on-arrival" else LATE_BINDING,
+            late_binding=None if policy == "pdserve-on-arrival" else LATE_BINDING,
         )
         began = time.perf_counter()
         outcome = ReplayCluster(replay, requests, scaler).run()
-        if name == "static-peak":
+        if policy == "static-peak":
             static_gpu = outcome.gpu_seconds
-        result = _policy_result(name, outcome, static_gpu, time.perf_counter() - began, LIVE_SLO)
+        result = _policy_result(policy, outcome, static_gpu, time.perf_counter() - began, LIVE_SLO)
         results.append({**result, "mode": "discrete-event"})
 
     began = time.perf_counter()
@@ -495,9 +561,11 @@ def run_closed_loop(log: Callable[[str], None]) -> dict[str, Any]:
             ttft_s=LIVE_SLO.ttft_s,
             itl_s=LIVE_SLO.itl_s,
             percentile=LIVE_SLO.percentile,
-            prefill=(1, 3),
-            decode=(1, 2),
+            prefill=live_slice.prefill,
+            decode=live_slice.decode,
+            initial=start,
             threshold=THRESHOLD,
+            threshold_bounds=(THRESHOLD, THRESHOLD_MAX),
             interval_s=LIVE_INTERVAL_S,
             window_s=LIVE_WINDOW_S,
             warmup_s=LIVE_WARMUP_S,
@@ -505,40 +573,43 @@ def run_closed_loop(log: Callable[[str], None]) -> dict[str, Any]:
         ),
         log,
     )
-
     ttft = [a.ttft_s for a in live.answers]
     tpot = [a.tpot_s for a in live.answers if a.output_tokens > 1]
-    results.append(
-        {
-            "name": "pdserve",
-            "mode": "cluster",
-            "attainment": round(live.attainment(LIVE_SLO.ttft_s, LIVE_SLO.itl_s), 5),
-            "gpu_seconds": round(live.gpu_seconds, 1),
-            "ratio_to_static": round(live.gpu_seconds / static_gpu, 4) if static_gpu else None,
-            "actions": live.actions,
-            **_replica_summary(live.timeline),
-            "shed": 0,
-            "ttft_p90_s": round(_quantile(ttft, 0.9), 4),
-            "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
-            "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
-            "failed": live.failed,
-            "replay_seconds": round(time.perf_counter() - began, 1),
-        }
-    )
+    cluster = {
+        "name": LIVE_POLICY,
+        "mode": "cluster",
+        "attainment": round(live.attainment(LIVE_SLO.ttft_s, LIVE_SLO.itl_s), 5),
+        "gpu_seconds": round(live.gpu_seconds, 1),
+        "ratio_to_static": round(live.gpu_seconds / static_gpu, 4) if static_gpu else None,
+        "actions": live.actions,
+        **_replica_summary(live.timeline),
+        "shed": live.shed,
+        "ttft_p90_s": round(_quantile(ttft, 0.9), 4),
+        "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
+        "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
+        "threshold": _threshold_steps_summary(live.thresholds or [(0.0, THRESHOLD)], live.seconds),
+        "failed": live.failed,
+        "replay_seconds": round(time.perf_counter() - began, 1),
+    }
+    results.append(cluster)
     _print_table(results, log)
     for event in live.events[:6]:
         log(f"   cluster event: {event}")
     if live.failures:
         log(f"   cluster failures ({live.failed}): {live.failures[:3]}")
+    replayed = next(r for r in results if r["name"] == LIVE_POLICY and r["mode"] == "discrete-event")
+    agreement = check_agreement(replayed, cluster, start)
     return {
-        "trace": CHAT_TRACE,
-        "slice_s": [LIVE_SLICE["start_s"], LIVE_SLICE["duration_s"]],
-        "time_compression": LIVE_SLICE["compression"],
-        "rate_scale": LIVE_SLICE["rate_scale"],
+        "slice": name,
+        "trace": live_slice.trace,
+        "slice_s": [live_slice.start_min * 60.0, live_slice.duration_min * 60.0],
+        "time_compression": live_slice.compression,
+        "rate_scale": live_slice.rate_scale,
         "requests": len(requests),
         "slo": {"ttft_s": LIVE_SLO.ttft_s, "itl_s": LIVE_SLO.itl_s, "percentile": LIVE_SLO.percentile},
         "static_peak": {"prefill": peak_p, "decode": peak_d},
         "policies": results,
+        "agreement": agreement,
         "cluster_events": live.events,
     }
 
@@ -551,7 +622,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--startup", type=float, default=30.0, help="seconds from pod creation to ready")
     parser.add_argument("--compression", type=float, default=1.0, help="time compression of the Azure traces")
     parser.add_argument(
-        "--cluster", action="store_true", help="also replay a short slice closed-loop on a local cluster"
+        "--cluster",
+        nargs="?",
+        const="code",
+        choices=sorted(LIVE_SLICES),
+        help="also replay a short slice (default: code) closed-loop on a local cluster",
     )
     parser.add_argument(
         "--duration",
@@ -566,8 +641,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return netns.run_in_fresh([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
 
     chosen = scenarios(args.quick, args.compression, args.duration)
-    if args.only:
-        wanted = set(args.only.split(","))
+    if args.only is not None:
+        wanted = set(filter(None, args.only.split(",")))
         chosen = [s for s in chosen if s.name in wanted]
     print(
         f"autoscaler bench ({'quick' if args.quick else 'full'}): engine h200-8b (pdserve_sim cost model), SLO "
@@ -586,14 +661,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for line in floor_lines + informative:
         print(line)
+    closed_loop = run_closed_loop(args.cluster, print) if args.cluster else None
+    if closed_loop is not None:
+        print(f"\nclosed loop ({args.cluster}) against the discrete-event replay of {LIVE_POLICY}:")
+        floor_lines += [f"closed loop: {line}" for line in closed_loop["agreement"]]
+        for line in closed_loop["agreement"]:
+            print(line)
     passed = all(line.split(": ", 1)[1].startswith("PASS") for line in floor_lines)
-    closed_loop = run_closed_loop(print) if args.cluster else None
     verdict = "PASS" if passed else "FAIL"
     if args.duration is not None:
         verdict = "not judged (--duration cuts the scenarios)"
     print(f"\nfloor {verdict}; {time.perf_counter() - began:.0f} s")
     if args.json:
-        main_policies = next((r["policies"] for r in results if r["name"] == "chat"), results[0]["policies"])
+        first = results[0]["policies"] if results else []
+        main_policies = next((r["policies"] for r in results if r["name"] == "chat"), first)
         document = {
             "bench": "autoscaler",
             "mode": "quick" if args.quick else "full",

@@ -38,6 +38,7 @@ async def test_load_counts_answers_failures_and_hang_ups() -> None:
         await set_faults(sim.url, fail_next=1)
         await load.send(64, 8)
         assert load.stats.failed == 1 and "HTTP 503" in load.stats.failures[0]
+        assert load.stats.statuses == {503: 1}
         load.streams(3, 32, (100_000, 100_000))  # never finish: stopped below
         await asyncio.sleep(0.2)
         await load.stop_streams()

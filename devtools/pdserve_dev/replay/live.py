@@ -58,6 +58,8 @@ class LiveConfig:
     decode: tuple[int, int] = (1, 2)
     initial: tuple[int, int] = (1, 1)
     threshold: int = 256
+    #: spec.autoscaling.disaggregationThreshold (lowest, highest): the autoscaler chooses the threshold within them.
+    threshold_bounds: tuple[int, int] | None = None
     interval_s: float = 2.0
     window_s: float = 6.0
     warmup_s: int = 10
@@ -72,12 +74,18 @@ class LiveOutcome:
     answers: list[Answer]
     failed: int
     failures: list[str]
+    #: Requests the router refused or shed (429 and 503 answers; also counted in `failed`).
+    shed: int
     gpu_seconds: float
     actions: int
     #: (seconds since the first arrival, prefill pods, decode pods), one per second.
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: (seconds since the first arrival, tokens) from the start and at every change of the disaggregation
+    #: threshold the operator published (`status.disaggregationThreshold.tokens`).
+    thresholds: list[tuple[float, int]] = field(default_factory=list)
+    threshold_events: list[str] = field(default_factory=list)
 
     def attainment(self, ttft_s: float, itl_s: float) -> float:
         total = len(self.answers) + self.failed
@@ -118,9 +126,20 @@ def manifest(config: LiveConfig) -> dict[str, Any]:
                 "itlMilliseconds": config.itl_s * 1000,
                 "percentile": config.percentile,
             },
-            "autoscaling": {"warmupSeconds": config.warmup_s, "scaleDownStabilizationSeconds": config.scale_down_s},
+            "autoscaling": {
+                "warmupSeconds": config.warmup_s,
+                "scaleDownStabilizationSeconds": config.scale_down_s,
+                **_threshold_bounds(config),
+            },
         },
     }
+
+
+def _threshold_bounds(config: LiveConfig) -> dict[str, Any]:
+    if config.threshold_bounds is None:
+        return {}
+    lowest, highest = config.threshold_bounds
+    return {"disaggregationThreshold": {"minTokens": lowest, "maxTokens": highest}}
 
 
 def run_live(
@@ -164,15 +183,25 @@ async def _replay(
     helper: ClusterHelper, base: str, requests: Sequence[Request], log: Callable[[str], None]
 ) -> LiveOutcome:
     timeline: list[tuple[float, int, int]] = []
+    thresholds: list[tuple[float, int]] = []
     stop = threading.Event()
     began = time.monotonic()
 
     def sample() -> None:
         # Pods that exist (starting, serving or draining) are what GPUs are held for.
         while not stop.is_set():
-            sets = helper.get_json("statefulsets", f"--namespace={NAMESPACE}")["items"]
-            pods = {s["metadata"]["name"]: int((s.get("status") or {}).get("replicas", 0)) for s in sets}
-            timeline.append((time.monotonic() - began, pods.get(f"{NAME}-prefill", 0), pods.get(f"{NAME}-decode", 0)))
+            items = helper.get_json("statefulsets,pdservices", f"--namespace={NAMESPACE}")["items"]
+            at = time.monotonic() - began
+            pods = {
+                s["metadata"]["name"]: int((s.get("status") or {}).get("replicas", 0))
+                for s in items
+                if s["kind"] == "StatefulSet"
+            }
+            timeline.append((at, pods.get(f"{NAME}-prefill", 0), pods.get(f"{NAME}-decode", 0)))
+            for pds in (i for i in items if i["kind"] == "PDService"):
+                tokens = ((pds.get("status") or {}).get("disaggregationThreshold") or {}).get("tokens")
+                if isinstance(tokens, int) and (not thresholds or thresholds[-1][1] != tokens):
+                    thresholds.append((at, tokens))
             stop.wait(1.0)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -188,18 +217,29 @@ async def _replay(
     sampler.join(5)
     elapsed = time.monotonic() - began
     gpu_seconds = sum((p + d) * (timeline[i + 1][0] - t) for i, (t, p, d) in enumerate(timeline[:-1]))
-    events = helper.get_json(
-        "events", f"--namespace={NAMESPACE}", f"--field-selector=involvedObject.name={NAME},reason=Scaled"
-    )["items"]
-    messages = [e["message"] for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")]
-    log(f"   live: {load.stats.ok} answered, {load.stats.failed} failed, {len(messages)} scaling actions")
+    messages, threshold_messages = (_events(helper, reason) for reason in ("Scaled", "DisaggregationThreshold"))
+    log(
+        f"   live: {load.stats.ok} answered, {load.stats.failed} failed, {len(messages)} scaling actions, "
+        f"{len(threshold_messages)} threshold changes"
+    )
     return LiveOutcome(
         answers=load.stats.answers,
         failed=load.stats.failed,
         failures=load.stats.failures,
+        shed=load.stats.statuses[429] + load.stats.statuses[503],
         gpu_seconds=gpu_seconds,
         actions=len(messages),
         timeline=timeline,
         events=messages,
         seconds=elapsed,
+        thresholds=thresholds,
+        threshold_events=threshold_messages,
     )
+
+
+def _events(helper: ClusterHelper, reason: str) -> list[str]:
+    """The messages of the PDService's Events with `reason`, oldest first."""
+    events = helper.get_json(
+        "events", f"--namespace={NAMESPACE}", f"--field-selector=involvedObject.name={NAME},reason={reason}"
+    )["items"]
+    return [e["message"] for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")]

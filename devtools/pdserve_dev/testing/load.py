@@ -28,6 +28,7 @@ import itertools
 import json
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -65,6 +66,8 @@ class LoadStats:
     failed: int = 0
     failures: list[str] = field(default_factory=list)
     cancelled: int = 0
+    #: HTTP status of every answer that was not 200 (429 and 503: refused or shed by the router).
+    statuses: Counter[int] = field(default_factory=Counter)
 
     @property
     def ok(self) -> int:
@@ -179,6 +182,7 @@ class Load:
             async with self._session.post(f"{self.base_url}/v1/completions", json=body) as response:
                 route = response.headers.get("X-Pdserve-Route", "")
                 if response.status != 200:
+                    self.stats.statuses[response.status] += 1
                     self.stats.fail(f"HTTP {response.status}: {(await response.text())[:200]}")
                     return
                 if stream:

@@ -1,0 +1,83 @@
+"""The closed loop's parts that need no cluster: the slice it replays, the scalers, the PDService it applies and the
+agreement it is judged by (`bench/autoscaler_bench.py --cluster`; the loop itself runs on demand: it takes the
+machine's CPUs for minutes, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from pdserve.api.validation import validate
+from pdserve_dev.replay.live import LiveConfig, manifest
+from pdserve_dev.replay.scalers import PdserveScaler
+from pdserve_dev.replay.trace import windows
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    """bench/autoscaler_bench.py as a module (it is a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("autoscaler_bench_under_test", ROOT / "bench" / "autoscaler_bench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(attainment: float, prefill: int, decode: int, threshold: int) -> dict[str, Any]:
+    return {
+        "attainment": attainment,
+        "max_replicas": {"prefill": prefill, "decode": decode},
+        "threshold": {"min": 256, "mean": 256.0, "max": threshold, "changes": int(threshold > 256)},
+    }
+
+
+def test_the_code_slice_is_bursty_and_cut_to_what_the_live_engines_serve(bench: ModuleType) -> None:
+    requests = bench.live_requests(bench.LIVE_SLICES["code"])
+    assert 400 < len(requests) < 700
+    assert max(r.prompt for r in requests) <= 12_000 and max(r.output for r in requests) <= 2_000
+    rates = [w.requests_per_s for w in windows(requests, 10.0)]
+    mean = sum(rates) / len(rates)
+    # Silent stretches and bursts well above the mean: what static provisioning and an autoscaler differ on.
+    assert min(rates) == 0.0 and max(rates) >= 2 * mean, rates
+
+
+def test_the_closed_loop_agrees_only_within_three_points_and_in_direction(bench: ModuleType) -> None:
+    replayed = _result(0.95, 3, 1, 512)
+    same = bench.check_agreement(replayed, _result(0.925, 4, 1, 1024), (1, 1))
+    assert all(line.startswith("PASS") for line in same), same
+    apart = bench.check_agreement(replayed, _result(0.915, 3, 1, 512), (1, 1))
+    assert [line.split()[:2] for line in apart if line.startswith("FAIL")] == [["FAIL", "attainment"]]
+    other_way = bench.check_agreement(replayed, _result(0.95, 1, 2, 256), (1, 1))
+    assert [line.split()[1] for line in other_way if line.startswith("FAIL")] == ["prefill", "decode", "threshold"]
+
+
+def test_only_pdserve_threshold_may_move_the_threshold(bench: ModuleType) -> None:
+    model = bench.model_config(bench.LIVE_SLO, 2.0, 5.0)
+    bounds = bench.PolicyConfig(prefill=bench.PoolBounds(1, 5), decode=bench.PoolBounds(1, 2))
+    scalers = {
+        name: bench.make_scaler(name, model, bounds, (4, 1), warmup_s=10.0, window_s=6.0) for name in bench.POLICIES
+    }
+    assert {name: s.name for name, s in scalers.items()} == {name: name for name in bench.POLICIES}
+    pdserve = {name: s for name, s in scalers.items() if isinstance(s, PdserveScaler)}
+    assert set(pdserve) == {"pdserve", "pdserve-threshold", "pdserve-on-arrival"}
+    limits = {name: s.autoscaler.config.threshold_limits for name, s in pdserve.items()}
+    assert limits["pdserve-threshold"].maximum == bench.THRESHOLD_MAX
+    assert all(
+        limits[name].maximum == limits[name].minimum == bench.THRESHOLD for name in ("pdserve", "pdserve-on-arrival")
+    )
+
+
+def test_the_live_pdservice_lets_the_autoscaler_choose_the_threshold_within_its_bounds() -> None:
+    chosen = validate(manifest(LiveConfig(ttft_s=0.3, itl_s=0.04, threshold_bounds=(256, 2048))))
+    fixed = validate(manifest(LiveConfig(ttft_s=0.3, itl_s=0.04)))
+    assert chosen.problems == () and fixed.problems == ()
+    assert chosen.spec is not None and chosen.spec.disaggregation_threshold_bounds() == (256, 256, 2048)
+    assert fixed.spec is not None and fixed.spec.disaggregation_threshold_bounds() == (256, 256, 256)
