@@ -72,8 +72,9 @@ from typing import Any
 from pdserve.api.defaults import EffectiveServiceAutoscaling
 from pdserve.api.settings import OperatorSettings
 from pdserve_dev.cluster import netns
-from pdserve_dev.replay.cluster import Outcome, ReplayCluster, ReplayConfig, Scaler
+from pdserve_dev.replay.cluster import Outcome, ReplayCluster, ReplayConfig, Scaler, met
 from pdserve_dev.replay.dynamo import DynamoPlannerScaler
+from pdserve_dev.replay.engines import Job
 from pdserve_dev.replay.gate import LateBinding
 from pdserve_dev.replay.scalers import (
     HpaScaler,
@@ -472,6 +473,8 @@ LIVE_INTERVAL_S, LIVE_WINDOW_S, LIVE_WARMUP_S, LIVE_SCALE_DOWN_S, LIVE_STARTUP_S
 LIVE_AGREEMENT = 0.03
 #: The policy the closed loop runs: pdserve choosing replicas and the disaggregation threshold.
 LIVE_POLICY = "pdserve-threshold"
+#: The closed loop reports attainment per this many seconds of arrivals, cluster beside replay.
+LIVE_WINDOW_REPORT_S = 10.0
 
 
 def live_requests(live: LiveSlice) -> list[Request]:
@@ -488,6 +491,20 @@ def live_requests(live: LiveSlice) -> list[Request]:
     )
     # The live engines serve up to 16k tokens of context: the slice's few longer prompts are cut (in both replays).
     return [Request(r.arrival, min(r.prompt, 12_000), min(r.output, 2_000)) for r in sliced]
+
+
+def attainment_by_window(arrivals: Sequence[tuple[float, bool]], window_s: float = 10.0) -> list[float]:
+    """Share of requests meeting the SLO per consecutive window of arrival times ((arrival, met) pairs); a window
+    nobody arrived in counts as met."""
+    if not arrivals:
+        return []
+    count = int(max(at for at, _ in arrivals) // window_s) + 1
+    met, total = [0] * count, [0] * count
+    for at, ok in arrivals:
+        index = max(int(at // window_s), 0)
+        total[index] += 1
+        met[index] += ok
+    return [m / t if t else 1.0 for m, t in zip(met, total, strict=True)]
 
 
 def check_agreement(replayed: dict[str, Any], live: dict[str, Any], start: tuple[int, int]) -> list[str]:
@@ -531,6 +548,7 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
     )
     results: list[dict[str, Any]] = []
     static_gpu = 0.0
+    replayed_jobs: list[Job] = []
     for policy in POLICIES:
         scaler = make_scaler(
             policy, model, bounds, (peak_p, peak_d), warmup_s=float(LIVE_WARMUP_S), window_s=LIVE_WINDOW_S
@@ -553,6 +571,8 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             static_gpu = outcome.gpu_seconds
         result = _policy_result(policy, outcome, static_gpu, time.perf_counter() - began, LIVE_SLO)
         results.append({**result, "mode": "discrete-event"})
+        if policy == LIVE_POLICY:
+            replayed_jobs = outcome.jobs
 
     began = time.perf_counter()
     live = run_live(
@@ -599,6 +619,21 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         log(f"   cluster failures ({live.failed}): {live.failures[:3]}")
     replayed = next(r for r in results if r["name"] == LIVE_POLICY and r["mode"] == "discrete-event")
     agreement = check_agreement(replayed, cluster, start)
+    # Where the two differ: attainment per window of arrivals (a request counts in the window it arrived in).
+    targets = (LIVE_SLO.ttft_s, LIVE_SLO.itl_s)
+    by_window = {
+        "cluster": attainment_by_window(
+            [(a.started - live.began, a.ttft_s <= targets[0] and a.tpot_s <= targets[1]) for a in live.answers]
+        ),
+        "replay": attainment_by_window([(job.arrival, met(job, LIVE_SLO)) for job in replayed_jobs]),
+    }
+    if live.startups:
+        log(
+            f"   cluster pods from creation to Ready: median {_quantile(live.startups, 0.5):.1f} s, most "
+            f"{max(live.startups):.1f} s (the replay's start-up: {LIVE_STARTUP_S:.0f} s)"
+        )
+    log(f"   attainment per {LIVE_WINDOW_REPORT_S:.0f} s of arrivals (cluster / replay of {LIVE_POLICY}):")
+    log("   " + " ".join(f"{c:.0%}/{r:.0%}" for c, r in zip(by_window["cluster"], by_window["replay"], strict=False)))
     return {
         "slice": name,
         "trace": live_slice.trace,
@@ -610,6 +645,8 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         "static_peak": {"prefill": peak_p, "decode": peak_d},
         "policies": results,
         "agreement": agreement,
+        "attainment_by_window": {"window_s": LIVE_WINDOW_REPORT_S, **by_window},
+        "cluster_startup_s": live.startups,
         "cluster_events": live.events,
     }
 

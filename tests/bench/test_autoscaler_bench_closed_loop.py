@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pdserve.api.validation import validate
-from pdserve_dev.replay.live import LiveConfig, manifest
+from pdserve_dev.replay.live import LiveConfig, manifest, startup_delays
 from pdserve_dev.replay.scalers import PdserveScaler
 from pdserve_dev.replay.trace import windows
 
@@ -81,3 +81,16 @@ def test_the_live_pdservice_lets_the_autoscaler_choose_the_threshold_within_its_
     assert chosen.problems == () and fixed.problems == ()
     assert chosen.spec is not None and chosen.spec.disaggregation_threshold_bounds() == (256, 256, 2048)
     assert fixed.spec is not None and fixed.spec.disaggregation_threshold_bounds() == (256, 256, 256)
+
+
+def test_attainment_is_reported_per_window_of_arrivals(bench: ModuleType) -> None:
+    arrivals = [(0.5, True), (3.0, False), (9.9, True), (10.0, False), (35.0, True)]
+    assert bench.attainment_by_window(arrivals, 10.0) == [2 / 3, 0.0, 1.0, 1.0]
+    assert bench.attainment_by_window([], 10.0) == []
+
+
+def test_start_up_delays_are_measured_per_added_pod() -> None:
+    existing = [(0.0, 1, 1), (1.0, 3, 1), (2.0, 3, 2), (3.0, 3, 2), (4.0, 2, 2)]
+    ready = [(0.0, 1, 1), (1.0, 1, 1), (2.0, 2, 1), (3.0, 3, 1), (4.0, 2, 1)]
+    # Prefill's 2nd and 3rd pods were Ready 1 s and 2 s after they were seen; decode's 2nd never was.
+    assert startup_delays(existing, ready) == [1.0, 2.0]

@@ -114,12 +114,13 @@ class Outcome:
         total = len(self.jobs) + self.shed
         if not total:
             return 1.0
-        good = sum(
-            1
-            for job in self.jobs
-            if job.first_token is not None and job.first_token - job.arrival <= slo.ttft_s and job.tpot <= slo.itl_s
-        )
-        return good / total
+        return sum(1 for job in self.jobs if met(job, slo)) / total
+
+
+def met(job: Job, slo: Slo) -> bool:
+    """Whether a request met both targets: a first token within the TTFT target of its arrival at the router and a
+    mean time per output token within the ITL target."""
+    return job.first_token is not None and job.first_token - job.arrival <= slo.ttft_s and job.tpot <= slo.itl_s
 
 
 class ReplayCluster:

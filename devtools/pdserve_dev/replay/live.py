@@ -45,6 +45,7 @@ from pdserve_dev.testing.wait import wait_for
 NAMESPACE = "replay"
 NAME = "live"
 MODEL = "tiny-llama"
+ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,10 @@ class LiveOutcome:
     #: threshold the operator published (`status.disaggregationThreshold.tokens`).
     thresholds: list[tuple[float, int]] = field(default_factory=list)
     threshold_events: list[str] = field(default_factory=list)
+    #: Seconds from each added pod's creation (as sampled) to the pool having that many Ready (`startup_delays`).
+    startups: list[float] = field(default_factory=list)
+    #: time.monotonic() at the replay's time 0 (an answer's `started` less this is its arrival in the trace).
+    began: float = 0.0
 
     def attainment(self, ttft_s: float, itl_s: float) -> float:
         total = len(self.answers) + self.failed
@@ -184,6 +189,7 @@ async def _replay(
 ) -> LiveOutcome:
     timeline: list[tuple[float, int, int]] = []
     thresholds: list[tuple[float, int]] = []
+    ready_timeline: list[tuple[float, int, int]] = []
     stop = threading.Event()
     began = time.monotonic()
 
@@ -192,12 +198,11 @@ async def _replay(
         while not stop.is_set():
             items = helper.get_json("statefulsets,pdservices", f"--namespace={NAMESPACE}")["items"]
             at = time.monotonic() - began
-            pods = {
-                s["metadata"]["name"]: int((s.get("status") or {}).get("replicas", 0))
-                for s in items
-                if s["kind"] == "StatefulSet"
-            }
-            timeline.append((at, pods.get(f"{NAME}-prefill", 0), pods.get(f"{NAME}-decode", 0)))
+            sets = {s["metadata"]["name"]: s.get("status") or {} for s in items if s["kind"] == "StatefulSet"}
+            pods = [int(sets.get(f"{NAME}-{role}", {}).get("replicas", 0)) for role in ROLES]
+            ready = [int(sets.get(f"{NAME}-{role}", {}).get("readyReplicas", 0)) for role in ROLES]
+            timeline.append((at, pods[0], pods[1]))
+            ready_timeline.append((at, ready[0], ready[1]))
             for pds in (i for i in items if i["kind"] == "PDService"):
                 tokens = ((pds.get("status") or {}).get("disaggregationThreshold") or {}).get("tokens")
                 if isinstance(tokens, int) and (not thresholds or thresholds[-1][1] != tokens):
@@ -234,7 +239,24 @@ async def _replay(
         seconds=elapsed,
         thresholds=thresholds,
         threshold_events=threshold_messages,
+        began=began,
+        startups=startup_delays(timeline, ready_timeline),
     )
+
+
+def startup_delays(existing: Sequence[tuple[float, int, int]], ready: Sequence[tuple[float, int, int]]) -> list[float]:
+    """Seconds from a pool growing (its existing pods sampled one more) to as many pods Ready, per added pod
+    that became Ready within the replay: what the replay's `startup_s` stands for, measured."""
+    delays: list[float] = []
+    for pool in (1, 2):
+        for index in range(1, len(existing)):
+            before, now = int(existing[index - 1][pool]), int(existing[index][pool])
+            for count in range(before + 1, now + 1):
+                at = existing[index][0]
+                when = next((t for t, *counts in ready[index:] if counts[pool - 1] >= count), None)
+                if when is not None:
+                    delays.append(round(when - at, 1))
+    return delays
 
 
 def _events(helper: ClusterHelper, reason: str) -> list[str]:
