@@ -16,6 +16,7 @@ from pdserve.api.validation import validate
 from pdserve_dev.replay.live import LiveConfig, manifest, startup_delays
 from pdserve_dev.replay.scalers import PdserveScaler
 from pdserve_dev.replay.trace import windows
+from pdserve_operator.render.router import admission
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,6 +82,15 @@ def test_the_live_pdservice_lets_the_autoscaler_choose_the_threshold_within_its_
     assert chosen.problems == () and fixed.problems == ()
     assert chosen.spec is not None and chosen.spec.disaggregation_threshold_bounds() == (256, 256, 2048)
     assert fixed.spec is not None and fixed.spec.disaggregation_threshold_bounds() == (256, 256, 256)
+
+
+def test_the_live_router_queues_with_the_budgets_the_replay_models(bench: ModuleType) -> None:
+    pds, spec = validate(manifest(LiveConfig(ttft_s=0.3, itl_s=0.04))).require()
+    rendered = admission(pds, spec)
+    assert (rendered.prefill_budget_tokens, rendered.decode_budget_sequences) == (
+        bench.LATE_BINDING.prefill_tokens,
+        bench.LATE_BINDING.decode_sequences,
+    )
 
 
 def test_attainment_is_reported_per_window_of_arrivals(bench: ModuleType) -> None:

@@ -61,6 +61,10 @@ class LiveConfig:
     threshold: int = 256
     #: spec.autoscaling.disaggregationThreshold (lowest, highest): the autoscaler chooses the threshold within them.
     threshold_bounds: tuple[int, int] | None = None
+    #: spec.router.routing.lateBinding: the router's queue dispatches only to engines with room (the replay's
+    #: LateBinding), with decode's budget from decode.maxNumSeqs (h200-8b's 256, stated so it is rendered).
+    late_binding: bool = True
+    decode_max_num_seqs: int = 256
     interval_s: float = 2.0
     window_s: float = 6.0
     warmup_s: int = 10
@@ -99,10 +103,11 @@ class LiveOutcome:
 
 
 def manifest(config: LiveConfig) -> dict[str, Any]:
-    def pool(bounds: tuple[int, int], initial: int) -> dict[str, Any]:
+    def pool(bounds: tuple[int, int], initial: int, **extra: Any) -> dict[str, Any]:
         return {
             "replicas": initial,
             "autoscaling": {"enabled": True, "minReplicas": bounds[0], "maxReplicas": bounds[1]},
+            **extra,
         }
 
     return {
@@ -118,13 +123,13 @@ def manifest(config: LiveConfig) -> dict[str, Any]:
                 "drainSeconds": 30,
             },
             "prefill": pool(config.prefill, config.initial[0]),
-            "decode": pool(config.decode, config.initial[1]),
+            "decode": pool(config.decode, config.initial[1], maxNumSeqs=config.decode_max_num_seqs),
             "placement": {"gpuNodeSelector": SELECTOR, "tolerations": [TOLERATION], "rdma": "off"},
             "router": {
                 "replicas": 1,
                 "nodeSelector": SELECTOR,
                 "tolerations": [TOLERATION],
-                "routing": {"disaggregationThreshold": config.threshold},
+                "routing": {"disaggregationThreshold": config.threshold, "lateBinding": config.late_binding},
             },
             "slo": {
                 "ttftMilliseconds": config.ttft_s * 1000,
