@@ -515,6 +515,27 @@ def attainment_by_window(arrivals: Sequence[tuple[float, bool]], window_s: float
     return [m / t if t else 1.0 for m, t in zip(met, total, strict=True)]
 
 
+def replay_latencies(jobs: Sequence[Job]) -> dict[str, tuple[float | None, float | None]]:
+    """The replay's p50 and p90 of the hops the closed loop reads from the cluster's histograms
+    (`pdserve_dev.replay.live.BREAKDOWN`, same names), where the replay models them."""
+    pd = [j for j in jobs if j.route == "pd" and j.first_token is not None]
+    local = [j for j in jobs if j.route != "pd" and j.first_token is not None]
+    spans = {
+        "router TTFT, PD route": [j.first_token - j.arrival for j in pd if j.first_token is not None],
+        "router TTFT, decode only": [j.first_token - j.arrival for j in local if j.first_token is not None],
+        "router queue wait": [j.prefill_arrival - j.arrival for j in pd],
+        "prefill engine TTFT (queue + prefill)": [j.prefill_done - j.prefill_arrival for j in pd],
+        "decode engine TTFT (slot, KV pull, step)": [
+            j.first_token - j.decode_arrival for j in pd if j.first_token is not None
+        ],
+    }
+    return {hop: (_quantile(v, 0.5), _quantile(v, 0.9)) if v else (None, None) for hop, v in spans.items()}
+
+
+def _ms(seconds: float | None) -> str:
+    return "no data" if seconds is None or math.isnan(seconds) else f"{seconds * 1000:.0f} ms"
+
+
 def check_agreement(replayed: dict[str, Any], live: dict[str, Any], start: tuple[int, int]) -> list[str]:
     """The closed loop against the discrete-event replay of the same policy and requests: attainment within
     `LIVE_AGREEMENT`, and the same direction (each pool grown past its start in both or in neither, the threshold
@@ -640,6 +661,11 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             f"   cluster pods from creation to Ready: median {_quantile(live.startups, 0.5):.1f} s, most "
             f"{max(live.startups):.1f} s (the replay's start-up: {LIVE_STARTUP_S:.0f} s)"
         )
+    modelled = replay_latencies(replayed_jobs)
+    log(f"   where the time went, p50 / p90 (cluster | replay of {LIVE_POLICY}):")
+    for hop, (p50, p90) in live.latencies.items():
+        model_p50, model_p90 = modelled.get(hop, (None, None))
+        log(f"   {hop:<42} {_ms(p50):>8} / {_ms(p90):>8} | {_ms(model_p50):>8} / {_ms(model_p90):>8}")
     log(f"   attainment per {LIVE_WINDOW_REPORT_S:.0f} s of arrivals (cluster / replay of {LIVE_POLICY}):")
     log("   " + " ".join(f"{c:.0%}/{r:.0%}" for c, r in zip(by_window["cluster"], by_window["replay"], strict=False)))
     return {
@@ -655,6 +681,7 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         "agreement": agreement,
         "attainment_by_window": {"window_s": LIVE_WINDOW_REPORT_S, **by_window},
         "cluster_startup_s": live.startups,
+        "cluster_latencies_s": {hop: {"p50": p50, "p90": p90} for hop, (p50, p90) in live.latencies.items()},
         "cluster_events": live.events,
     }
 

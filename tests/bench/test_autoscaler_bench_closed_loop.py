@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from pdserve.api.validation import validate
-from pdserve_dev.replay.live import LiveConfig, manifest, startup_delays
+from pdserve_dev.replay.engines import Job
+from pdserve_dev.replay.live import BREAKDOWN, LiveConfig, manifest, startup_delays
 from pdserve_dev.replay.scalers import PdserveScaler
-from pdserve_dev.replay.trace import windows
+from pdserve_dev.replay.trace import Request, windows
 from pdserve_operator.render.router import admission
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,3 +105,16 @@ def test_start_up_delays_are_measured_per_added_pod() -> None:
     ready = [(0.0, 1, 1), (1.0, 1, 1), (2.0, 2, 1), (3.0, 3, 1), (4.0, 2, 1)]
     # Prefill's 2nd and 3rd pods were Ready 1 s and 2 s after they were seen; decode's 2nd never was.
     assert startup_delays(existing, ready) == [1.0, 2.0]
+
+
+def test_the_replays_hops_are_read_from_its_requests_times(bench: ModuleType) -> None:
+    pd, local = Job(Request(1.0, 4000, 10), "pd"), Job(Request(2.0, 100, 10), "decode-only")
+    pd.prefill_arrival, pd.prefill_done, pd.decode_arrival, pd.first_token = 1.1, 1.4, 1.45, 1.5
+    local.first_token = 2.05
+    hops = bench.replay_latencies([pd, local])
+    assert hops["router queue wait"][0] == pytest.approx(0.1)
+    assert hops["prefill engine TTFT (queue + prefill)"][0] == pytest.approx(0.3)
+    assert hops["decode engine TTFT (slot, KV pull, step)"][0] == pytest.approx(0.05)
+    assert hops["router TTFT, PD route"][0] == pytest.approx(0.5)
+    assert hops["router TTFT, decode only"][0] == pytest.approx(0.05)
+    assert set(hops) <= {name for name, _, _ in BREAKDOWN}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import tempfile
 import threading
 import time
@@ -93,6 +94,8 @@ class LiveOutcome:
     threshold_events: list[str] = field(default_factory=list)
     #: Seconds from each added pod's creation (as sampled) to the pool having that many Ready (`startup_delays`).
     startups: list[float] = field(default_factory=list)
+    #: Where the time went (`latency_breakdown`): name -> (p50, p90) seconds over the whole replay.
+    latencies: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
     #: time.monotonic() at the replay's time 0 (an answer's `started` less this is its arrival in the trace).
     began: float = 0.0
 
@@ -182,7 +185,10 @@ def run_live(
         prometheus.wait_for_targets(f'namespace="{NAMESPACE}"', sum(config.initial) + 1, timeout=60)
         router = wait_for(lambda: helper.pod_ips(NAMESPACE, "pdserve.io/role=router"), timeout=60)[0]
         log(f"   live: PDService ready, replaying {len(requests)} requests through the router at {router}")
-        return asyncio.run(_replay(helper, f"http://{router}:8080", requests, log))
+        outcome = asyncio.run(_replay(helper, f"http://{router}:8080", requests, log))
+        time.sleep(2.0)  # the last answers' metrics: one more scrape (every second)
+        outcome.latencies = latency_breakdown(prometheus, outcome.seconds)
+        return outcome
     finally:
         if operator is not None:
             operator.stop()
@@ -262,6 +268,36 @@ def startup_delays(existing: Sequence[tuple[float, int, int]], ready: Sequence[t
                 if when is not None:
                     delays.append(round(when - at, 1))
     return delays
+
+
+#: The hops of a request, as the router and the engines histogram them: (name, metric, extra selector).
+BREAKDOWN = (
+    ("router TTFT, PD route", "pdserve_router_time_to_first_token_seconds", ',route="pd"'),
+    ("router TTFT, decode only", "pdserve_router_time_to_first_token_seconds", ',route="decode"'),
+    ("router queue wait", "pdserve_router_queue_wait_seconds", ""),
+    ("prefill engine TTFT (queue + prefill)", "vllm:time_to_first_token_seconds", f',pod=~"{NAME}-prefill-.*"'),
+    ("decode engine TTFT (slot, KV pull, step)", "vllm:time_to_first_token_seconds", f',pod=~"{NAME}-decode-.*"'),
+    ("decode queue time", "vllm:request_queue_time_seconds", f',pod=~"{NAME}-decode-.*"'),
+    ("KV transfer", "vllm:nixl_xfer_time_seconds", ""),
+    ("decode ITL", "vllm:inter_token_latency_seconds", f',pod=~"{NAME}-decode-.*"'),
+)
+
+
+def latency_breakdown(prometheus: PrometheusHelper, seconds: float) -> dict[str, tuple[float | None, float | None]]:
+    """p50 and p90 of each hop (`BREAKDOWN`) over the last `seconds`, from the cluster's Prometheus: where a
+    closed loop's TTFT went, to set beside the replay's model of the same hops."""
+    window = f"{math.ceil(seconds) + 5}s"
+    out: dict[str, tuple[float | None, float | None]] = {}
+    for name, metric, extra in BREAKDOWN:
+        selector = f'namespace="{NAMESPACE}"{extra}'
+        quantiles = [
+            prometheus.value(
+                f"histogram_quantile({q}, sum by (le) (increase({metric}_bucket{{{selector}}}[{window}])))"
+            )
+            for q in (0.5, 0.9)
+        ]
+        out[name] = (quantiles[0], quantiles[1])
+    return out
 
 
 def _events(helper: ClusterHelper, reason: str) -> list[str]:
