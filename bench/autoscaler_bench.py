@@ -34,15 +34,17 @@ scenario to its first SECONDS of trace: a smoke run in seconds (the tests run it
 repository), whose figures are not the benchmark's and whose floor is not judged.
 
 ``--cluster [code|chat]`` adds the closed loop: a two-minute slice of a trace (``code``, the default: minutes 9-21
-of the code trace, bursts between silent minutes; ``chat``: minutes 22-34 of the chat trace; time compression 6,
-rate scale 0.2: 4.5-9 requests/s) replayed through the real product on a fresh local cluster
-(`pdserve_dev.replay.live`: the operator with its autoscaler loop choosing replicas and the disaggregation
-threshold within 256-2048, `pdserve sim` engines with `h200-8b` timing on the process node, the router with its
-queue, the cluster's Prometheus), printed beside the discrete-event replay of the very same requests with the same
-SLO (TTFT 300 ms / ITL 40 ms p90), bounds, tick (2 s), window (6 s), warm-up (10 s) and scale-down window (30 s).
-The closed loop must agree with the replay of pdserve-threshold (`check_agreement`: attainment within 3 points, the
-pools and the threshold moving the same way; exit status 1 otherwise). ``--only ""`` with ``--cluster`` runs the
-closed loop alone. It runs in real time (about four minutes with the cluster's start) and on this machine's CPUs,
+of the code trace, bursts between silent minutes, rate scale 0.1: up to 6 requests/s of 2-4k-token prompts;
+``chat``: minutes 22-34 of the chat trace, rate scale 0.2: ~9 requests/s; time compression 6) replayed through the
+real product on a fresh local cluster (`pdserve_dev.replay.live`: the operator with its autoscaler loop choosing
+replicas and the disaggregation threshold within 256-2048, `pdserve sim` engines with `h200-8b` timing on the
+process node, the router with its queue, the cluster's Prometheus), printed beside the discrete-event replay of the
+very same requests with the same SLO (TTFT 300 ms / ITL 40 ms p90), bounds, tick (2 s), window (6 s), warm-up (10 s)
+and scale-down window (30 s). The closed loop must agree with the replay of pdserve-threshold (`check_agreement`:
+attainment within 3 points, the pools and the threshold moving the same way; exit status 1 otherwise). ``--only ""``
+with ``--cluster`` runs the closed loop alone. It prints the cluster's pod start-up beside the replay's (10 s,
+measured), attainment per 10 s of arrivals and each hop's p50/p90 from the cluster's Prometheus beside the replay's:
+where the two differ. It runs in real time (about four minutes with the cluster's start) and on this machine's CPUs,
 which also run every engine, the router and the load: a check that the loop in the product behaves as the model of
 it does, not a measurement at scale.
 
