@@ -273,7 +273,7 @@ def startup_delays(existing: Sequence[tuple[float, int, int]], ready: Sequence[t
 #: The hops of a request, as the router and the engines histogram them: (name, metric, extra selector).
 BREAKDOWN = (
     ("router TTFT, PD route", "pdserve_router_time_to_first_token_seconds", ',route="pd"'),
-    ("router TTFT, decode only", "pdserve_router_time_to_first_token_seconds", ',route="decode"'),
+    ("router TTFT, decode only", "pdserve_router_time_to_first_token_seconds", ',route="decode-only"'),
     ("router queue wait", "pdserve_router_queue_wait_seconds", ""),
     ("prefill engine TTFT (queue + prefill)", "vllm:time_to_first_token_seconds", f',pod=~"{NAME}-prefill-.*"'),
     ("decode engine TTFT (slot, KV pull, step)", "vllm:time_to_first_token_seconds", f',pod=~"{NAME}-decode-.*"'),

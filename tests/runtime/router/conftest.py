@@ -64,8 +64,17 @@ def router_server() -> Callable[..., Any]:
     return running_router
 
 
+#: The connect timeout of test configs unless a test sets its own. The engines here listen on loopback, most in
+#: the test's own process and event loop: a connect that takes more than the router's default 2 s is the test
+#: process stalled on a loaded machine, not an engine, and failing it over turns the behaviour under test into a
+#: fallback (a fresh-clone run: "connecting to the engine took over 2 s" to an in-process engine, route `fallback`
+#: where the test asserts `pd`). An engine that refuses a connection still fails at once.
+TEST_CONNECT_TIMEOUT_S = 30.0
+
+
 def static_config(prefill: list[str], decode: list[str], **policy: Any) -> RouterConfig:
     """A static-mode config for tests; `policy` fields and a few top-level ones (by python name) override."""
+    policy.setdefault("connect_timeout_seconds", TEST_CONNECT_TIMEOUT_S)
     top = {key: policy.pop(key) for key in list(policy) if key in RouterConfig.model_fields}
     breaker = policy.pop("breaker", None)
     top.setdefault("engine_metrics_interval_seconds", 0.0)
