@@ -353,21 +353,49 @@ def _replica_summary(timeline: Sequence[Sequence[float]]) -> dict[str, dict[str,
 
 
 def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: float, slo: Slo = SLO) -> dict[str, Any]:
-    ttft = [job.first_token - job.arrival for job in outcome.jobs if job.first_token is not None]
-    tpot = [job.tpot for job in outcome.jobs if job.output > 1]
+    row = _row(
+        name,
+        attainment=outcome.attainment(slo),
+        gpu_seconds=outcome.gpu_seconds,
+        static_gpu=static_gpu,
+        actions=outcome.actions,
+        timeline=outcome.timeline,
+        shed=outcome.shed,
+        ttft=[job.first_token - job.arrival for job in outcome.jobs if job.first_token is not None],
+        tpot=[job.tpot for job in outcome.jobs if job.output > 1],
+        threshold=_threshold_summary(outcome),
+        elapsed=elapsed,
+    )
+    return {**row, "kv_overflow_steps": outcome.kv_overflows}
+
+
+def _row(
+    name: str,
+    *,
+    attainment: float,
+    gpu_seconds: float,
+    static_gpu: float,
+    actions: int,
+    timeline: Sequence[Sequence[float]],
+    shed: int,
+    ttft: Sequence[float],
+    tpot: Sequence[float],
+    threshold: dict[str, float],
+    elapsed: float,
+) -> dict[str, Any]:
+    """One policy's line of the results, from the replay or the cluster alike."""
     return {
         "name": name,
-        "attainment": round(outcome.attainment(slo), 5),
-        "gpu_seconds": round(outcome.gpu_seconds, 1),
-        "ratio_to_static": round(outcome.gpu_seconds / static_gpu, 4) if static_gpu else None,
-        "actions": outcome.actions,
-        **_replica_summary(outcome.timeline),
-        "shed": outcome.shed,
+        "attainment": round(attainment, 5),
+        "gpu_seconds": round(gpu_seconds, 1),
+        "ratio_to_static": round(gpu_seconds / static_gpu, 4) if static_gpu else None,
+        "actions": actions,
+        **_replica_summary(timeline),
+        "shed": shed,
         "ttft_p90_s": round(_quantile(ttft, 0.9), 4),
         "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
         "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
-        "kv_overflow_steps": outcome.kv_overflows,
-        "threshold": _threshold_summary(outcome),
+        "threshold": threshold,
         "replay_seconds": round(elapsed, 1),
     }
 
@@ -624,24 +652,20 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         ),
         log,
     )
-    ttft = [a.ttft_s for a in live.answers]
-    tpot = [a.tpot_s for a in live.answers if a.output_tokens > 1]
-    cluster = {
-        "name": LIVE_POLICY,
-        "mode": "cluster",
-        "attainment": round(live.attainment(LIVE_SLO.ttft_s, LIVE_SLO.itl_s), 5),
-        "gpu_seconds": round(live.gpu_seconds, 1),
-        "ratio_to_static": round(live.gpu_seconds / static_gpu, 4) if static_gpu else None,
-        "actions": live.actions,
-        **_replica_summary(live.timeline),
-        "shed": live.shed,
-        "ttft_p90_s": round(_quantile(ttft, 0.9), 4),
-        "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
-        "tpot_p90_s": round(_quantile(tpot, 0.9), 5),
-        "threshold": _threshold_steps_summary(live.thresholds or [(0.0, THRESHOLD)], live.seconds),
-        "failed": live.failed,
-        "replay_seconds": round(time.perf_counter() - began, 1),
-    }
+    cluster = _row(
+        LIVE_POLICY,
+        attainment=live.attainment(LIVE_SLO.ttft_s, LIVE_SLO.itl_s),
+        gpu_seconds=live.gpu_seconds,
+        static_gpu=static_gpu,
+        actions=live.actions,
+        timeline=live.timeline,
+        shed=live.shed,
+        ttft=[a.ttft_s for a in live.answers],
+        tpot=[a.tpot_s for a in live.answers if a.output_tokens > 1],
+        threshold=_threshold_steps_summary(live.thresholds or [(0.0, THRESHOLD)], live.seconds),
+        elapsed=time.perf_counter() - began,
+    )
+    cluster.update(mode="cluster", failed=live.failed)
     results.append(cluster)
     _print_table(results, log)
     for event in live.events[:6]:
