@@ -537,12 +537,12 @@ def attainment_by_window(arrivals: Sequence[tuple[float, bool]], window_s: float
     if not arrivals:
         return []
     count = int(max(at for at, _ in arrivals) // window_s) + 1
-    met, total = [0] * count, [0] * count
+    good, total = [0] * count, [0] * count
     for at, ok in arrivals:
         index = max(int(at // window_s), 0)
         total[index] += 1
-        met[index] += ok
-    return [m / t if t else 1.0 for m, t in zip(met, total, strict=True)]
+        good[index] += ok
+    return [g / t if t else 1.0 for g, t in zip(good, total, strict=True)]
 
 
 def replay_latencies(jobs: Sequence[Job]) -> dict[str, tuple[float | None, float | None]]:
@@ -587,7 +587,7 @@ def check_agreement(replayed: dict[str, Any], live: dict[str, Any], start: tuple
 def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
     """The slice `name` (`LIVE_SLICES`) through the discrete-event replay (every policy) and through the product on
     the local cluster (pdserve-threshold); the result dict of the JSON output's `closed_loop`."""
-    from pdserve_dev.replay.live import LiveConfig, run_live
+    from pdserve_dev.replay.live import LiveConfig, answered_in_slo, run_live
 
     live_slice = LIVE_SLICES[name]
     requests = live_requests(live_slice)
@@ -675,10 +675,9 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
     replayed = next(r for r in results if r["name"] == LIVE_POLICY and r["mode"] == "discrete-event")
     agreement = check_agreement(replayed, cluster, start)
     # Where the two differ: attainment per window of arrivals (a request counts in the window it arrived in).
-    targets = (LIVE_SLO.ttft_s, LIVE_SLO.itl_s)
     by_window = {
         "cluster": attainment_by_window(
-            [(a.started - live.began, a.ttft_s <= targets[0] and a.tpot_s <= targets[1]) for a in live.answers]
+            [(a.started - live.began, answered_in_slo(a, LIVE_SLO.ttft_s, LIVE_SLO.itl_s)) for a in live.answers]
         ),
         "replay": attainment_by_window([(job.arrival, met(job, LIVE_SLO)) for job in replayed_jobs]),
     }

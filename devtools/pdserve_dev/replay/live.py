@@ -101,8 +101,13 @@ class LiveOutcome:
 
     def attainment(self, ttft_s: float, itl_s: float) -> float:
         total = len(self.answers) + self.failed
-        good = sum(1 for a in self.answers if a.ttft_s <= ttft_s and a.tpot_s <= itl_s)
+        good = sum(1 for a in self.answers if answered_in_slo(a, ttft_s, itl_s))
         return good / total if total else 0.0
+
+
+def answered_in_slo(answer: Answer, ttft_s: float, itl_s: float) -> bool:
+    """Whether an answer met both targets (TTFT and mean time per output token), as `attainment` counts it."""
+    return answer.ttft_s <= ttft_s and answer.tpot_s <= itl_s
 
 
 def manifest(config: LiveConfig) -> dict[str, Any]:
@@ -262,8 +267,8 @@ def startup_delays(existing: Sequence[tuple[float, int, int]], ready: Sequence[t
     for pool in (1, 2):
         for index in range(1, len(existing)):
             before, now = int(existing[index - 1][pool]), int(existing[index][pool])
+            at = existing[index][0]
             for count in range(before + 1, now + 1):
-                at = existing[index][0]
                 when = next((t for t, *counts in ready[index:] if counts[pool - 1] >= count), None)
                 if when is not None:
                     delays.append(round(when - at, 1))

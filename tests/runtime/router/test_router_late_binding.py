@@ -28,13 +28,13 @@ Answer = tuple[int, dict[str, str], Any]
 
 @pytest.fixture
 def make_config(make_config: Callable[..., RouterConfig]) -> Callable[..., RouterConfig]:
-    """The package's config with engine timeouts that never bind here. These tests hold requests at gated engines
-    while a burst of up to 500 reaches the router's queue, which takes tens of seconds on a loaded machine: the
-    default 2 s connect and 30 s first-byte timeouts then fire on the held requests and turn the queue under test
-    into failovers (a fresh-clone run waited for 499 queued requests and found 0)."""
+    """The package's config (whose connect timeout never binds on loopback) with a first-byte timeout that never
+    binds here either. These tests hold requests at gated engines while a burst of up to 500 reaches the router's
+    queue, which takes tens of seconds on a loaded machine: the default 30 s first-byte timeout then fires on the
+    held requests and turns the queue under test into failovers (a fresh-clone run waited for 499 queued requests
+    and found 0)."""
 
     def make(prefill: list[str], decode: list[str], **policy: Any) -> RouterConfig:
-        policy.setdefault("connect_timeout_seconds", 30.0)
         policy.setdefault("first_byte_timeout_seconds", 300.0)
         return make_config(prefill, decode, **policy)
 
