@@ -453,7 +453,14 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     events, sent = asyncio.run(_breach(deployment, url, readings))
     seconds = time.monotonic() - started
     assert events and events[0].startswith("Scaled prefill 1 -> 2: "), events
-    status = deployment.pds()["status"]["prefill"]["autoscaling"]
+    # The tick posts its Event, then leaves its report for the reconcile (the status' one writer): the status of that
+    # tick is the one that asks for 2 prefill replicas (CI once read the previous tick's, which had no TTFT yet).
+    status = wait_for(
+        lambda: _asking_for_two(deployment.pds()["status"]["prefill"]["autoscaling"]),
+        timeout=60,
+        interval=0.5,
+        message=lambda: f"status.prefill.autoscaling asking for 2: {deployment.pds()['status']['prefill']}",
+    )
     # The Event's numbers against the prefill engine's own /metrics, read every 0.2 s until the Event appeared. Its
     # TTFT p90 is the quantile of vLLM's histogram over the autoscaler's window as of one Prometheus scrape, which
     # lies between two of those readings: so it is among the quantiles the readings give over the same window
@@ -521,6 +528,10 @@ def _window_quantiles(readings: list[tuple[float, str]], histogram: str, q: floa
         if metric_value(exposition, f"{histogram}_count") > metric_value(first, f"{histogram}_count"):
             quantiles.append(1000 * _quantile(q, _buckets(first, histogram), _buckets(exposition, histogram)))
     return quantiles
+
+
+def _asking_for_two(scaling: dict[str, Any]) -> dict[str, Any] | None:
+    return scaling if scaling.get("desiredReplicas", 0) >= 2 else None
 
 
 async def _breach(
