@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,18 +72,21 @@ def demo() -> Iterator[KeptDemo]:
         kept.set()  # the demo ended: the assertion below says so with its output
 
     threading.Thread(target=read, daemon=True).start()
+    workdir: Path | None = None
     try:
         kept.wait(timeout=400)
         output = "".join(lines)
         assert proc.poll() is None and LAST_LINE in output, output[-6000:]
         banner = output[output.rindex("Kept running") :]
+        kubeconfig = Path(_published(banner, r"export KUBECONFIG=(\S+)"))
+        workdir = kubeconfig.parent
         yield KeptDemo(
             proc,
             output,
             banner,
             router=_published(banner, r"OpenAI API \(router\)\s+(http://127\.0\.0\.1:\d+)/v1"),
             prometheus=_published(banner, r"Prometheus\s+(http://127\.0\.0\.1:\d+)"),
-            kubeconfig=Path(_published(banner, r"export KUBECONFIG=(\S+)")),
+            kubeconfig=kubeconfig,
         )
     finally:
         if proc.poll() is None:
@@ -92,6 +96,10 @@ def demo() -> Iterator[KeptDemo]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+        # A kept demo leaves its files (logs, kubeconfig: about 64 MB) for the user to read after Ctrl-C; the test
+        # has read what it needs, and every run left one behind in the temporary folder.
+        if workdir is not None and workdir.name.startswith("pdserve-demo-"):
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_demo_routes_a_long_prompt_through_prefill_and_pulls_its_kv(demo: KeptDemo) -> None:
@@ -179,6 +187,8 @@ def test_kubectl_with_the_printed_kubeconfig_and_prometheus_answer_from_here(dem
 def test_ctrl_c_stops_the_demo_and_what_it_published(demo: KeptDemo) -> None:
     os.killpg(demo.proc.pid, signal.SIGINT)
     assert demo.proc.wait(timeout=120) == 130
+    # Its files stay for the user to read after Ctrl-C (the fixture removes them): the kubeconfig, the cluster's logs.
+    assert (demo.kubeconfig.parent / "cluster").is_dir() and demo.kubeconfig.is_file()
     for url in (demo.router, demo.prometheus):
         with pytest.raises(httpx.ConnectError):
             httpx.get(url, timeout=5)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 import tempfile
 import threading
 import time
@@ -164,8 +165,10 @@ def run_live(
     requests: Sequence[Request], config: LiveConfig, log: Callable[[str], None], workdir: Path | None = None
 ) -> LiveOutcome:
     """Replay `requests` through the product on a fresh local cluster (module docstring); everything it starts is
-    stopped before it returns."""
+    stopped before it returns. Without a `workdir` its files go to a temporary folder, removed after a run that
+    returned and kept (the path logged) after one that failed: the operator's and the engines' logs say why."""
     root = workdir or Path(tempfile.mkdtemp(prefix="pdserve-live-"))
+    returned = False
     cluster = LocalCluster(root / "cluster", topology="minimal", process_node=True, log=log)
     operator: OperatorProcess | None = None
     try:
@@ -193,11 +196,16 @@ def run_live(
         outcome = asyncio.run(_replay(helper, f"http://{router}:8080", requests, log))
         time.sleep(2.0)  # the last answers' metrics: one more scrape (every second)
         outcome.latencies = latency_breakdown(prometheus, outcome.seconds)
+        returned = True
         return outcome
     finally:
         if operator is not None:
             operator.stop()
         cluster.stop()
+        if workdir is None and returned:
+            shutil.rmtree(root, ignore_errors=True)
+        elif workdir is None:
+            log(f"   live: the run's files (operator and engine logs) stay in {root}")
 
 
 async def _replay(
