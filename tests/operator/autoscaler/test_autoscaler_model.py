@@ -203,25 +203,40 @@ def test_missing_load_is_unknown_not_zero() -> None:
     assert est.decode.required is None
 
 
-def test_rising_demand_is_predicted_ahead() -> None:
-    ticks = [
-        signals(at=100.0 + 15 * i, p=prefill(uncached_tokens_rate=100_000.0 + 10_000.0 * i, request_rate=100.0))
-        for i in range(6)
-    ]
-    _, est = run(*ticks)
+RAMP = [
+    signals(at=100.0 + 15 * i, p=prefill(uncached_tokens_rate=100_000.0 + 10_000.0 * i, request_rate=100.0))
+    for i in range(6)
+]
+
+
+def test_rising_demand_is_predicted_ahead_when_a_trend_is_allowed() -> None:
+    _, est = run(*RAMP, config=replace(CONFIG, max_trend=0.5, prefill_surprise=0.0))
     now = 150_000.0
     assert est.prefill.demand is not None
     assert est.prefill.demand > now * 1.05
 
 
-def test_a_burst_trend_adds_at_most_half_the_level() -> None:
+def test_by_default_the_trend_adds_nothing_over_the_horizon_the_surprise_headroom_does() -> None:
+    state, est = run(*RAMP)
+    forecast = state.prefill_demand
+    assert forecast.ahead(CONFIG.horizon_s) > forecast.level * 1.05  # the filter sees the ramp...
+    # ... and sizing does not extrapolate it: the level and the remembered surprise, no more.
+    assert est.prefill.steady_demand == pytest.approx(forecast.level + CONFIG.prefill_surprise * forecast.deviation)
+    assert est.prefill.demand == pytest.approx(
+        max(150_000.0, forecast.level) + CONFIG.prefill_surprise * forecast.deviation
+    )
+
+
+def test_a_burst_trend_adds_at_most_max_trend_of_the_level() -> None:
     ticks = [signals(at=100.0, p=prefill(uncached_tokens_rate=1000.0))]
     ticks.append(signals(at=115.0, p=prefill(uncached_tokens_rate=400_000.0)))
-    state, est = run(*ticks)
+    config = replace(CONFIG, max_trend=0.5)
+    state, est = run(*ticks, config=config)
     assert est.prefill.steady_demand is not None
     level = state.prefill_demand.level
-    headroom = CONFIG.prefill_surprise * state.prefill_demand.deviation
-    assert est.prefill.steady_demand <= 1.5 * level + headroom + 1e-6
+    headroom = config.prefill_surprise * state.prefill_demand.deviation
+    assert state.prefill_demand.ahead(config.horizon_s) > 1.5 * level  # the burst's slope, unbounded
+    assert est.prefill.steady_demand == pytest.approx(1.5 * level + headroom)
 
 
 def test_a_growing_prefill_queue_is_arriving_demand_a_standing_one_only_drains() -> None:
