@@ -56,7 +56,7 @@ class InstallError(RuntimeError):
 
 
 def cache_key() -> str:
-    """Changes with any pin, the launcher or the recipe; 12 hex digits."""
+    """Changes with any pin or the recipe (a changed launcher is only copied again); 12 hex digits."""
     digest = hashlib.sha256()
     for part in (RECIPE, VLLM_DISTRIBUTION, VLLM_VERSION, REQUIREMENTS.read_text()):
         digest.update(part.encode())

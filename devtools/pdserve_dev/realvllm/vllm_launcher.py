@@ -67,6 +67,25 @@ def _delay_nixl_progress_thread(delay_us: int) -> None:
     api.nixlBind = types.SimpleNamespace(**{**names, "nixlAgentConfig": _DelayedConfig})
 
 
+def _request_amx_permission() -> None:
+    """Ask Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``) before vLLM runs a kernel.
+
+    On a CPU with AMX (Intel Sapphire Rapids and later) vLLM 0.32's CPU attention picks its AMX kernels whenever
+    ``torch.cpu._is_amx_tile_supported()`` says the CPU has them (``_get_attn_isa`` in
+    ``vllm/v1/attention/backends/cpu_attn.py``: bf16, block size a multiple of 32), but nothing on that path asks
+    the kernel for permission to use the tile registers; without it the first tile instruction is an illegal
+    instruction (Linux's ``Documentation/arch/x86/xstate.rst``). oneDNN asks when it first runs an AMX matmul of its
+    own, so whether a worker survives depends on which kernel runs first: a first request of a 4-token prompt
+    killed the worker with SIGILL ("Worker proc VllmWorker-0 died unexpectedly") while a 7-token one did not.
+    ``torch.cpu._init_amx()`` makes the request and is a no-op where the CPU has no AMX. The permission is per
+    process and gone after exec, so this runs at import: in ``vllm serve`` and in every process vLLM spawns (they
+    re-import this file as ``__mp_main__``). docs/real-vllm.md lists this workaround."""
+    torch: Any = importlib.import_module("torch")
+    torch.cpu._init_amx()
+
+
+_request_amx_permission()
+
 if os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US"):
     _delay_nixl_progress_thread(int(os.environ["PDSERVE_NIXL_PROGRESS_DELAY_US"]))
 
