@@ -86,6 +86,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             log(f"Could not build Prometheus: {exc}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the lanes of scripts/test.sh select by this marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `own_cluster` every `cluster` test that does not use the session's cluster (it starts one of its own, as
+    the chaos benchmark and the demo do, or needs only the built binaries), so it can run beside the session's."""
+    for item in items:
+        if item.get_closest_marker("cluster") and "cluster" not in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.own_cluster)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # The cluster costs ~15 s and two busy cores: a test must opt in with the marker, so that
     # `pytest -m "not cluster"` is guaranteed never to start it.

@@ -15,11 +15,13 @@ and the tests run in order, each leaving the service as the next expects it (mod
 4. The autoscaler (point 4): every query of `queries.py` returns data from Prometheus scraping these engines;
    `ScalingActive=True`; a TTFT breach with real long prompts scales prefill 1 -> 2, and the Event's demand matches
    the engines' own counters.
-5. Lifecycle (point 3), marked `realvllm_slow` (several engine start-ups each: too long for CI's two cores; they run
-   when `-m` names the marker, docs/real-vllm.md): the prefill pod deleted (a new incarnation: a new NIXL engine id,
-   PD works again through a fresh handshake), then both pools scaled down under a checked load (vLLM's own
-   --shutdown-timeout drain and the preStop hook), then a rolling update changing the kv-compat hash under load: no
-   request lost, no pair mixed. Each one first brings the pools to the sizes it starts from, so they run alone.
+5. Lifecycle (point 3), marked `realvllm_slow` (deselected unless `-m` names it: too long for CI's two cores,
+   docs/real-vllm.md): a rolling update changing the kv-compat hash under load (no request lost, no pair mixed),
+   then both pools scaled down under a checked load (vLLM's own --shutdown-timeout drain and the preStop hook), then
+   the prefill pod deleted (a new incarnation: a new NIXL engine id, PD works again through a fresh handshake). In
+   that order because each starts from the sizes the one before leaves (the breach leaves prefill at 2; the roll
+   needs 2/2, scale-down ends at 1/1, the deletion starts there): the fewest engine start-ups, the tier's cost. Each
+   one still first brings the pools to the sizes it starts from, so any of them runs alone.
 """
 
 from __future__ import annotations
@@ -577,32 +579,6 @@ def _shape(deployment: Deployment, prefill: int, decode: int) -> None:
     deployment.wait_pool("decode", decode)
 
 
-@pytest.mark.realvllm_slow
-def test_a_deleted_prefill_pod_comes_back_with_a_new_engine_id_and_pd_works(deployment: Deployment) -> None:
-    cluster, namespace = deployment.cluster, deployment.namespace
-    _shape(deployment, 1, 1)
-    old = {p["metadata"]["name"]: p for p in deployment.pods("prefill")}["real-prefill-0"]
-    old_ip = old["status"]["podIP"]
-    old_id = service.engine_id(old_ip)
-    assert old_id == f"real-prefill-0-{old['metadata']['uid']}"
-    cluster.kubectl("delete", "pod", "real-prefill-0", f"--namespace={namespace}", "--wait=false")
-    deployment.wait_pool("prefill", 1)
-    new = {p["metadata"]["name"]: p for p in deployment.pods("prefill")}["real-prefill-0"]
-    assert new["metadata"]["uid"] != old["metadata"]["uid"]
-    new_id = service.engine_id(new["status"]["podIP"])
-    assert new_id == f"real-prefill-0-{new['metadata']['uid']}" != old_id
-    # PD through the new incarnation: a decode engine performs a fresh NIXL handshake with it and pulls the KV.
-    decodes = deployment.ips("decode")
-    handshakes = _handshakes(deployment)
-    before = service.tokens_by_source(decodes)
-    for number in range(4):  # the one prefill engine is the new incarnation
-        headers, _ = _completion(deployment.router, f"{number} {LONG_PROMPT}")
-        assert headers.get("X-Pdserve-Route") == "pd"
-    after = service.tokens_by_source(decodes)
-    assert after["local_compute"] == before["local_compute"], (before, after)
-    assert sum(_handshakes(deployment).values()) > sum(handshakes.values()), _handshakes(deployment)
-
-
 EXEC_MARK = "--- process-node: "
 HANDSHAKE = re.compile(r"NIXL compatibility check passed \(hash: ([0-9a-f]+)\)")
 
@@ -615,28 +591,6 @@ def _handshakes(deployment: Deployment) -> dict[str, int]:
         )
         for pod in deployment.pods("decode")
     }
-
-
-@pytest.mark.realvllm_slow
-def test_scaling_down_each_pool_under_load_loses_no_request(deployment: Deployment) -> None:
-    """prefill 2 -> 1 and decode 2 -> 1 while a checked mix runs: every answer complete (vLLM's own
-    --shutdown-timeout drain behind the preStop hook, the router moving new requests to the engines that stay)."""
-    _shape(deployment, 2, 2)
-
-    async def scenario() -> Any:
-        async with MixedLoad(
-            deployment.router, MODEL_NAME, concurrency=6, mix=MIX, extra_body=EXACT, count_token_events=False
-        ) as load:
-            await load.wait_succeeded(12, within=300)
-            deployment.patch({"spec": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}})
-            await asyncio.to_thread(deployment.wait_pool, "prefill", 1)
-            await asyncio.to_thread(deployment.wait_pool, "decode", 1)
-            await load.wait_succeeded(load.results.sent + 6, within=300)
-            return await load.stop()
-
-    results = asyncio.run(scenario())
-    assert results.failed_told == results.lost == results.bad_tokens == 0, results.summary()
-    assert results.routes["pd"] > 0 and results.routes["decode-only"] > 0, results.summary()
 
 
 @pytest.mark.realvllm_slow
@@ -681,3 +635,53 @@ def test_a_rolling_update_changing_kv_compat_mixes_no_pair(deployment: Deploymen
     assert "compatibility check failed" not in new_log + old_decode_log
     new_hashes = set(HANDSHAKE.findall(new_log))
     assert len(old_hashes) == 1 and len(new_hashes) == 1 and new_hashes != old_hashes, (old_hashes, new_hashes)
+
+
+@pytest.mark.realvllm_slow
+@pytest.mark.timeout(900)
+def test_scaling_down_each_pool_under_load_loses_no_request(deployment: Deployment) -> None:
+    """prefill 2 -> 1 and decode 2 -> 1 while a checked mix runs: every answer complete (vLLM's own
+    --shutdown-timeout drain behind the preStop hook, the router moving new requests to the engines that stay)."""
+    _shape(deployment, 2, 2)
+
+    async def scenario() -> Any:
+        async with MixedLoad(
+            deployment.router, MODEL_NAME, concurrency=6, mix=MIX, extra_body=EXACT, count_token_events=False
+        ) as load:
+            await load.wait_succeeded(12, within=300)
+            deployment.patch({"spec": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}})
+            await asyncio.to_thread(deployment.wait_pool, "prefill", 1)
+            await asyncio.to_thread(deployment.wait_pool, "decode", 1)
+            await load.wait_succeeded(load.results.sent + 6, within=300)
+            return await load.stop()
+
+    results = asyncio.run(scenario())
+    assert results.failed_told == results.lost == results.bad_tokens == 0, results.summary()
+    assert results.routes["pd"] > 0 and results.routes["decode-only"] > 0, results.summary()
+
+
+@pytest.mark.realvllm_slow
+@pytest.mark.timeout(900)
+def test_a_deleted_prefill_pod_comes_back_with_a_new_engine_id_and_pd_works(deployment: Deployment) -> None:
+    cluster, namespace = deployment.cluster, deployment.namespace
+    _shape(deployment, 1, 1)
+    old = {p["metadata"]["name"]: p for p in deployment.pods("prefill")}["real-prefill-0"]
+    old_ip = old["status"]["podIP"]
+    old_id = service.engine_id(old_ip)
+    assert old_id == f"real-prefill-0-{old['metadata']['uid']}"
+    cluster.kubectl("delete", "pod", "real-prefill-0", f"--namespace={namespace}", "--wait=false")
+    deployment.wait_pool("prefill", 1)
+    new = {p["metadata"]["name"]: p for p in deployment.pods("prefill")}["real-prefill-0"]
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    new_id = service.engine_id(new["status"]["podIP"])
+    assert new_id == f"real-prefill-0-{new['metadata']['uid']}" != old_id
+    # PD through the new incarnation: a decode engine performs a fresh NIXL handshake with it and pulls the KV.
+    decodes = deployment.ips("decode")
+    handshakes = _handshakes(deployment)
+    before = service.tokens_by_source(decodes)
+    for number in range(4):  # the one prefill engine is the new incarnation
+        headers, _ = _completion(deployment.router, f"{number} {LONG_PROMPT}")
+        assert headers.get("X-Pdserve-Route") == "pd"
+    after = service.tokens_by_source(decodes)
+    assert after["local_compute"] == before["local_compute"], (before, after)
+    assert sum(_handshakes(deployment).values()) > sum(handshakes.values()), _handshakes(deployment)
