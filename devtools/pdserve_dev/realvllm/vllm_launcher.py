@@ -80,7 +80,10 @@ def _request_amx_permission() -> None:
     ``torch.cpu._init_amx()`` makes the request and is a no-op where the CPU has no AMX. The permission is per
     process and gone after exec, so this runs at import: in ``vllm serve`` and in every process vLLM spawns (they
     re-import this file as ``__mp_main__``). docs/real-vllm.md lists this workaround."""
-    torch: Any = importlib.import_module("torch")
+    try:
+        torch: Any = importlib.import_module("torch")
+    except ModuleNotFoundError:
+        return  # only where the launcher's unit tests load it (pdserve's virtualenv); the engine's always has torch
     torch.cpu._init_amx()
 
 
