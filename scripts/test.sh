@@ -2,7 +2,7 @@
 # Runs every check: lint, types, layer contracts, then the whole test suite (unit and local-cluster tiers).
 # Extra arguments go to one pytest run, e.g. `scripts/test.sh -m "not cluster"` for the quick tier. Without them the
 # suite runs as two lanes at once (docs/development.md, "Two lanes"): the session cluster's tests mostly wait on
-# servers (about 60 % of two cores busy when the suite ran in one lane), so the rest runs beside them.
+# servers (about 57 % of two cores busy when the suite ran in one lane), so the rest runs beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -43,8 +43,9 @@ def test_the_script_runs_two_lanes_by_their_expressions() -> None:
 
 
 def test_the_lanes_select_every_test_exactly_once() -> None:
-    lanes = {name: Expression.compile(expression) for name, expression in _lanes().items()}
-    markers = sorted(set().union(*(_markers(expression) for expression in _lanes().values())))
+    expressions = _lanes()
+    lanes = {name: Expression.compile(expression) for name, expression in expressions.items()}
+    markers = sorted(set().union(*(_markers(expression) for expression in expressions.values())))
     assert "cluster" in markers
     for present in itertools.product((False, True), repeat=len(markers)):
         carried = {marker for marker, on in zip(markers, present, strict=True) if on}
