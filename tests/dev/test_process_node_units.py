@@ -22,7 +22,9 @@ from pdserve_dev.process_node.podenv import (
     expand_command,
 )
 from pdserve_dev.process_node.podstatus import ContainerView, Terminated, pod_phase, pod_status
-from pdserve_dev.process_node.probes import ProbeSpec, ProbeTracker, resolve_port
+from pdserve_dev.process_node.podworker import Container, PodWorker
+from pdserve_dev.process_node.probes import ProbeKind, ProbeSpec, ProbeTracker, resolve_port, running
+from pdserve_dev.process_node.process import LocalProcess
 from pdserve_dev.process_node.volumes import Mount, container_mounts, rewrite_path
 from pdserve_dev.testing.net import free_port
 
@@ -256,6 +258,34 @@ def test_liveness_starts_healthy_and_defaults_apply() -> None:
     assert resolve_port("http", {"ports": [{"name": "http", "containerPort": 8080}]}) == 8080
     with pytest.raises(ValueError, match="no port named"):
         resolve_port("metrics", {"name": "c", "ports": []})
+
+
+def test_a_pods_worker_waits_only_for_the_probes_that_run(tmp_path: Path) -> None:
+    """Until the startup probe succeeds only it runs; after that it never runs again, so its schedule (now in the
+    past for good) must not wake the worker: it did, and each such pod's worker spun a core's fraction for life."""
+    periods: dict[ProbeKind, int] = {"startup": 1, "readiness": 5, "liveness": 10}
+    probes: dict[str, ProbeTracker] = {
+        kind: ProbeTracker(ProbeSpec.from_container(kind, {"httpGet": {"port": 80}, "periodSeconds": period}), 0.0)
+        for kind, period in periods.items()
+    }
+    assert running(probes) == [probes["startup"]]
+    probes["startup"].record(True, 3.0)
+    probes["readiness"].record(True, 3.0)
+    probes["liveness"].record(True, 3.0)
+    assert running(probes) == [probes["readiness"], probes["liveness"]]
+    assert min(tracker.next_due for tracker in running(probes)) == 8.0  # readiness', not startup's stale 4.0
+    without_startup: dict[str, ProbeTracker] = {kind: tracker for kind, tracker in probes.items() if kind != "startup"}
+    assert running(without_startup) == [probes["readiness"], probes["liveness"]]
+    # What the worker sleeps until: the running probes' schedules (a real process: the worker asks for one).
+    process = LocalProcess.start(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env={}, cwd=tmp_path, log_path=tmp_path / "log",
+        pid_path=tmp_path / "pid",
+    )  # fmt: skip
+    try:
+        container = Container({"name": "c"}, False, CrashBackoff(), ContainerView("c", "image"), process, dict(probes))
+        assert PodWorker._due_times(container) == [8.0, 13.0]
+    finally:
+        process.stop(0.0)
 
 
 def test_crash_backoff_doubles_to_the_cap_and_resets_after_a_long_run() -> None:

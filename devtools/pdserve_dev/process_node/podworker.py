@@ -46,7 +46,7 @@ from pdserve_dev.process_node.podenv import (
     expand_command,
 )
 from pdserve_dev.process_node.podstatus import ContainerView, Terminated, pod_status
-from pdserve_dev.process_node.probes import ProbeTracker, container_probes, run_probe
+from pdserve_dev.process_node.probes import ProbeTracker, container_probes, run_probe, running
 from pdserve_dev.process_node.process import LocalProcess, signal_group
 from pdserve_dev.process_node.security import container_security
 from pdserve_dev.process_node.tokens import ProjectedToken
@@ -271,7 +271,7 @@ class PodWorker(threading.Thread):
     def _due_times(container: Container) -> list[float]:
         times = [t for t in (container.restart_at, container.retry_at) if t is not None]
         if container.process is not None:
-            times.extend(tracker.next_due for tracker in container.probes.values())
+            times.extend(tracker.next_due for tracker in running(container.probes))
         return times
 
     def _materialise(self, pod: Obj) -> bool:
