@@ -14,11 +14,12 @@ Algorithm, per tick (every step leaves a reason; the first that applies to a poo
    the size already asked for is acted on (starting pods are credited, never double-counted).
 6. Slow down: no scale-down while replicas are starting (ScalingInProgress). Otherwise the pool shrinks to the
    largest recommendation of the last `scale_down_window_s` (HPA's stabilization window; flapping input never
-   flaps the pool), and only to a size that passes the consolidation check: the predicted demand spread over
-   the smaller pool stays under `consolidation_margin` x the per-replica capacity (Dynamo's fix for 2 <-> 1
-   flapping). Nor below the burst floor (`burst_floor`): the latest load plus the largest burst (a rise to at
-   least triple within one start-up horizon) seen in the last `burst_memory_s`, capped at that window's peak
-   load, so a pool keeps between bursts what the next one needs before new replicas could be ready.
+   flaps the pool; a scale-up is recorded as its steady size, not as the size scaled up to, whose headroom on top
+   of the latest window was for the ramp), and only to a size that passes the consolidation check: the predicted
+   demand spread over the smaller pool stays under `consolidation_margin` x the per-replica capacity (Dynamo's fix
+   for 2 <-> 1 flapping). Nor below the burst floor (`burst_floor`): the latest load plus the largest burst (a
+   rise to at least triple within one start-up horizon) seen in the last `burst_memory_s`, capped at that window's
+   peak load, so a pool keeps between bursts what the next one needs before new replicas could be ready.
 7. Bounds: min/max replicas (AtMinReplicas, AtMaxReplicas).
 8. Both pools together: the prefill:decode ratio bounds raise the lagging pool (or, at its max, lower the
    leading one) (RatioBound); then the GPU budget: no pool is taken below min(current, wanted) to feed the
@@ -198,8 +199,12 @@ def _pool(
         estimate.breach or estimate.required > current * (1.0 + config.tolerance) or current == 0
     )
     if wants_up and (starting == 0 or config.scale_up_while_starting):
-        # The window remembers the size scaled to, so the next calm tick cannot take it straight back.
-        state = state.remember(role, now, max(consolidated, recommended), config.scale_down_window_s)
+        # The window remembers the steady size (consolidated), not the size scaled up to: the scale-up adds the
+        # surprise headroom to the latest window, a reserve for the ramp that a pool need not hold once the burst
+        # is over. Nothing goes before the new replicas are ready (ScalingInProgress); then what the steady demand
+        # asked for in the window stays. Remembering the scale-up's size held the code trace's prefill pool at
+        # 55-60 replicas for the whole window after bursts that needed 40-46 (issue 19's benchmark).
+        state = state.remember(role, now, consolidated, config.scale_down_window_s)
         return _bounded(
             bounds, role, current, wanted=recommended, reason=Reason.SCALED_UP, message=why, estimate=estimate
         ), state

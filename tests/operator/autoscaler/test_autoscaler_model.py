@@ -217,26 +217,63 @@ def test_rising_demand_is_predicted_ahead_when_a_trend_is_allowed() -> None:
 
 
 def test_by_default_the_trend_adds_nothing_over_the_horizon_the_surprise_headroom_does() -> None:
-    state, est = run(*RAMP)
+    # Without the peak bound (its own tests below), which would cap the steady demand at the ramp's top.
+    config = replace(CONFIG, peak_half_life_s=0.0)
+    state, est = run(*RAMP, config=config)
     forecast = state.prefill_demand
-    assert forecast.ahead(CONFIG.horizon_s) > forecast.level * 1.05  # the filter sees the ramp...
+    assert forecast.ahead(config.horizon_s) > forecast.level * 1.05  # the filter sees the ramp...
     # ... and sizing does not extrapolate it: the level and the remembered surprise, no more.
-    assert est.prefill.steady_demand == pytest.approx(forecast.level + CONFIG.prefill_surprise * forecast.deviation)
+    assert est.prefill.steady_demand == pytest.approx(forecast.level + config.prefill_surprise * forecast.deviation)
     assert est.prefill.demand == pytest.approx(
-        max(150_000.0, forecast.level) + CONFIG.prefill_surprise * forecast.deviation
+        max(150_000.0, forecast.level) + config.prefill_surprise * forecast.deviation
     )
 
 
 def test_a_burst_trend_adds_at_most_max_trend_of_the_level() -> None:
     ticks = [signals(at=100.0, p=prefill(uncached_tokens_rate=1000.0))]
     ticks.append(signals(at=115.0, p=prefill(uncached_tokens_rate=400_000.0)))
-    config = replace(CONFIG, max_trend=0.5)
+    config = replace(CONFIG, max_trend=0.5, peak_half_life_s=0.0)
     state, est = run(*ticks, config=config)
     assert est.prefill.steady_demand is not None
     level = state.prefill_demand.level
     headroom = config.prefill_surprise * state.prefill_demand.deviation
     assert state.prefill_demand.ahead(config.horizon_s) > 1.5 * level  # the burst's slope, unbounded
     assert est.prefill.steady_demand == pytest.approx(1.5 * level + headroom)
+
+
+def burst_then_lull(lull_ticks: int) -> list[ServiceSignals]:
+    """Prefill at 100k uncached tokens/s, a burst to 1M for three ticks, then back to 100k for `lull_ticks`."""
+    loads = [100_000.0] * 4 + [1_000_000.0] * 3 + [100_000.0] * lull_ticks
+    return [signals(at=100.0 + 15 * i, p=prefill(uncached_tokens_rate=load)) for i, load in enumerate(loads)]
+
+
+def test_after_a_burst_the_steady_demand_holds_the_burst_not_the_burst_plus_its_surprise() -> None:
+    # One tick after the burst: the deviation is the burst's own jump, so level + headroom would be about twice
+    # the burst (what the unbounded model holds); the bound keeps the reserve at the burst's size.
+    _, unbounded = run(*burst_then_lull(1), config=replace(CONFIG, peak_half_life_s=0.0))
+    state, est = run(*burst_then_lull(1))
+    assert unbounded.prefill.steady_demand is not None and unbounded.prefill.steady_demand > 1_400_000.0
+    assert state.prefill_demand.peak == pytest.approx(1_000_000.0 * 0.5 ** (15.0 / CONFIG.peak_half_life_s))
+    assert est.prefill.steady_demand == pytest.approx(state.prefill_demand.peak)
+    # Scaling up still adds the whole headroom to the latest window: a burst's ramp keeps its reserve.
+    _, rising = run(*burst_then_lull(0)[:5])
+    assert rising.prefill.demand is not None and rising.prefill.demand > 1_400_000.0
+
+
+def test_the_peak_fades_with_its_half_life_and_the_level_is_never_cut() -> None:
+    # 900 s (sixty ticks) after the burst its peak has halved; the reserve below it is the headroom's.
+    state, est = run(*burst_then_lull(60))
+    peak = state.prefill_demand.peak
+    assert peak == pytest.approx(500_000.0, rel=0.02)
+    forecast = state.prefill_demand
+    assert est.prefill.steady_demand == pytest.approx(
+        min(forecast.level + CONFIG.prefill_surprise * forecast.deviation, peak)
+    )
+    # A level above a faded peak (demand that stays up) is kept whole: the bound only trims the headroom.
+    flat = [signals(at=100.0 + 15 * i, p=prefill(uncached_tokens_rate=200_000.0)) for i in range(3)]
+    state, est = run(*flat, config=replace(CONFIG, peak_half_life_s=1e-6))
+    assert est.prefill.steady_demand is not None
+    assert est.prefill.steady_demand >= state.prefill_demand.level
 
 
 def test_a_growing_prefill_queue_is_arriving_demand_a_standing_one_only_drains() -> None:

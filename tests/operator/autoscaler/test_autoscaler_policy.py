@@ -158,12 +158,37 @@ def test_scale_down_follows_the_steady_demand_not_one_noisy_window() -> None:
     state = PolicyState()
     for i in range(8):
         decision, state = step(state, 15.0 * i, Tick(need=6.0, steady=2.0, current=4))
-    # The noisy window (6) scales up at once; the steady demand (2) is what the way down looks at, but
-    # only after the window that remembers the scale-up.
+    # The noisy window (6) scales up at once; the steady demand (2) is what the way down looks at.
     assert decision.prefill.desired == 6
     for i in range(8, 20):
         decision, state = step(state, 15.0 * i, Tick(need=2.0, current=6))
     assert decision.prefill.desired == 2
+
+
+def test_the_window_holds_the_steady_size_not_the_size_a_burst_scaled_up_to() -> None:
+    # A burst: the latest window needs 10 replicas, the steady demand (the forecast's level and reserve) 5.
+    state = PolicyState()
+    for i in range(4):
+        decision, state = step(state, 15.0 * i, Tick(need=10.0, steady=5.0, current=4))
+    assert decision.prefill.desired == 10
+    # The burst is over and its replicas are ready: the pool goes to what the steady demand asked for within the
+    # window (5) at once, not a window after the scale-up (the surprise headroom on top of the burst's window was
+    # for its ramp)...
+    decision, state = step(state, 60.0, Tick(need=2.0, current=10))
+    assert (decision.prefill.desired, decision.prefill.reason) == (5, Reason.SCALED_DOWN)
+    # ... holds that until its last recommendation (45 s) leaves the 60 s window...
+    for at in (75.0, 90.0):
+        decision, state = step(state, at, Tick(need=2.0, current=5))
+        assert (decision.prefill.desired, decision.prefill.reason) == (5, Reason.STABILIZING)
+    # ... then follows the steady demand down.
+    decision, state = step(state, 105.0, Tick(need=2.0, current=5))
+    assert decision.prefill.desired == 2
+    # While the burst's replicas still start nothing goes (they are credited, never double-counted).
+    state = PolicyState()
+    for i in range(4):
+        decision, state = step(state, 15.0 * i, Tick(need=10.0, steady=5.0, current=4))
+    decision, _ = step(state, 60.0, Tick(need=2.0, current=10, ready=4))
+    assert (decision.prefill.desired, decision.prefill.reason) == (10, Reason.SCALING_IN_PROGRESS)
 
 
 # ------------------------------------------------------------------------------------------------ burst floor
