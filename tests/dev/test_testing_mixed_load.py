@@ -117,3 +117,20 @@ async def test_a_client_backs_off_after_each_failure() -> None:
         elapsed = time.monotonic() - started
     assert elapsed >= 1.55, f"six failures in {elapsed:.2f} s"
     assert load.results.sent <= 7, load.results.summary()
+
+
+async def test_a_paced_client_thinks_between_answers() -> None:
+    """With `pause_seconds`, a client's fourth request starts only after three pauses: the lifecycle tests on real
+    engines rely on it to leave a starting engine its share of the cores."""
+    mix = [Shape(chat=False, stream=False, long=False, max_tokens=2)]
+    async with sim_in_process() as engine:
+        started = time.monotonic()
+        async with MixedLoad(engine.url, "sim-model", concurrency=1, mix=mix, pause_seconds=0.4) as load:
+
+            async def four_sent() -> bool:
+                return load.results.sent >= 4
+
+            await wait_for_async(four_sent, within=20, message=load.results.summary)
+            elapsed = time.monotonic() - started
+    assert elapsed >= 1.2, f"four requests in {elapsed:.2f} s"
+    assert load.results.failed_told == load.results.lost == 0, load.results.summary()

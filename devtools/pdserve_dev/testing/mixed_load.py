@@ -107,11 +107,14 @@ class MixedLoad:
         request_timeout: float = 120.0,
         extra_body: dict[str, Any] | None = None,
         count_token_events: bool = True,
+        pause_seconds: float = 0.0,
     ) -> None:
         """`extra_body` is merged into every request (real vLLM: `{"ignore_eos": True}`, so every answer has
         `max_tokens` tokens). `count_token_events=False` checks a stream by its usage, finish reason and `[DONE]`
         only: a real tokenizer has tokens whose text is empty on their own (special tokens, part of a UTF-8
-        character), so their events carry no text; the simulator's tokens all do."""
+        character), so their events carry no text; the simulator's tokens all do. `pause_seconds` is each client's
+        think time after an answer: without it the clients keep every engine busy all the time, and on a machine
+        of two cores a real engine starting beside busy ones took minutes instead of the 40 s it takes alone."""
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.concurrency = concurrency
@@ -119,6 +122,7 @@ class MixedLoad:
         self.results = LoadResults()
         self._extra_body = dict(extra_body or {})
         self._count_token_events = count_token_events
+        self._pause_s = pause_seconds
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
         self._stopping = False
         self._clients = concurrency
@@ -183,8 +187,8 @@ class MixedLoad:
             # retried at once spun the machine's cores and slowed everything else under test.
             failed = outcome in ("failed_told", "lost")
             pause = min(max(pause * 2, _FIRST_PAUSE_S), _MAX_PAUSE_S) if failed else 0.0
-            if pause:
-                await asyncio.sleep(pause)
+            if pause or self._pause_s:
+                await asyncio.sleep(max(pause, self._pause_s))
 
     async def _one(self, shape: Shape, number: int) -> str:
         """Send one request of `shape`; its outcome (a `LoadResults` counter's name)."""
