@@ -79,6 +79,7 @@ def test_the_image_map_runs_vllms_cpu_image_as_real_vllm() -> None:
     assert local.argv == [str(install.vllm_command()), "serve", "pdserve/tiny-llama", "--port", "8000"]
     assert local.image_env["HF_HOME"] == str(models.hf_home()) and local.image_env["HF_HUB_OFFLINE"] == "1"
     assert local.image_env["PDSERVE_NIXL_PROGRESS_DELAY_US"] == "100"
+    assert local.image_env["PDSERVE_VLLM_YIELD_SLEEP_US"] == "500"
     assert local.user is None  # the image's user: root, like vLLM's image
     # Every other vLLM image is still the simulator.
     other = images.resolve("vllm/vllm-openai:v0.32.0", ["vllm", "serve"], ["m"])

@@ -17,7 +17,9 @@ cluster's image map sets it; unset, nothing changes), NIXL agents get a progress
 NIXL 1.5.1's Python API (``nixl_cu13/_api.py``, ``nixl_agent.__init__``) hard-codes ``pthrDelay = 0`` and vLLM's
 NixlConnector has no knob for it, so every engine's UCX progress thread busy-polls a whole core even when idle
 (0.6-0.95 CPU-seconds per second measured on these machines, 0.03 with 100 us). On a GPU server that is a
-deliberate latency trade; on a two-core test machine running several engines it starves everything else.
+deliberate latency trade; on a two-core test machine running several engines it starves everything else. With
+``PDSERVE_VLLM_YIELD_SLEEP_US=N`` set (the image map sets 500), the polling loops of vLLM's shared-memory queues
+sleep N microseconds where they would yield the CPU (:func:`_sleep_instead_of_yield`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import importlib.metadata
 import json
 import os
 import sys
+import time
 from typing import Any
 
 _version = importlib.metadata.version
@@ -87,7 +90,34 @@ def _request_amx_permission() -> None:
     torch.cpu._init_amx()
 
 
+def _sleep_instead_of_yield(microseconds: int) -> None:
+    """Make the polling loops of vLLM's shared-memory queues sleep ``microseconds`` where they yield the CPU.
+
+    A worker reads the engine core's messages from a shared-memory queue (and the core the worker's answers); after
+    each read its ``SpinCondition`` (``vllm/distributed/device_communicators/shm_broadcast.py``: ``busy_loop_s:
+    float = 1``, which no caller or setting changes) polls the queue for a second, calling ``sched_yield`` between
+    polls, before it waits on its zmq socket. Under a steady load a worker therefore never sleeps: on a two-core
+    machine a busy engine's worker held ~70 % of its core (py-spy: ``SpinCondition.wait`` -> ``sched_yield``), and
+    the worker of an engine starting on the same core (its OpenMP binding) got 5 CPU-seconds in 6 minutes (Linux
+    6.18): a rolling update's replacement engine was not Ready after 8 minutes. The loops stay as vLLM wrote them
+    (within the second they do not depend on the socket's notification; without the spin at all, ``busy_loop_s``
+    0, requests hung: a notification can be dropped, the PUB socket's high-water mark is 1), only each yield
+    becomes a short sleep: at most that much latency per message, a few percent of a core per reader."""
+    module: Any = importlib.import_module("vllm.distributed.device_communicators.shm_broadcast")
+    if not callable(getattr(module, "sched_yield", None)):
+        raise RuntimeError("vLLM's shm_broadcast no longer calls sched_yield: revisit the launcher's workaround")
+    seconds = microseconds / 1e6
+
+    def _sleep() -> None:
+        time.sleep(seconds)
+
+    module.sched_yield = _sleep
+
+
 _request_amx_permission()
+
+if os.environ.get("PDSERVE_VLLM_YIELD_SLEEP_US"):
+    _sleep_instead_of_yield(int(os.environ["PDSERVE_VLLM_YIELD_SLEEP_US"]))
 
 if os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US"):
     _delay_nixl_progress_thread(int(os.environ["PDSERVE_NIXL_PROGRESS_DELAY_US"]))
