@@ -106,13 +106,23 @@ def endpoints_up(router: str, role: str) -> int:
 
 
 def wait_pool(
-    cluster: ClusterHelper, namespace: str, role: str, replicas: int, *, router: str, timeout: float = 180.0
+    cluster: ClusterHelper,
+    namespace: str,
+    role: str,
+    replicas: int,
+    *,
+    router: str | Callable[[], str],
+    timeout: float = 180.0,
 ) -> None:
-    """Wait until the pool has exactly `replicas` pods, all Ready, and the router uses all of them."""
+    """Wait until the pool has exactly `replicas` pods, all Ready, and the router uses all of them. `router` may
+    be a function giving the serving router's URL at each check, for a router that may roll meanwhile (a change of
+    the SLO rolls it: its configuration holds the targets)."""
 
     def settled() -> bool:
         pods = cluster.pods(namespace, f"pdserve.io/role={role}")
-        return len(pods) == replicas and all(map(ready, pods)) and endpoints_up(router, role) == replicas
+        if len(pods) != replicas or not all(map(ready, pods)):
+            return False
+        return endpoints_up(router() if callable(router) else router, role) == replicas
 
     wait_for(settled, timeout=timeout, interval=0.5, message=f"{replicas} {role} engines Ready and used by the router")
 
