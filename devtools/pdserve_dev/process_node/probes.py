@@ -98,7 +98,7 @@ def running(probes: Mapping[str, ProbeTracker]) -> list[ProbeTracker]:
 
     A pod's worker sleeps until the earliest of these is due. It used to wake for every probe: a startup probe that
     has succeeded keeps its last schedule, in the past for good, so each pod with one spun its worker thread for the
-    pod's whole life (about a fifth of a core per pod; an engine starting beside three such pods took minutes)."""
+    pod's whole life (about a tenth of a core per pod, measured: 54-61 CPU-seconds in 9 minutes)."""
     startup = probes.get("startup")
     if startup is not None and not startup.success:
         return [startup]
