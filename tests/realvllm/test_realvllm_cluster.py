@@ -488,9 +488,9 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     # lies between two of those readings: so it is among the quantiles the readings give over the same window
     # (within x1.25: a scrape between two readings holds counts between theirs). The breach load's TTFT rises
     # with every request queued, so one fixed reading cannot stand for the scrape (x4 apart within 2 s here) ...
-    stated = re.search(r"prefill engine TTFT ([\d.]+) (ms|s)", events[0])
+    stated = re.search(r"prefill engine TTFT ([\d.]+) (ms|s) \(budget ([\d.]+) (ms|s)\)", events[0])
     assert stated, events[0]
-    event_ms = float(stated.group(1)) * (1 if stated.group(2) == "ms" else 1000)
+    event_ms, budget_ms = _ms(stated.group(1), stated.group(2)), _ms(stated.group(3), stated.group(4))
     engine_ms = _window_quantiles(readings, f"{ttft}", 0.9, AUTOSCALER_WINDOW_S)
     assert engine_ms, "no TTFT observed before the Event"
     assert min(engine_ms) / 1.25 <= event_ms <= max(engine_ms) * 1.25, (events[0], engine_ms)
@@ -518,13 +518,15 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     # The breach is the prefill engine's TTFT over its budget (the target less a KV transfer and two decode steps),
     # as the Event says; the clients' TTFT in the status may still be under the target: scaling before the clients'
     # target breaks is the point (a run of this test had the router's p90 at 250 ms with the engine's at 344).
-    budget = re.search(r"prefill engine TTFT ([\d.]+) (ms|s) \(budget ([\d.]+) (ms|s)\)", events[0])
-    assert budget, events[0]
-    budget_ms = float(budget.group(3)) * (1 if budget.group(4) == "ms" else 1000)
     assert event_ms > budget_ms and status["observedMilliseconds"] > 0, (events[0], status)
     # Back to a target no idle engine breaches. The second prefill engine is not waited for: the decision is the
     # product's, a start-up is vLLM's (and the lifecycle tests set the sizes they need).
     deployment.patch({"spec": {"slo": CALM_SLO}})
+
+
+def _ms(value: str, unit: str) -> float:
+    """A duration as an Event writes it ("344 ms", "2.2 s") in milliseconds."""
+    return float(value) * (1 if unit == "ms" else 1000)
 
 
 # Beyond the autoscaler's window: its tick (2 s) and Prometheus' scrape interval (1 s), with a second to spare.
