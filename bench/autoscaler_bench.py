@@ -78,6 +78,7 @@ from pdserve_dev.replay.cluster import Outcome, ReplayCluster, ReplayConfig, Sca
 from pdserve_dev.replay.dynamo import DynamoPlannerScaler
 from pdserve_dev.replay.engines import Job
 from pdserve_dev.replay.gate import LateBinding
+from pdserve_dev.replay.path import LOOPBACK
 from pdserve_dev.replay.scalers import (
     HpaScaler,
     LlmdSloScaler,
@@ -87,6 +88,7 @@ from pdserve_dev.replay.scalers import (
     static_peak,
 )
 from pdserve_dev.replay.trace import Request, load_azure, shape, synthetic
+from pdserve_dev.testing.load import Answer
 from pdserve_operator.autoscaler.core import AutoscalerConfig
 from pdserve_operator.autoscaler.model import ModelConfig, Slo
 from pdserve_operator.autoscaler.policy import PolicyConfig, PoolBounds
@@ -361,7 +363,7 @@ def _policy_result(name: str, outcome: Outcome, static_gpu: float, elapsed: floa
         actions=outcome.actions,
         timeline=outcome.timeline,
         shed=outcome.shed,
-        ttft=[job.first_token - job.arrival for job in outcome.jobs if job.first_token is not None],
+        ttft=[ttft for job in outcome.jobs if (ttft := job.ttft) is not None],
         tpot=[job.tpot for job in outcome.jobs if job.output > 1],
         threshold=_threshold_summary(outcome),
         elapsed=elapsed,
@@ -509,6 +511,9 @@ LIVE_INTERVAL_S, LIVE_WINDOW_S, LIVE_WARMUP_S, LIVE_SCALE_DOWN_S, LIVE_STARTUP_S
 #: The closed loop agrees with the discrete-event replay when its attainment is within this of the replay's (and
 #: the pools and the threshold move the same way: `check_agreement`).
 LIVE_AGREEMENT = 0.03
+#: The hops of the closed loop's path that the engines' cost model leaves out (the router, the PD route's two
+#: engine requests, the simulator's KV socket, the client), measured on loopback by `bench/path_costs.py`.
+LIVE_PATH = LOOPBACK
 #: The policy the closed loop runs: pdserve choosing replicas and the disaggregation threshold.
 LIVE_POLICY = "pdserve-threshold"
 #: The closed loop reports attainment per this many seconds of arrivals, cluster beside replay.
@@ -545,21 +550,75 @@ def attainment_by_window(arrivals: Sequence[tuple[float, bool]], window_s: float
     return [g / t if t else 1.0 for g, t in zip(good, total, strict=True)]
 
 
-def replay_latencies(jobs: Sequence[Job]) -> dict[str, tuple[float | None, float | None]]:
-    """The replay's p50 and p90 of the hops the closed loop reads from the cluster's histograms
-    (`pdserve_dev.replay.live.BREAKDOWN`, same names), where the replay models them."""
+Latencies = dict[str, tuple[float | None, float | None, float | None]]
+
+
+def replay_latencies(jobs: Sequence[Job]) -> Latencies:
+    """The replay's p50, p90 and mean of the hops the closed loop reads from the cluster's histograms
+    (`pdserve_dev.replay.live.BREAKDOWN`, same names), where the replay models them, and of the client's TTFT
+    per route (`client_latencies`)."""
     pd = [j for j in jobs if j.route == "pd" and j.first_token is not None]
     local = [j for j in jobs if j.route != "pd" and j.first_token is not None]
     spans = {
+        "client TTFT, PD route": [t for j in pd if (t := j.ttft) is not None],
+        "client TTFT, decode only": [t for j in local if (t := j.ttft) is not None],
         "router TTFT, PD route": [j.first_token - j.arrival for j in pd if j.first_token is not None],
         "router TTFT, decode only": [j.first_token - j.arrival for j in local if j.first_token is not None],
-        "router queue wait": [j.prefill_arrival - j.arrival for j in pd],
+        "router queue wait": [j.dispatched - j.arrival for j in [*pd, *local]],
         "prefill engine TTFT (queue + prefill)": [j.prefill_done - j.prefill_arrival for j in pd],
         "decode engine TTFT (slot, KV pull, step)": [
-            j.first_token - j.decode_arrival for j in pd if j.first_token is not None
+            j.first_token - j.decode_arrival for j in [*pd, *local] if j.first_token is not None
         ],
+        "KV transfer": [j.pull_done - j.admitted for j in pd],
     }
-    return {hop: (_quantile(v, 0.5), _quantile(v, 0.9)) if v else (None, None) for hop, v in spans.items()}
+    return {hop: _spread(v) for hop, v in spans.items()}
+
+
+def client_latencies(answers: Sequence[Answer]) -> Latencies:
+    """The closed loop's client TTFT per route (`pdserve_dev.testing.load.Answer`s), as `replay_latencies`."""
+    return {
+        "client TTFT, PD route": _spread([a.ttft_s for a in answers if a.route == "pd"]),
+        "client TTFT, decode only": _spread([a.ttft_s for a in answers if a.route != "pd"]),
+    }
+
+
+def per_request(requests: Sequence[Request], answers: Sequence[Answer], jobs: Sequence[Job]) -> list[list[Any]]:
+    """Each request's outcome in both runs, side by side, for finding the requests only one of them missed:
+    [arrival, prompt, output, cluster TTFT, cluster TPOT, cluster route, replay TTFT, replay TPOT, replay route]
+    (Nones where a run has no answer for it). Answers are matched to requests by their send time, in order."""
+    sent = sorted(answers, key=lambda a: a.started)
+    if len(sent) != len(requests):
+        # Failed requests leave no answer: which is which is not known, so no cluster column.
+        sent = []
+    by_arrival: dict[float, list[Job]] = {}
+    for replayed in sorted(jobs, key=lambda j: j.arrival):
+        by_arrival.setdefault(replayed.arrival, []).append(replayed)
+    rows: list[list[Any]] = []
+    for index, request in enumerate(requests):
+        answer = sent[index] if sent else None
+        candidates = by_arrival.get(request.arrival) or []
+        job = candidates.pop(0) if candidates else None
+        rows.append(
+            [
+                round(request.arrival, 3),
+                request.prompt,
+                request.output,
+                None if answer is None else round(answer.ttft_s, 4),
+                None if answer is None else round(answer.tpot_s, 5),
+                None if answer is None else answer.route,
+                None if job is None or job.ttft is None else round(job.ttft, 4),
+                None if job is None else round(job.tpot, 5),
+                None if job is None else job.route,
+            ]
+        )
+    return rows
+
+
+def _spread(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+    """(p50, p90, mean), or Nones for no values."""
+    if not values:
+        return None, None, None
+    return _quantile(values, 0.5), _quantile(values, 0.9), sum(values) / len(values)
 
 
 def _ms(seconds: float | None) -> str:
@@ -623,6 +682,7 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             warmup_s=float(LIVE_WARMUP_S),
             disaggregation_threshold=THRESHOLD,
             late_binding=None if policy == "pdserve-on-arrival" else LATE_BINDING,
+            path=LIVE_PATH,
         )
         began = time.perf_counter()
         outcome = ReplayCluster(replay, requests, scaler).run()
@@ -687,10 +747,11 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             f"{max(live.startups):.1f} s (the replay's start-up: {LIVE_STARTUP_S:.0f} s)"
         )
     modelled = replay_latencies(replayed_jobs)
-    log(f"   where the time went, p50 / p90 (cluster | replay of {LIVE_POLICY}):")
-    for hop, (p50, p90) in live.latencies.items():
-        model_p50, model_p90 = modelled.get(hop, (None, None))
-        log(f"   {hop:<42} {_ms(p50):>8} / {_ms(p90):>8} | {_ms(model_p50):>8} / {_ms(model_p90):>8}")
+    measured = {**client_latencies(live.answers), **live.latencies}
+    log(f"   where the time went, p50 / p90 / mean (cluster | replay of {LIVE_POLICY}):")
+    for hop, spread in measured.items():
+        ours = modelled.get(hop, (None, None, None))
+        log(f"   {hop:<42} {' / '.join(_ms(v) for v in spread)} | {' / '.join(_ms(v) for v in ours)}")
     log(f"   attainment per {LIVE_WINDOW_REPORT_S:.0f} s of arrivals (cluster / replay of {LIVE_POLICY}):")
     log("   " + " ".join(f"{c:.0%}/{r:.0%}" for c, r in zip(by_window["cluster"], by_window["replay"], strict=False)))
     return {
@@ -706,8 +767,14 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         "agreement": agreement,
         "attainment_by_window": {"window_s": LIVE_WINDOW_REPORT_S, **by_window},
         "cluster_startup_s": live.startups,
-        "cluster_latencies_s": {hop: {"p50": p50, "p90": p90} for hop, (p50, p90) in live.latencies.items()},
+        "cluster_latencies_s": {
+            hop: {"p50": p50, "p90": p90, "mean": mean} for hop, (p50, p90, mean) in measured.items()
+        },
+        "replay_latencies_s": {
+            hop: {"p50": p50, "p90": p90, "mean": mean} for hop, (p50, p90, mean) in modelled.items()
+        },
         "cluster_events": live.events,
+        "per_request": per_request(requests, live.answers, replayed_jobs),
     }
 
 

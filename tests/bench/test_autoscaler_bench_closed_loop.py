@@ -17,6 +17,7 @@ from pdserve_dev.replay.engines import Job
 from pdserve_dev.replay.live import BREAKDOWN, LiveConfig, manifest, startup_delays
 from pdserve_dev.replay.scalers import PdserveScaler
 from pdserve_dev.replay.trace import Request, windows
+from pdserve_dev.testing.load import Answer
 from pdserve_operator.render.router import admission
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,12 +110,27 @@ def test_start_up_delays_are_measured_per_added_pod() -> None:
 
 def test_the_replays_hops_are_read_from_its_requests_times(bench: ModuleType) -> None:
     pd, local = Job(Request(1.0, 4000, 10), "pd"), Job(Request(2.0, 100, 10), "decode-only")
-    pd.prefill_arrival, pd.prefill_done, pd.decode_arrival, pd.first_token = 1.1, 1.4, 1.45, 1.5
-    local.first_token = 2.05
+    pd.dispatched, pd.prefill_arrival, pd.prefill_done = 1.1, 1.12, 1.4
+    pd.decode_arrival, pd.admitted, pd.pull_done, pd.first_token = 1.45, 1.45, 1.46, 1.5
+    pd.client_s = 0.01
+    local.decode_arrival, local.first_token = 2.0, 2.05
     hops = bench.replay_latencies([pd, local])
-    assert hops["router queue wait"][0] == pytest.approx(0.1)
-    assert hops["prefill engine TTFT (queue + prefill)"][0] == pytest.approx(0.3)
-    assert hops["decode engine TTFT (slot, KV pull, step)"][0] == pytest.approx(0.05)
+    # The queue wait is both routes' (the router's histogram has no route): 0.1 s and 0 s, mean 0.05 s.
+    assert hops["router queue wait"][1:] == (pytest.approx(0.1), pytest.approx(0.05))
+    assert hops["prefill engine TTFT (queue + prefill)"][0] == pytest.approx(0.28)
+    assert hops["KV transfer"][0] == pytest.approx(0.01)
     assert hops["router TTFT, PD route"][0] == pytest.approx(0.5)
+    assert hops["client TTFT, PD route"][0] == pytest.approx(0.51)
     assert hops["router TTFT, decode only"][0] == pytest.approx(0.05)
-    assert set(hops) <= {name for name, _, _ in BREAKDOWN}
+    assert set(hops) <= {name for name, _, _ in BREAKDOWN} | set(bench.client_latencies([]))
+
+
+def test_the_closed_loops_client_ttft_is_read_per_route(bench: ModuleType) -> None:
+    answers = [
+        Answer(0.0, 0.2, 1.0, 10, "pd"),
+        Answer(0.0, 0.4, 1.0, 10, "pd"),
+        Answer(0.0, 0.03, 0.5, 10, "decode-only"),
+    ]
+    spread = bench.client_latencies(answers)
+    assert spread["client TTFT, PD route"] == (pytest.approx(0.4), pytest.approx(0.4), pytest.approx(0.3))
+    assert spread["client TTFT, decode only"][2] == pytest.approx(0.03)

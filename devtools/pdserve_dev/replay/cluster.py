@@ -32,6 +32,7 @@ from typing import Protocol, runtime_checkable
 from pdserve_dev.replay.engines import DecodeEngine, Job, PrefillEngine
 from pdserve_dev.replay.gate import LateBinding, ReplayGate
 from pdserve_dev.replay.observe import Observation, Observer
+from pdserve_dev.replay.path import IDEAL, PathCosts
 from pdserve_dev.replay.trace import Request
 from pdserve_operator.autoscaler.model import Slo
 from pdserve_operator.autoscaler.signals import Role
@@ -73,6 +74,8 @@ class ReplayConfig:
     gpus_per_replica: tuple[int, int] = (1, 1)
     #: The router's late binding (`gate`); None: the router dispatches every request on arrival.
     late_binding: LateBinding | None = None
+    #: What the hops of a request's path cost beyond the engines' steps (`path`); IDEAL: nothing.
+    path: PathCosts = IDEAL
 
 
 class Replica:
@@ -118,9 +121,10 @@ class Outcome:
 
 
 def met(job: Job, slo: Slo) -> bool:
-    """Whether a request met both targets: a first token within the TTFT target of its arrival at the router and a
-    mean time per output token within the ITL target."""
-    return job.first_token is not None and job.first_token - job.arrival <= slo.ttft_s and job.tpot <= slo.itl_s
+    """Whether a request met both targets: a first token at the client within the TTFT target of its arrival at
+    the router and a mean time per output token within the ITL target."""
+    ttft = job.ttft
+    return ttft is not None and ttft <= slo.ttft_s and job.tpot <= slo.itl_s
 
 
 class ReplayCluster:
@@ -192,19 +196,24 @@ class ReplayCluster:
             long = request.prompt >= self.threshold
             serving = long and any(r.state == "ready" for r in self.replicas["prefill"])
             route = "pd" if serving else "fallback" if long else "decode-only"
-            self.gate.arrive(Job(request, route), "prefill" if route == "pd" else "decode", now)
+            self.gate.arrive(self._job(request, route), "prefill" if route == "pd" else "decode", now)
             return
         prefill = self._pick("prefill")
         if request.prompt >= self.threshold and prefill is not None:
-            job = Job(request, "pd")
+            job = self._job(request, "pd")
             self.jobs.append(job)
             engine = prefill.engine
             assert isinstance(engine, PrefillEngine)
-            engine.add(job, now)
+            engine.send(job, now, self.config.path.dispatch_s("pd", job.prompt))
             return
-        job = Job(request, "decode-only" if request.prompt < self.threshold else "fallback")
+        job = self._job(request, "decode-only" if request.prompt < self.threshold else "fallback")
         self.jobs.append(job)
-        self._to_decode(job, now)
+        self._to_decode(job, now, self.config.path.dispatch_s(job.route, job.prompt))
+
+    def _job(self, request: Request, route: str) -> Job:
+        job = Job(request, route)
+        job.client_s = self.config.path.client.seconds(request.prompt)
+        return job
 
     def _pick(self, role: Role) -> Replica | None:
         best: Replica | None = None
@@ -219,19 +228,20 @@ class ReplayCluster:
         return best
 
     def _prefilled(self, job: Job, now: float) -> None:
+        handoff = self.config.path.handoff_s(job.prompt)
         if self.gate is None:
-            self._to_decode(job, now)
+            self._to_decode(job, now, handoff)
             return
         replica = self.gate.decode_replica(job)
         if replica is None:
-            self._to_decode(job, now)
+            self._to_decode(job, now, handoff)
         else:
             engine = replica.engine
             assert isinstance(engine, DecodeEngine)
-            engine.add(job, now)
+            engine.send(job, now, handoff)
         self.gate.pump(now)
 
-    def _to_decode(self, job: Job, now: float) -> None:
+    def _to_decode(self, job: Job, now: float, delay: float) -> None:
         replica = self._pick("decode")
         if replica is None:
             # Every decode replica is draining or starting: the least loaded draining one still serves.
@@ -239,7 +249,7 @@ class ReplayCluster:
             replica = min(candidates, key=lambda r: r.engine.load if isinstance(r.engine, DecodeEngine) else 0)
         engine = replica.engine
         assert isinstance(engine, DecodeEngine)
-        engine.add(job, now)
+        engine.send(job, now, delay)
 
     def _first_token(self, job: Job, now: float) -> None:
         self.observer.router_ttft(job, now - job.arrival)
@@ -263,7 +273,10 @@ class ReplayCluster:
         if role == "prefill":
             engine = PrefillEngine(timing, self.schedule, self._prefilled)
         else:
-            engine = DecodeEngine(timing, self.schedule, self._finished, self._first_token, self.observer.router_itl)
+            kv = self.config.path.kv_transfer.seconds
+            engine = DecodeEngine(
+                timing, self.schedule, self._finished, self._first_token, self.observer.router_itl, kv_transfer=kv
+            )
         replica = Replica(name, role, engine, now)
         replica.ready_at = now + startup
         self.replicas[role].append(replica)

@@ -51,7 +51,9 @@ class Job:
     __slots__ = (
         "admitted",
         "arrival",
+        "client_s",
         "decode_arrival",
+        "dispatched",
         "finished",
         "first_token",
         "output",
@@ -69,13 +71,23 @@ class Job:
         self.output = request.output
         self.route = route
         self.remaining = request.prompt
+        #: When the router sent it to its first engine (its queue wait ends; on arrival without late binding).
+        self.dispatched = request.arrival
         self.prefill_arrival = 0.0
         self.prefill_done = 0.0
         self.decode_arrival = 0.0
         self.admitted = 0.0
         self.pull_done = 0.0
+        #: The router's first byte (`first_token`) to the client's (`path.PathCosts.client`).
+        self.client_s = 0.0
+        #: The router's first byte of the answer (its TTFT counts from `arrival` to here).
         self.first_token: float | None = None
         self.finished: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """The client's time to first token: from its arrival at the router to the first token reaching it."""
+        return None if self.first_token is None else self.first_token + self.client_s - self.arrival
 
     @property
     def tpot(self) -> float:
@@ -125,6 +137,8 @@ class PrefillEngine:
         self.running: list[Job] = []
         self.busy = False
         self.outstanding_tokens = 0
+        #: Requests the router has sent that have not arrived yet (`send`).
+        self.in_transit = 0
         self.counters = EngineCounters(timing.max_model_len)
         self._step: list[tuple[Job, int]] = []
         #: Called when the engine runs out of work (the cluster sets it on a draining replica).
@@ -132,16 +146,34 @@ class PrefillEngine:
 
     @property
     def idle(self) -> bool:
-        return not self.busy and not self.waiting and not self.running
+        return not self.busy and not self.waiting and not self.running and not self.in_transit
 
     def gauges(self) -> tuple[int, int]:
         """(running, waiting) as vllm:num_requests_running / _waiting would read now."""
         return len(self.running), len(self.waiting)
 
     def add(self, job: Job, now: float) -> None:
+        self.outstanding_tokens += job.prompt
+        self._arrive(job, now)
+
+    def send(self, job: Job, now: float, delay: float) -> None:
+        """The router sends `job`, which arrives `delay` later (`path.PathCosts.dispatch_s`); its tokens count
+        as outstanding from now on, as the router's in-flight count has them from the moment it sends."""
+        if delay <= 0:
+            self.add(job, now)
+            return
+        self.outstanding_tokens += job.prompt
+        self.in_transit += 1
+
+        def arrive(at: float) -> None:
+            self.in_transit -= 1
+            self._arrive(job, at)
+
+        self._schedule(now + delay, arrive)
+
+    def _arrive(self, job: Job, now: float) -> None:
         job.prefill_arrival = now
         self.waiting.append(job)
-        self.outstanding_tokens += job.prompt
         if not self.busy:
             self._plan(now)
 
@@ -165,7 +197,7 @@ class PrefillEngine:
             budget -= n
         if not items:
             self.busy = False
-            if self.on_idle is not None:
+            if self.on_idle is not None and not self.in_transit:
                 self.on_idle(now)
             return
         tokens = timing.max_num_batched_tokens - budget
@@ -212,8 +244,12 @@ class DecodeEngine:
         finished: Callable[[Job, float], None],
         first_token: Callable[[Job, float], None],
         itl: Callable[[float, int], None],
+        *,
+        kv_transfer: Callable[[int], float] | None = None,
     ) -> None:
         self.timing = timing
+        #: Seconds a PD pull takes beyond the modelled link time, per prompt (`path.PathCosts.kv_transfer`).
+        self._kv_extra = kv_transfer
         self._schedule = schedule
         self._finished = finished
         self._first_token = first_token
@@ -221,6 +257,8 @@ class DecodeEngine:
         self.waiting: deque[Job] = deque()
         self.joinable: deque[Job] = deque()
         self.pulling = 0
+        #: Requests the router has sent that have not arrived yet (`send`).
+        self.in_transit = 0
         self.batch = 0
         self.context = 0
         #: KV tokens held by requests outside the batch (pulling, pulled, joining this step).
@@ -242,12 +280,19 @@ class DecodeEngine:
 
     @property
     def idle(self) -> bool:
-        return not self.busy and self.batch == 0 and not self.waiting and not self.joinable and self.pulling == 0
+        return (
+            not self.busy
+            and self.batch == 0
+            and not self.waiting
+            and not self.joinable
+            and self.pulling == 0
+            and self.in_transit == 0
+        )
 
     @property
     def load(self) -> int:
-        """Requests on this engine (the router's in-flight count)."""
-        return self.batch + len(self._joining) + len(self.waiting) + len(self.joinable) + self.pulling
+        """Requests on this engine or on their way to it (the router's in-flight count)."""
+        return self.batch + len(self._joining) + len(self.waiting) + len(self.joinable) + self.pulling + self.in_transit
 
     def gauges(self) -> tuple[int, int, int, float]:
         """(running, waiting for capacity, waiting on KV, KV usage) as the engine's gauges read now."""
@@ -261,11 +306,25 @@ class DecodeEngine:
         if not self.busy:
             self._plan(now)
 
+    def send(self, job: Job, now: float, delay: float) -> None:
+        """The router sends `job`, which arrives `delay` later; it counts in `load` from now on."""
+        if delay <= 0:
+            self.add(job, now)
+            return
+        self.in_transit += 1
+
+        def arrive(at: float) -> None:
+            self.in_transit -= 1
+            self.add(job, at)
+
+        self._schedule(now + delay, arrive)
+
     def _kv_seconds(self, job: Job) -> float:
         timing = self.timing
+        extra = self._kv_extra(job.prompt) if self._kv_extra is not None else 0.0
         if timing.kv_link_bytes_per_second <= 0:
-            return 0.0
-        return job.prompt * timing.kv_model_bytes_per_token / timing.kv_link_bytes_per_second
+            return extra
+        return job.prompt * timing.kv_model_bytes_per_token / timing.kv_link_bytes_per_second + extra
 
     def _pulled(self, job: Job) -> Callable[[float], None]:
         def done(now: float) -> None:

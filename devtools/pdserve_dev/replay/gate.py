@@ -152,7 +152,7 @@ class ReplayGate:
             self._take(ticket, now)
             engine = decode.engine
             assert isinstance(engine, DecodeEngine)
-            engine.add(job, now)
+            engine.send(job, now, self.cluster.config.path.dispatch_s(job.route, job.prompt))
             return True
         prefill = self._room_on_prefill(ticket.tokens)
         if prefill is None:
@@ -162,7 +162,7 @@ class ReplayGate:
         self._reserved[decode.name] = self._reserved.get(decode.name, 0) + 1
         engine = prefill.engine
         assert isinstance(engine, PrefillEngine)
-        engine.add(job, now)
+        engine.send(job, now, self.cluster.config.path.dispatch_s("pd", job.prompt))
         return True
 
     def _room_on_prefill(self, tokens: int) -> Replica | None:
@@ -180,7 +180,7 @@ class ReplayGate:
                 best, engine = replica, candidate
         if best is None or engine is None:
             return None
-        load = EngineLoad(len(engine.waiting) + len(engine.running), engine.outstanding_tokens)
+        load = EngineLoad(len(engine.waiting) + len(engine.running) + engine.in_transit, engine.outstanding_tokens)
         return best if has_room("prefill", load, cost=tokens, budget=self.budget, replicas=1) else None
 
     def _room_on_decode(self) -> Replica | None:
@@ -204,6 +204,7 @@ class ReplayGate:
 
     def _take(self, ticket: Ticket[Job], now: float) -> None:
         self.queue.take(ticket, now)
+        ticket.item.dispatched = now
         self.cluster.jobs.append(ticket.item)
 
     def _drop(self) -> None:

@@ -95,8 +95,8 @@ class LiveOutcome:
     threshold_events: list[str] = field(default_factory=list)
     #: Seconds from each added pod's creation (as sampled) to the pool having that many Ready (`startup_delays`).
     startups: list[float] = field(default_factory=list)
-    #: Where the time went (`latency_breakdown`): name -> (p50, p90) seconds over the whole replay.
-    latencies: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    #: Where the time went (`latency_breakdown`): name -> (p50, p90, mean) seconds over the whole replay.
+    latencies: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
     #: time.monotonic() at the replay's time 0 (an answer's `started` less this is its arrival in the trace).
     began: float = 0.0
 
@@ -293,14 +293,18 @@ BREAKDOWN = (
     ("decode queue time", "vllm:request_queue_time_seconds", f',pod=~"{NAME}-decode-.*"'),
     ("KV transfer", "vllm:nixl_xfer_time_seconds", ""),
     ("decode ITL", "vllm:inter_token_latency_seconds", f',pod=~"{NAME}-decode-.*"'),
+    ("router's own share of its TTFT", "pdserve_router_added_latency_seconds", ""),
 )
 
 
-def latency_breakdown(prometheus: PrometheusHelper, seconds: float) -> dict[str, tuple[float | None, float | None]]:
-    """p50 and p90 of each hop (`BREAKDOWN`) over the last `seconds`, from the cluster's Prometheus: where a
-    closed loop's TTFT went, to set beside the replay's model of the same hops."""
+def latency_breakdown(
+    prometheus: PrometheusHelper, seconds: float
+) -> dict[str, tuple[float | None, float | None, float | None]]:
+    """p50, p90 and mean of each hop (`BREAKDOWN`) over the last `seconds`, from the cluster's Prometheus: where
+    a closed loop's TTFT went, to set beside the replay's model of the same hops. The quantiles are interpolated
+    within buckets; the mean (the histogram's sum over its count) is exact, and means add up along a path."""
     window = f"{math.ceil(seconds) + 5}s"
-    out: dict[str, tuple[float | None, float | None]] = {}
+    out: dict[str, tuple[float | None, float | None, float | None]] = {}
     for name, metric, extra in BREAKDOWN:
         selector = f'namespace="{NAMESPACE}"{extra}'
         quantiles = [
@@ -309,7 +313,9 @@ def latency_breakdown(prometheus: PrometheusHelper, seconds: float) -> dict[str,
             )
             for q in (0.5, 0.9)
         ]
-        out[name] = (quantiles[0], quantiles[1])
+        total, count = (f"sum(increase({metric}_{part}{{{selector}}}[{window}]))" for part in ("sum", "count"))
+        mean = prometheus.value(f"{total} / {count}")
+        out[name] = (quantiles[0], quantiles[1], mean)
     return out
 
 
