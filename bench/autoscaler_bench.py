@@ -667,6 +667,7 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     static_gpu = 0.0
     replayed_jobs: list[Job] = []
+    replayed_thresholds: list[tuple[float, int]] = []
     for policy in POLICIES:
         scaler = make_scaler(
             policy, model, bounds, (peak_p, peak_d), warmup_s=float(LIVE_WARMUP_S), window_s=LIVE_WINDOW_S
@@ -692,6 +693,7 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         results.append({**result, "mode": "discrete-event"})
         if policy == LIVE_POLICY:
             replayed_jobs = outcome.jobs
+            replayed_thresholds = outcome.thresholds
 
     began = time.perf_counter()
     live = run_live(
@@ -746,6 +748,19 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             f"   cluster pods from creation to Ready: median {_quantile(live.startups, 0.5):.1f} s, most "
             f"{max(live.startups):.1f} s (the replay's start-up: {LIVE_STARTUP_S:.0f} s)"
         )
+    log(
+        "   threshold changes, seconds: status "
+        + " ".join(f"{at:.1f}:{v}" for at, v in live.thresholds[:8])
+        + " | router "
+        + " ".join(f"{at:.1f}:{v}" for at, v in live.router_thresholds[:8])
+        + f" | replay of {LIVE_POLICY} "
+        + " ".join(f"{at:.1f}:{v}" for at, v in replayed_thresholds[:8])
+    )
+    if live.routable:
+        log(
+            f"   cluster pods from creation to the router's use: median {_quantile(live.routable, 0.5):.1f} s, most "
+            f"{max(live.routable):.1f} s"
+        )
     modelled = replay_latencies(replayed_jobs)
     measured = {**client_latencies(live.answers), **live.latencies}
     log(f"   where the time went, p50 / p90 / mean (cluster | replay of {LIVE_POLICY}):")
@@ -767,6 +782,12 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         "agreement": agreement,
         "attainment_by_window": {"window_s": LIVE_WINDOW_REPORT_S, **by_window},
         "cluster_startup_s": live.startups,
+        "cluster_routable_s": live.routable,
+        "thresholds": {
+            "cluster_status": live.thresholds,
+            "cluster_router": live.router_thresholds,
+            "replay": replayed_thresholds,
+        },
         "cluster_latencies_s": {
             hop: {"p50": p50, "p90": p90, "mean": mean} for hop, (p50, p90, mean) in measured.items()
         },

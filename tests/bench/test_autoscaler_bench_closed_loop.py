@@ -106,6 +106,10 @@ def test_start_up_delays_are_measured_per_added_pod() -> None:
     ready = [(0.0, 1, 1), (1.0, 1, 1), (2.0, 2, 1), (3.0, 3, 1), (4.0, 2, 1)]
     # Prefill's 2nd and 3rd pods were Ready 1 s and 2 s after they were seen; decode's 2nd never was.
     assert startup_delays(existing, ready) == [1.0, 2.0]
+    # The router's view is sampled on its own clock: its times decide, not the pods' samples' indices.
+    existing = [(0.0, 1, 1), (1.0, 1, 1), (2.0, 1, 1), (3.0, 1, 1), (4.0, 2, 1), (5.0, 2, 1)]
+    routed = [(0.0, 1, 1), (4.6, 2, 1)]
+    assert startup_delays(existing, routed) == [0.6]
 
 
 def test_the_replays_hops_are_read_from_its_requests_times(bench: ModuleType) -> None:
@@ -134,3 +138,17 @@ def test_the_closed_loops_client_ttft_is_read_per_route(bench: ModuleType) -> No
     spread = bench.client_latencies(answers)
     assert spread["client TTFT, PD route"] == (pytest.approx(0.4), pytest.approx(0.4), pytest.approx(0.3))
     assert spread["client TTFT, decode only"][2] == pytest.approx(0.03)
+
+
+def test_each_requests_outcome_is_set_beside_its_replay(bench: ModuleType) -> None:
+    requests = [Request(0.0, 3000, 10), Request(0.5, 100, 10)]
+    answers = [Answer(10.5, 0.03, 0.3, 10, "decode-only"), Answer(10.0, 0.4, 1.0, 10, "pd")]
+    replayed = [Job(requests[1], "decode-only"), Job(requests[0], "pd")]
+    replayed[0].first_token, replayed[1].first_token = 0.52, 0.2
+    rows = bench.per_request(requests, answers, replayed)
+    assert [row[:3] for row in rows] == [[0.0, 3000, 10], [0.5, 100, 10]]
+    assert [row[3] for row in rows] == [0.4, 0.03], "answers are matched in the order they were sent"
+    assert [row[6] for row in rows] == [0.2, 0.02]
+    assert [row[8] for row in rows] == ["pd", "decode-only"]
+    # A failed request leaves one answer fewer: no cluster column rather than a wrong one.
+    assert all(row[3] is None for row in bench.per_request(requests, answers[:1], replayed))

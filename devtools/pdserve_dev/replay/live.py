@@ -23,12 +23,14 @@ The caller runs in a network namespace with only loopback (the cluster's pod add
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import shutil
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ from pdserve_dev.process_node.node import SELECTOR, TOLERATION
 from pdserve_dev.replay.trace import Request
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.load import Answer, Load
+from pdserve_dev.testing.metrics import series
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.prometheus import PrometheusHelper
 from pdserve_dev.testing.wait import wait_for
@@ -93,8 +96,14 @@ class LiveOutcome:
     #: threshold the operator published (`status.disaggregationThreshold.tokens`).
     thresholds: list[tuple[float, int]] = field(default_factory=list)
     threshold_events: list[str] = field(default_factory=list)
+    #: (seconds since the first arrival, tokens) of the threshold the router uses
+    #: (`pdserve_router_disaggregation_threshold`, read every 0.2 s), from the start and at every change.
+    router_thresholds: list[tuple[float, int]] = field(default_factory=list)
     #: Seconds from each added pod's creation (as sampled) to the pool having that many Ready (`startup_delays`).
     startups: list[float] = field(default_factory=list)
+    #: Seconds from each added pod's creation to the router having that many of the pool's engines up (its
+    #: `pdserve_router_endpoint_up`, read every 0.2 s): Ready, then the EndpointSlice, then the router's watch.
+    routable: list[float] = field(default_factory=list)
     #: Where the time went (`latency_breakdown`): name -> (p50, p90, mean) seconds over the whole replay.
     latencies: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
     #: time.monotonic() at the replay's time 0 (an answer's `started` less this is its arrival in the trace).
@@ -233,8 +242,31 @@ async def _replay(
                     thresholds.append((at, tokens))
             stop.wait(1.0)
 
+    routed: list[tuple[float, int, int]] = []
+    router_thresholds: list[tuple[float, int]] = []
+    metrics_url = base.rsplit(":", 1)[0] + ":9090/metrics"
+
+    def sample_router() -> None:
+        # Which engines the router uses: its own endpoint gauges, read often (a pod is routable only from here on).
+        while not stop.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(metrics_url, timeout=1.0) as response:
+                    text = response.read().decode()
+                up = [
+                    sum(1 for labels, value in series(text, "pdserve_router_endpoint_up", role=role) if value == 1)
+                    for role in ROLES
+                ]
+                at = time.monotonic() - began
+                routed.append((at, up[0], up[1]))
+                used = [int(value) for _, value in series(text, "pdserve_router_disaggregation_threshold")]
+                if used and (not router_thresholds or router_thresholds[-1][1] != used[0]):
+                    router_thresholds.append((at, used[0]))
+            stop.wait(0.2)
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    router_sampler = threading.Thread(target=sample_router, daemon=True)
+    router_sampler.start()
     async with Load(base, MODEL, seed=11) as load:
         for request in requests:
             delay = request.arrival - (time.monotonic() - began)
@@ -244,6 +276,7 @@ async def _replay(
         await load.close(drain=True, within=120.0)
     stop.set()
     sampler.join(5)
+    router_sampler.join(5)
     elapsed = time.monotonic() - began
     gpu_seconds = sum((p + d) * (timeline[i + 1][0] - t) for i, (t, p, d) in enumerate(timeline[:-1]))
     messages, threshold_messages = (_events(helper, reason) for reason in ("Scaled", "DisaggregationThreshold"))
@@ -265,19 +298,22 @@ async def _replay(
         threshold_events=threshold_messages,
         began=began,
         startups=startup_delays(timeline, ready_timeline),
+        routable=startup_delays(timeline, routed),
+        router_thresholds=router_thresholds,
     )
 
 
 def startup_delays(existing: Sequence[tuple[float, int, int]], ready: Sequence[tuple[float, int, int]]) -> list[float]:
     """Seconds from a pool growing (its existing pods sampled one more) to as many pods Ready, per added pod
-    that became Ready within the replay: what the replay's `startup_s` stands for, measured."""
+    that became Ready within the replay: what the replay's `startup_s` stands for, measured. `ready` may be
+    sampled at other times than `existing` (the router's view of the engines is)."""
     delays: list[float] = []
     for pool in (1, 2):
         for index in range(1, len(existing)):
             before, now = int(existing[index - 1][pool]), int(existing[index][pool])
             at = existing[index][0]
             for count in range(before + 1, now + 1):
-                when = next((t for t, *counts in ready[index:] if counts[pool - 1] >= count), None)
+                when = next((t for t, *counts in ready if t >= at and counts[pool - 1] >= count), None)
                 if when is not None:
                     delays.append(round(when - at, 1))
     return delays

@@ -78,13 +78,15 @@ class PathCosts:
 
 IDEAL = PathCosts()
 
-#: The closed loop's path on loopback (`bench/path_costs.py --repeat 5`, 2026-12-03, the 2-core development
-#: machine idle but for it): least-squares lines over the medians of 5 requests at each of 256-12000 prompt tokens
-#: (PD) and 16-1024 (decode-only), measured less the replay's own times for the same request.
+#: The closed loop's path on loopback (`bench/path_costs.py --repeat 10`, 2026-12-03 21:55 UTC, the 2-core development
+#: machine idle but for it): least-squares lines over the medians of 10 requests at each of 256-12000 prompt tokens
+#: (PD) and 16-1024 (decode-only), measured less the replay's own times for the same request. Three runs of it
+#: (3, 5, 10 requests per length) put a 3000-token PD request's hops at 19.0-20.3 ms. Left out: the engines' own
+#: excess over their model (0.4 ms prefill, 0.8 ms decode: the simulators' event loops), within the noise.
 LOOPBACK = PathCosts(
-    router=Hop(0.00056, 0.033e-6),
-    engine_requests=Hop(0.00097, 3.308e-6),
-    decode_request=Hop(0.00098, 1.176e-6),
-    kv_transfer=Hop(0.00057, 1.872e-6),
-    client=Hop(0.00127, 0.015e-6),
+    router=Hop(0.00054, 0.048e-6),
+    engine_requests=Hop(0.00140, 3.117e-6),
+    decode_request=Hop(0.00095, 1.447e-6),
+    kv_transfer=Hop(0.00253, 0.890e-6),
+    client=Hop(0.00144, 0.029e-6),
 )
