@@ -43,8 +43,12 @@ very same requests with the same SLO (TTFT 300 ms / ITL 40 ms p90), bounds, tick
 and scale-down window (30 s). The closed loop must agree with the replay of pdserve-threshold (`check_agreement`:
 attainment within 3 points, the pools and the threshold moving the same way; exit status 1 otherwise). ``--only ""``
 with ``--cluster`` runs the closed loop alone. It prints the cluster's pod start-up beside the replay's (10 s,
-measured), attainment per 10 s of arrivals and each hop's p50/p90 from the cluster's Prometheus beside the replay's:
-where the two differ. It runs in real time (about four minutes with the cluster's start) and on this machine's CPUs,
+measured), attainment per 10 s of arrivals, the client's TTFT per route and each hop's p50/p90/mean from the
+cluster's Prometheus beside the replay's: where the two differ (the JSON has every request's outcome in both). The
+closed loop's replay charges the hops of the loop's own path beyond the engines' cost model (the router, the PD
+route's two engine requests, the simulator's KV socket, the client: `pdserve_dev.replay.path.LOOPBACK`, measured on
+loopback by `bench/path_costs.py`); the scenarios' replays model an H200 service and charge none (`IDEAL`).
+It runs in real time (about four minutes with the cluster's start) and on this machine's CPUs,
 which also run every engine, the router and the load: a check that the loop in the product behaves as the model of
 it does, not a measurement at scale.
 

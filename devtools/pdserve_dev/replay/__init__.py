@@ -11,6 +11,8 @@ takes seconds, and the same replay can be run under several scaling policies.
   (`pdserve_sim.presets.TimingParams.step_seconds`) and the scheduling rules of `pdserve_sim.engine`
   (chunked prefill under a token budget, max_num_seqs, KV blocks, a PD request's KV pull outside the batch and
   its one-token prefill step on joining), at request granularity: a step costs O(requests that join or leave).
+- `path`: what a request's path costs beyond the engines' steps (router, engine requests, KV socket, client),
+  per hop; none for the H200 scenarios, measured on loopback for the closed loop's replay.
 - `cluster`: the service: router (PD for long prompts, decode-only for short ones), pools whose replicas start,
   serve, drain and go, the control ticks, GPU-seconds and per-request outcomes.
 - `observe`: the signals a tick sees, in the autoscaler's own `ServiceSignals` types (windowed rates and
