@@ -344,6 +344,15 @@ class PickerConfig(_Model):
     grpc_port: int = Field(
         default=EffectiveGateway.picker_port, ge=1, le=65535, description="ext_proc and gRPC health port."
     )
+    link_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "Loopback port of the link the relay (pdserve-picker-relay, beside the picker in its pod) sends "
+            "ext_proc messages over; 0: no link (the gateway talks to the picker's gRPC port itself)."
+        ),
+    )
     target_port: int | None = Field(
         default=None,
         ge=1,

@@ -30,6 +30,9 @@ def _logging(level: str) -> None:
 
 @click.command("picker")
 @click.option("--grpc-port", type=int, default=None, help="ext_proc and gRPC health port (default 9002).")
+@click.option(
+    "--link-port", type=int, default=None, help="Loopback port for pdserve-picker-relay (default 0: no link)."
+)
 @click.option("--target-port", type=int, default=None, help="Decode pods' sidecar port (default: the engine's).")
 @click.option("--fallback-endpoints", type=int, default=None, help="Further decode endpoints listed after the pick.")
 @click.option(
@@ -42,6 +45,7 @@ def _logging(level: str) -> None:
 @click_options(ROWS, shown=shown_default)
 def picker(
     grpc_port: int | None,
+    link_port: int | None,
     target_port: int | None,
     fallback_endpoints: int | None,
     max_in_flight: int | None,
@@ -57,6 +61,7 @@ def picker(
         name: value
         for name, value in (
             ("grpc_port", grpc_port),
+            ("link_port", link_port),
             ("target_port", target_port),
             ("fallback_endpoints", fallback_endpoints),
             ("max_in_flight_per_decode", max_in_flight),
@@ -82,9 +87,9 @@ async def _serve_picker(config: RouterConfig, settings: PickerConfig) -> None:
     grpc_port = await app.start()
     gc.collect()
     gc.freeze()
-    log.info("Started picker host=%s grpc_port=%d http_port=%d metrics_port=%d discovery=%s target_port=%s",
-             config.host, grpc_port, app.http_port, app.core.metrics_port, config.discovery,
-             settings.target_port)  # fmt: skip
+    log.info("Started picker host=%s grpc_port=%d link_port=%d http_port=%d metrics_port=%d discovery=%s "
+             "target_port=%s", config.host, grpc_port, app.link.port, app.http_port, app.core.metrics_port,
+             config.discovery, settings.target_port)  # fmt: skip
     await stop.wait()
     await app.stop(config.shutdown_grace_seconds)
 

@@ -165,7 +165,7 @@ class EndpointPicker:
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ProcessingResponse]:
         """One request's ext_proc stream (`ExternalProcessor.Process`)."""
-        stream = _Stream(self)
+        stream = PickerStream(self)
         try:
             async for message in requests:
                 for answer in stream.handle(message):
@@ -175,8 +175,11 @@ class EndpointPicker:
 
 
 @dataclass(slots=True)
-class _Stream:
-    """The state of one ext_proc stream: what was received, what was picked, what is held."""
+class PickerStream:
+    """The state of one ext_proc stream: what was received, what was picked, what is held.
+
+    Transport-free: `handle` takes one message and returns its answers, for the gRPC servicer and the relay's
+    link (`link.py`) alike."""
 
     picker: EndpointPicker
     headers: dict[str, str] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """Wiring of the gateway path's two processes: the endpoint picker and the PD sidecar.
 
 `PickerApp`: the router's core (`RouterApp` without its generation routes: the same endpoint table, discovery,
-prefix tracker, scheduler, prober and metrics) plus a gRPC server with Envoy's ext_proc service and gRPC health.
+prefix tracker, scheduler, prober and metrics) plus a gRPC server with Envoy's ext_proc service and gRPC health,
+and, with `link_port`, the loopback link of the Go relay that serves ext_proc in front of it (`link.py`).
 Its HTTP port serves `/health` and `/ready`, its metrics port (the router's) `/metrics`. Health, as the extension's
 protocol names the services: `liveness` is SERVING while the process runs; `readiness` and
 `envoy.service.ext_proc.v3.ExternalProcessor` are SERVING while at least one decode engine is usable (re-read every
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdserve.api.router_config import PickerConfig, RouterConfig
+from pdserve_runtime.gateway.link import LinkServer
 from pdserve_runtime.gateway.picker import SERVICE_NAME, EndpointPicker
 from pdserve_runtime.gateway.proto import ext_proc_pb2 as pb
 from pdserve_runtime.gateway.sidecar import SidecarProxy, sidecar_config
@@ -55,6 +57,7 @@ class PickerApp:
         )
         self.grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"Process": handler}),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        self.link = LinkServer(self.picker, limit)
         self._health_task: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.http_port = 0
@@ -74,6 +77,8 @@ class PickerApp:
         shown = f"[{bind}]" if ":" in bind else bind
         self.grpc_port = self.grpc.add_insecure_port(f"{shown}:{port}")
         await self.grpc.start()
+        if self.settings.link_port:
+            await self.link.start(self.settings.link_port)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._update_readiness()
         self._health_task = asyncio.create_task(self._readiness_loop(), name="pdserve-picker-readiness")
@@ -85,6 +90,7 @@ class PickerApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         await self.health.enter_graceful_shutdown()
+        await self.link.stop()
         await self.grpc.stop(grace)
         await self.core.stop(grace)
 
