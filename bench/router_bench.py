@@ -589,6 +589,11 @@ def main() -> None:
     )
     parser.add_argument("--gateway-prompt-tokens", type=int, default=4096, help="gateway: unique prompt length")
     parser.add_argument("--gateway-itl", type=float, default=0.02, help="gateway: the decode mock's inter-token gap")
+    parser.add_argument(
+        "--gateway-without-relay",
+        action="store_true",
+        help="gateway: also measure Envoy talking to the picker's gRPC service directly (no relay)",
+    )
     parser.add_argument("--cases", default="100,1k,4k,32k,4k-1,itl0", help="pd-long: which cases, comma-separated")
     parser.add_argument("--accuracy-requests", type=int, default=400, help="prefix-accuracy: requests to send")
     parser.add_argument(

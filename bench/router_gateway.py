@@ -12,9 +12,12 @@ backends, interleaved round by round (medians reported):
 
 - ``direct-pd``: the client runs the PD flow itself (prefill, then decode with the KV): the no-router baseline;
 - ``pdserve-pd``: pdserve's router (one process);
-- ``gateway-pd``: a real Envoy configured as a GIE gateway (ext_proc FULL_DUPLEX_STREAMED to pdserve's picker,
-  ORIGINAL_DST by `x-gateway-destination-endpoint`), the picker, and the PD sidecar beside the decode engine:
-  three processes, measured together (user+sys CPU from /proc).
+- ``gateway-pd``: a real Envoy configured as a GIE gateway (ext_proc FULL_DUPLEX_STREAMED to the picker's pod,
+  ORIGINAL_DST by `x-gateway-destination-endpoint`), pdserve-picker-relay and the picker behind it (what the
+  operator deploys), and the PD sidecar beside the decode engine: four processes, measured together (user+sys CPU
+  from /proc);
+- ``gw-no-relay`` (with ``--gateway-without-relay``): the same with Envoy talking to the picker's own gRPC
+  ext_proc service (Python gRPC for every message), the path before the relay.
 
 Reported: TTFT p50/p99 and the added TTFT over direct-pd; path CPU per request (ms of CPU of the router, or of
 Envoy + picker + sidecar, per completed request). Floor (issue 22): gateway-pd's TTFT p50 at most 2 ms above
@@ -41,6 +44,7 @@ from bench.router_bench import (
     _wait_http,
     pdserve_router_command,
 )
+from pdserve_dev.relay import binary as relay_binary
 from pdserve_dev.testing.envoy import envoy_binary, gateway_bootstrap
 from pdserve_dev.testing.net import free_port
 
@@ -65,13 +69,18 @@ signal.pause()
 """
 
 
-def _gateway_path(prefill_url: str, decode_url: str, workdir: Path, cpus: set[int] | None) -> tuple[str, Proc]:
-    """Envoy + pdserve picker + PD sidecar; returns the gateway URL and their parent process."""
-    sidecar, sidecar_metrics, grpc, http, picker_metrics, listen, admin = (free_port() for _ in range(7))
+def _gateway_path(
+    prefill_url: str, decode_url: str, workdir: Path, cpus: set[int] | None, *, relay: bool
+) -> tuple[str, Proc]:
+    """Envoy + pdserve-picker-relay + pdserve picker + PD sidecar (`relay` False: Envoy talks to the picker's own
+    gRPC ext_proc service, the path before the relay); returns the gateway URL and their parent process."""
+    sidecar, sidecar_metrics, grpc, http, picker_metrics, listen, admin, link, relay_port = (
+        free_port() for _ in range(9)
+    )
     bootstrap = gateway_bootstrap(
         listen=("127.0.0.1", listen),
         admin=("127.0.0.1", admin),
-        picker=("127.0.0.1", grpc),
+        picker=("127.0.0.1", relay_port if relay else grpc),
         pool=[("127.0.0.1", sidecar)],
         failure_mode="FailClose",
     )
@@ -82,7 +91,10 @@ def _gateway_path(prefill_url: str, decode_url: str, workdir: Path, cpus: set[in
          "--metrics-port", str(sidecar_metrics), "--log-level", "warning"],
         [PY, "-m", "pdserve.cli", "picker", "--host", "127.0.0.1", "--port", str(http), "--grpc-port", str(grpc),
          "--metrics-port", str(picker_metrics), "--target-port", str(sidecar), "--prefill", prefill_url, "--decode",
-         decode_url, "--disaggregation-threshold", "0", "--served-model-name", "sim-model", "--log-level", "warning"],
+         decode_url, "--disaggregation-threshold", "0", "--served-model-name", "sim-model", "--log-level", "warning",
+         "--link-port", str(link if relay else 0)],
+        *([[str(relay_binary(lambda _line: None)), "--listen", f"127.0.0.1:{relay_port}", "--picker-link",
+            f"127.0.0.1:{link}", "--picker-grpc", f"127.0.0.1:{grpc}"]] if relay else []),
         [str(envoy_binary()), "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", "error"],
     ]  # fmt: skip
     proc = Proc([PY, "-c", _LAUNCHER, json.dumps(commands), json.dumps(sorted(cpus or ()))], None)
@@ -107,7 +119,8 @@ def _cpu_by_process(parent: int) -> dict[str, float]:
         except OSError:
             continue
         words = [word.decode(errors="replace") for word in argv]
-        role = next((w for w in ("picker", "sidecar") if w in words), "envoy" if "envoy" in words[0] else words[0])
+        named = "relay" if words[0].endswith("picker-relay") else "envoy" if "envoy" in words[0] else words[0]
+        role = next((w for w in ("picker", "sidecar") if w in words), named)
         shares[role] = shares.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return shares
 
@@ -135,13 +148,17 @@ def run_gateway(args: argparse.Namespace) -> int:
             procs.append(router)
             router_url = f"http://127.0.0.1:{router_port}"
             _wait_http(router_url, "/ready")
-            gateway_url, gateway = _gateway_path(prefill_url, decode_url, Path(tmp), path_cpus)
+            gateway_url, gateway = _gateway_path(prefill_url, decode_url, Path(tmp), path_cpus, relay=True)
             procs.append(gateway)
             targets = [
                 Target("direct-pd", decode_url, baseline=None, client_prefill=prefill_url),
                 Target("pdserve-pd", router_url, baseline="direct-pd", router=router),
                 Target("gateway-pd", gateway_url, baseline="direct-pd", router=gateway),
             ]
+            if args.gateway_without_relay:
+                plain_url, plain = _gateway_path(prefill_url, decode_url, Path(tmp), path_cpus, relay=False)
+                procs.append(plain)
+                targets.append(Target("gw-no-relay", plain_url, baseline="direct-pd", router=plain))
             rounds: dict[str, dict[int, list[dict[str, Any]]]] = {t.name: {lv: [] for lv in levels} for t in targets}
             for level in levels:
                 for index in range(args.rounds):
@@ -169,7 +186,7 @@ def _report(results: dict[str, dict[int, dict[str, Any]]], levels: list[int], ar
     ok = True
     for level in levels:
         base = results["direct-pd"][level]
-        for name in ("direct-pd", "pdserve-pd", "gateway-pd"):
+        for name in [name for name in ("direct-pd", "pdserve-pd", "gateway-pd", "gw-no-relay") if name in results]:
             r = results[name][level]
             added50, added99 = r["ttft_p50_ms"] - base["ttft_p50_ms"], r["ttft_p99_ms"] - base["ttft_p99_ms"]
             print(f"{name:<12}{level:>5}{r['ttft_p50_ms']:>10.2f}{r['ttft_p99_ms']:>9.2f}{added50:>8.2f}"

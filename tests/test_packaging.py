@@ -14,6 +14,9 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+import yaml
+
+from pdserve.api.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,3 +68,16 @@ def test_the_image_copies_no_development_tooling() -> None:
     copied = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ") and "--from" not in line]
     assert "devtools" not in copied and "tests" not in copied
     assert {"pdserve", "operator", "runtime", "sim"} <= set(copied)
+
+
+def test_the_image_holds_the_picker_relay_the_picker_pod_runs() -> None:
+    from pdserve_dev.testing.examples import POLICY
+    from pdserve_operator.render import render
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "COPY runtime/picker-relay ./" in dockerfile
+    assert "COPY --from=relay /out/pdserve-picker-relay /usr/local/bin/pdserve-picker-relay" in dockerfile
+    document = yaml.safe_load((ROOT / "examples" / "gateway" / "pdservice.yaml").read_text())
+    deployment = next(o for o in render(validate(document, POLICY)) if o["kind"] == "Deployment")
+    commands = [c["command"][0] for c in deployment["spec"]["template"]["spec"]["containers"]]
+    assert "pdserve-picker-relay" in commands

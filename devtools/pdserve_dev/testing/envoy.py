@@ -29,7 +29,7 @@ import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import aiohttp
 
@@ -220,6 +220,50 @@ async def run_envoy(
 
         await wait_for_async(ready, within=ready_within, message="Envoy's admin /ready")
         yield envoy
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 10.0)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+def _open_log(path: Path) -> BinaryIO:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.open("wb")
+
+
+@contextlib.asynccontextmanager
+async def run_relay(
+    listen: tuple[str, int], link: tuple[str, int], picker_grpc: tuple[str, int], workdir: Path
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """Start `pdserve-picker-relay` (built from this checkout) in front of a picker's link and gRPC health, wait
+    until it accepts connections, stop it by PID. Its log is `workdir/relay.log`."""
+    from pdserve_dev import relay
+
+    binary = await asyncio.to_thread(relay.binary, lambda _line: None)
+    log_path = workdir / "relay.log"
+    with await asyncio.to_thread(_open_log, log_path) as log:
+        process = await asyncio.create_subprocess_exec(
+            str(binary), "--listen", f"{listen[0]}:{listen[1]}", "--picker-link", f"{link[0]}:{link[1]}",
+            "--picker-grpc", f"{picker_grpc[0]}:{picker_grpc[1]}", stdout=log, stderr=log,
+        )  # fmt: skip
+    try:
+
+        async def listening() -> bool:
+            if process.returncode is not None:
+                raise RuntimeError(f"the relay exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                _, writer = await asyncio.open_connection(*listen)
+            except OSError:
+                return False
+            writer.close()
+            return True
+
+        await wait_for_async(listening, within=30.0, message="the relay's port")
+        yield process
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)

@@ -7,8 +7,10 @@ OpenAI-compatible endpoint, and pdserve supplies what the extension asks of a mo
   of the current kv-compat value, its target port the PD sidecar's, and its `endpointPickerRef` the picker's
   Service on the gRPC port, with the PDService's failure mode;
 - the picker: the router's own objects (ServiceAccount, Role, RoleBinding, ConfigMap, PodDisruptionBudget) with
-  the Deployment running `pdserve picker` instead of `pdserve router` (its own settings as flags: the gRPC port and
-  the decode pods' target port). Its Role is the router's least-privilege
+  the Deployment running `pdserve picker` instead of `pdserve router` (its own settings as flags: its pod-local
+  gRPC and link ports and the decode pods' target port) and, beside it, `pdserve-picker-relay` (Go), which serves
+  the gateway's ext_proc streams on the picker port and hands the picker only what it decides from (Python's gRPC
+  would cost a millisecond a message on the time to first token). Its Role is the router's least-privilege
   one (list/watch EndpointSlices, the one discovery ConfigMap): the picker discovers engines exactly as the
   router does. Its Service exposes the gRPC port (appProtocol `kubernetes.io/h2c`, which gateways read as
   cleartext HTTP/2) and the HTTP port of `/metrics`;
@@ -35,6 +37,7 @@ from pdserve_operator.render.objects import metadata
 
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 SIDECAR_CONTAINER = "pd-sidecar"
+RELAY_CONTAINER = "relay"
 SIDECAR_PORT_NAME = "pd-sidecar"
 GRPC_PORT_NAME = "grpc"
 # The appProtocol Gateway API implementations read as "cleartext HTTP/2" (GEP-1911); ext_proc is gRPC over it.
@@ -74,37 +77,59 @@ def inference_pool(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
     }
 
 
+def internal_ports(spec: EffectiveSpec) -> tuple[int, int]:
+    """The picker's own gRPC port (health, read by the relay) and its link port: pod-local, the first two from 9003
+    that no other port of the pod takes."""
+    taken = {spec.router.gateway.picker_port, spec.router.port, router.metrics_port(spec)}
+    free = (port for port in range(9003, 65536) if port not in taken)
+    return next(free), next(free)
+
+
+def relay_container(spec: EffectiveSpec, picker_grpc: int, link: int) -> dict[str, Any]:
+    """`pdserve-picker-relay`: the gateway's ext_proc streams on the picker's port, relayed to the picker's link.
+
+    It answers what needs no decision (response headers and bodies, the request body's echo) and serves the
+    extension's gRPC health: liveness its own, readiness the picker's."""
+    port = spec.router.gateway.picker_port
+    return {
+        "name": RELAY_CONTAINER,
+        "image": spec.router.image,
+        "command": ["pdserve-picker-relay"],
+        "args": [
+            f"--listen=:{port}",
+            f"--picker-link=:{link}",  # no host: the pod's own (loopback)
+            f"--picker-grpc=:{picker_grpc}",
+        ],
+        "ports": [{"name": GRPC_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
+        # The extension's health services: liveness while the relay runs, readiness while the picker can pick.
+        "readinessProbe": {"grpc": {"port": port, "service": "readiness"}, "periodSeconds": 2, "failureThreshold": 2},
+        "livenessProbe": {"grpc": {"port": port, "service": "liveness"}, "periodSeconds": 10, "failureThreshold": 3},
+        "securityContext": dict(RESTRICTED_NON_ROOT),
+    }
+
+
 def picker_deployment(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
-    """The router's Deployment running `pdserve picker`, with the gRPC port and gRPC health probes."""
+    """The router's Deployment running `pdserve picker` beside `pdserve-picker-relay`, which takes the gRPC port."""
     obj = copy.deepcopy(router.deployment(pds, spec))
     pod = obj["spec"]["template"]["spec"]
     container = pod["containers"][0]
     container["name"] = "picker"
     container["command"] = ["pdserve", "picker"]
     # Its own settings are flags (the ConfigMap is the router's, shared as is): decode pods are reached on the
-    # sidecar's port.
-    gateway = spec.router.gateway
+    # sidecar's port; the relay reaches it on pod-local ports.
+    picker_grpc, link = internal_ports(spec)
     container["args"] = [
         *container["args"],
         "--grpc-port",
-        str(gateway.picker_port),
+        str(picker_grpc),
+        "--link-port",
+        str(link),
         "--target-port",
-        str(gateway.sidecar_port),
+        str(spec.router.gateway.sidecar_port),
     ]
-    container["ports"].append(
-        {"name": GRPC_PORT_NAME, "containerPort": spec.router.gateway.picker_port, "protocol": "TCP"}
-    )
-    # The extension's health services: liveness while the process runs, readiness while it can pick.
-    container["readinessProbe"] = {
-        "grpc": {"port": spec.router.gateway.picker_port, "service": "readiness"},
-        "periodSeconds": 2,
-        "failureThreshold": 2,
-    }
-    container["livenessProbe"] = {
-        "grpc": {"port": spec.router.gateway.picker_port, "service": "liveness"},
-        "periodSeconds": 10,
-        "failureThreshold": 3,
-    }
+    container.update(http_probes("http"))
+    pod["containers"].append(relay_container(spec, picker_grpc, link))
     return obj
 
 

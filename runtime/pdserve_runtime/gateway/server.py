@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdserve.api.router_config import PickerConfig, RouterConfig
+from pdserve.api.settings import BIND_HOST_ENV
 from pdserve_runtime.gateway.link import LinkServer
 from pdserve_runtime.gateway.picker import SERVICE_NAME, EndpointPicker
 from pdserve_runtime.gateway.proto import ext_proc_pb2 as pb
@@ -29,6 +31,12 @@ from pdserve_runtime.router.app import RouterApp
 from pdserve_runtime.router.discovery import Discovery
 
 _HEALTH_INTERVAL = 0.5
+
+
+def pod_local_host() -> str:
+    """Where the relay's link listens: loopback, or $PDSERVE_BIND_HOST where pods share one network namespace and
+    each listens on its own address (the process node); the relay dials the same (`podLocal` in its main.go)."""
+    return os.environ.get(BIND_HOST_ENV) or "127.0.0.1"
 LIVENESS = "liveness"
 READINESS = "readiness"
 # Headroom above the body limit for the gRPC message that carries a whole request body back to the gateway.
@@ -78,7 +86,7 @@ class PickerApp:
         self.grpc_port = self.grpc.add_insecure_port(f"{shown}:{port}")
         await self.grpc.start()
         if self.settings.link_port:
-            await self.link.start(self.settings.link_port)
+            await self.link.start(self.settings.link_port, pod_local_host())
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._update_readiness()
         self._health_task = asyncio.create_task(self._readiness_loop(), name="pdserve-picker-readiness")

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from pdserve.api.validation import validate
@@ -60,15 +61,36 @@ def test_the_pool_selects_current_decode_pods_on_the_sidecar_port_and_names_the_
 def test_the_picker_runs_in_the_routers_deployment_with_the_routers_role() -> None:
     gateway, plain = objects(), objects(mode="router")
     deployment = find(gateway, "Deployment", "llama-router")
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container, relay = deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["pdserve", "picker"]
-    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
-    assert container["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # The gateway's port is the relay's; the picker listens pod-locally beside it.
+    assert relay["command"] == ["pdserve-picker-relay"]
+    assert relay["ports"] == [{"name": "grpc", "containerPort": 9002, "protocol": "TCP"}]
+    assert relay["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert relay["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    assert relay["args"] == ["--listen=:9002", "--picker-link=:9004", "--picker-grpc=:9003"]
+    assert relay["securityContext"]["runAsNonRoot"] is True
     # Least privilege: exactly the router's Role (list/watch EndpointSlices), nothing for the gateway path.
     assert find(gateway, "Role", "llama-router") == find(plain, "Role", "llama-router")
-    assert container["args"][-4:] == ["--grpc-port", "9002", "--target-port", "8100"]
+    assert container["args"][-6:] == ["--grpc-port", "9003", "--link-port", "9004", "--target-port", "8100"]
     # The config is the router's, unchanged: the picker discovers and scores engines exactly as the router does.
     assert find(gateway, "ConfigMap", "llama-router") == find(plain, "ConfigMap", "llama-router")
+
+
+@pytest.mark.parametrize(
+    ("picker_port", "router_port", "expected"), [(9002, 8080, (9003, 9004)), (9003, 9004, (9005, 9006))]
+)
+def test_the_pickers_pod_local_ports_take_no_port_of_its_pod(
+    picker_port: int, router_port: int, expected: tuple[int, int]
+) -> None:
+    rendered = objects(port=router_port, gateway={"pickerPort": picker_port})
+    containers = find(rendered, "Deployment", "llama-router")["spec"]["template"]["spec"]["containers"]
+    declared = {port["containerPort"] for container in containers for port in container["ports"]}
+    args = containers[0]["args"]
+    local = (int(args[args.index("--grpc-port") + 1]), int(args[args.index("--link-port") + 1]))
+    assert local == expected
+    assert not declared & set(local)
 
 
 def test_decode_pods_get_the_sidecar_and_prefill_pods_do_not() -> None:

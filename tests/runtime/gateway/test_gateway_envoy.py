@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from pdserve.api.router_config import PickerConfig, RouterConfig
-from pdserve_dev.testing.envoy import BodyMode, EnvoyProcess, FailureMode, gateway_bootstrap, run_envoy
+from pdserve_dev.testing.envoy import BodyMode, EnvoyProcess, FailureMode, gateway_bootstrap, run_envoy, run_relay
 from pdserve_dev.testing.metrics import metric_value, scrape
 from pdserve_dev.testing.net import free_port, free_ports
 from pdserve_dev.testing.sim import SimHandle, requests_seen, set_faults, sim_in_process, sim_server_in_process
@@ -55,8 +55,11 @@ async def gateway(
     failure_mode: FailureMode = "FailClose",
     picker: bool = True,
     body_mode: BodyMode = "full-duplex",
+    relay: bool = True,
     **picker_settings: Any,
 ) -> AsyncIterator[Gateway]:
+    """The gateway path; `relay`: Envoy talks to pdserve-picker-relay, which talks to the picker's link (what the
+    operator deploys), else to the picker's own gRPC ext_proc service."""
     sidecar_port = free_port()
     async with contextlib.AsyncExitStack() as stack:
         prefill = await stack.enter_async_context(
@@ -74,7 +77,7 @@ async def gateway(
             await app.start(decode.host, sidecar_port, metrics_port=0)
             stack.push_async_callback(app.stop)
             sidecars.append(app)
-        grpc_port, http_port, listen, admin = free_ports(4)
+        grpc_port, http_port, listen, admin, link_port, relay_port = free_ports(6)
         app_picker = None
         if picker:
             config = RouterConfig(
@@ -84,14 +87,20 @@ async def gateway(
                 static_decode=[d.url for d in decodes],
                 engine_metrics_interval_seconds=0.0,
             )
-            settings = PickerConfig(grpc_port=grpc_port, target_port=sidecar_port, **picker_settings)
+            settings = PickerConfig(
+                grpc_port=grpc_port, link_port=link_port if relay else 0, target_port=sidecar_port, **picker_settings
+            )
             app_picker = PickerApp(config, settings)
             await app_picker.start("127.0.0.1", grpc_port, http_port, metrics_port=0)
             stack.push_async_callback(app_picker.stop)
+        if relay:
+            await stack.enter_async_context(
+                run_relay(("127.0.0.1", relay_port), ("127.0.0.1", link_port), ("127.0.0.1", grpc_port), tmp_path)
+            )
         bootstrap = gateway_bootstrap(
             listen=("127.0.0.1", listen),
             admin=("127.0.0.1", admin),
-            picker=("127.0.0.1", grpc_port),
+            picker=("127.0.0.1", relay_port if relay else grpc_port),
             pool=[(h, sidecar_port) for h in DECODE_HOSTS],
             failure_mode=failure_mode,
             body_mode=body_mode,
@@ -100,11 +109,12 @@ async def gateway(
         yield Gateway(envoy, app_picker, prefill, decodes, sidecars, servers)
 
 
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "picker-grpc"])
 @pytest.mark.parametrize("body_mode", ["full-duplex", "buffered"])
 async def test_long_prompts_take_pd_through_the_sidecar_and_short_ones_go_decode_only(
-    tmp_path: Path, body_mode: BodyMode
+    tmp_path: Path, body_mode: BodyMode, relay: bool
 ) -> None:
-    async with gateway(tmp_path, body_mode=body_mode) as gw, aiohttp.ClientSession() as session:
+    async with gateway(tmp_path, body_mode=body_mode, relay=relay) as gw, aiohttp.ClientSession() as session:
         body = {"model": "sim-model", "prompt": LONG, "max_tokens": 8, "stream": True}
         async with session.post(gw.envoy.url + "/v1/completions", json=body) as response:
             text = await response.text()
