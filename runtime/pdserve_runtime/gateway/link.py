@@ -15,9 +15,10 @@ Frames, both ways: stream id (uint32, big endian), kind (uint8), payload length 
                  picker -> relay: the same stream id back, after the stream's last answer
     ERROR   (3)  picker -> relay: the stream failed (UTF-8 reason); the relay fails Envoy's stream (failure mode)
 
-A frame longer than `max_frame_bytes` or of an unknown kind ends the connection (its streams are released), as
-does the connection's loss. The link listens on loopback only: whoever can reach it decides picks, so only
-processes of the picker's own pod may.
+A MESSAGE longer than `max_frame_bytes` is discarded as it arrives and its stream answered 413 (the body limit's
+answer; the connection and its other streams go on). A frame of an unknown kind ends the connection (its streams
+are released), as does the connection's loss. The link listens pod-locally (loopback, or the pod's own address
+where pods share a network namespace): whoever can reach it decides picks.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class LinkProtocol(asyncio.Protocol):
         self.on_lost = on_lost
         self.streams: dict[int, PickerStream] = {}
         self.buffer = bytearray()
+        self.skipping = 0  # bytes of a frame over the limit still to discard
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -63,12 +65,26 @@ class LinkProtocol(asyncio.Protocol):
         view = memoryview(self.buffer)
         offset, out = 0, bytearray()
         try:
-            while len(view) - offset >= HEADER.size:
+            while True:
+                if self.skipping:  # the rest of a frame too long to read
+                    skipped = min(self.skipping, len(view) - offset)
+                    offset += skipped
+                    self.skipping -= skipped
+                    if self.skipping:
+                        break
+                if len(view) - offset < HEADER.size:
+                    break
                 stream_id, kind, length = HEADER.unpack_from(view, offset)
-                if length > self.max_frame_bytes or kind not in (MESSAGE, END):
+                if kind not in (MESSAGE, END):
                     log.warning("Closing a picker link: frame of kind %d and %d bytes", kind, length)
                     self.abort()
                     return
+                if length > self.max_frame_bytes:
+                    # One request too large for the link is that request's 413, not every stream's loss.
+                    offset += HEADER.size
+                    self.skipping = length
+                    out += self._too_large(stream_id)
+                    continue
                 end = offset + HEADER.size + length
                 if len(view) < end:
                     break
@@ -80,6 +96,14 @@ class LinkProtocol(asyncio.Protocol):
         del self.buffer[:offset]
         if out and self.transport is not None:
             self.transport.write(out)
+
+    def _too_large(self, stream_id: int) -> bytes:
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            stream = self.streams[stream_id] = PickerStream(self.picker)
+        if stream.refused:
+            return b""
+        return frame(stream_id, MESSAGE, stream.too_large().SerializeToString())
 
     def _frame(self, stream_id: int, kind: int, payload: bytes) -> bytes:
         if kind == END:

@@ -217,9 +217,7 @@ class PickerStream:
             self.body += chunk.body
             self.request_chunks += 1
             if len(self.body) > self.picker.config.max_request_body_bytes:
-                self.refused = True
-                limit = self.picker.config.max_request_body_bytes
-                return [self._refuse(Refusal(413, f"the request body exceeds {limit} bytes"))]
+                return [self.too_large()]
             if not chunk.end_of_stream:
                 return []
             answer = self._decide(bytes(self.body))
@@ -245,6 +243,12 @@ class PickerStream:
             self.close()
             return [protocol.continue_trailers("response_trailers")]
         return []
+
+    def too_large(self) -> pb.ProcessingResponse:
+        """The 413 for a body over the limit (from here, or from a link frame too long to read)."""
+        self.refused = True
+        limit = self.picker.config.max_request_body_bytes
+        return self._refuse(Refusal(413, f"the request body exceeds {limit} bytes"))
 
     def _decide(self, raw: bytes) -> pb.ProcessingResponse:
         picker = self.picker
