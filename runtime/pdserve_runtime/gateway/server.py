@@ -37,6 +37,8 @@ def pod_local_host() -> str:
     """Where the relay's link listens: loopback, or $PDSERVE_BIND_HOST where pods share one network namespace and
     each listens on its own address (the process node); the relay dials the same (`podLocal` in its main.go)."""
     return os.environ.get(BIND_HOST_ENV) or "127.0.0.1"
+
+
 LIVENESS = "liveness"
 READINESS = "readiness"
 # Headroom above the body limit for the gRPC message that carries a whole request body back to the gateway.
