@@ -57,7 +57,8 @@ import os, signal, subprocess, sys, json
 cpus = json.loads(sys.argv[2])
 if cpus:
     os.sched_setaffinity(0, cpus)  # before the children start: they inherit it
-children = [subprocess.Popen(argv) for argv in json.loads(sys.argv[1])]
+# GOMAXPROCS=1 for the relay, as the operator renders its container (the Python and Envoy processes ignore it).
+children = [subprocess.Popen(argv, env={**os.environ, "GOMAXPROCS": "1"}) for argv in json.loads(sys.argv[1])]
 def stop(*_):
     for child in children:
         child.terminate()
