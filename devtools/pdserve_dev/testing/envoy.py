@@ -221,13 +221,18 @@ async def run_envoy(
         await wait_for_async(ready, within=ready_within, message="Envoy's admin /ready")
         yield envoy
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 10.0)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await _stop(process)
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    """SIGTERM to a process this module started (by its PID), SIGKILL after 10 s."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), 10.0)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
 
 
 def _open_log(path: Path) -> BinaryIO:
@@ -265,10 +270,4 @@ async def run_relay(
         await wait_for_async(listening, within=30.0, message="the relay's port")
         yield process
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 10.0)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await _stop(process)
