@@ -82,10 +82,10 @@ func (r *Relay) Process(envoy extprocv3.ExternalProcessor_ProcessServer) error {
 		if err != nil {
 			return err // Envoy's side failed (the client left): the deferred cancel ends the picker's stream
 		}
-		if err := <-answers; err != nil {
+		if err := <-answers; err != nil && !s.wasPicked() {
 			return pickerFailure(err)
 		}
-		return nil
+		return nil // a picker failure after the pick changes nothing for a response that is over
 	}
 }
 
