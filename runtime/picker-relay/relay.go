@@ -108,12 +108,12 @@ type stream struct {
 
 	requestDuplex  bool
 	responseDuplex bool
-	pending        []byte // the part of a full-duplex request body not yet forwarded
-	upstreamClosed bool   // half-closed, or broken: nothing more goes to the picker
+	upstreamClosed bool // half-closed, or broken: nothing more goes to the picker
 
 	// Guarded by sendMu (the answer relay reads them): a full-duplex request body, kept until the pick is
-	// relayed, and whether its end has arrived.
+	// relayed, how much of it went to the picker, and whether its end has arrived.
 	body         []byte
+	forwarded    int
 	bodyComplete bool
 	bodyEchoed   bool
 	picked       bool // the picker's answer to the request headers went to Envoy
@@ -286,26 +286,28 @@ func (s *stream) handle(message *extprocv3.ProcessingRequest) error {
 // and each message it reads costs it far more than the bytes do.
 func (s *stream) requestBody(message *extprocv3.ProcessingRequest, body *extprocv3.HttpBody) {
 	end := body.GetEndOfStream()
-	s.keep(body.GetBody(), end)
-	if !end && len(s.pending)+len(body.GetBody()) < s.relay.flushBytes {
-		s.pending = append(s.pending, body.GetBody()...)
+	unsent, due := s.keep(body.GetBody(), end)
+	if !due {
 		return
 	}
-	joined := body.GetBody()
-	if len(s.pending) > 0 {
-		joined = append(s.pending, joined...)
-		s.pending = nil
-	}
 	out := withContext(message, message.GetProtocolConfig())
-	out.Request = &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: joined, EndOfStream: end}}
+	out.Request = &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: unsent, EndOfStream: end}}
 	s.toPicker(out)
 }
 
-func (s *stream) keep(chunk []byte, end bool) {
+// keep appends a chunk to the kept body and returns the part the picker has not had yet when it is time to send
+// it (the body's end, or flushBytes of it), and whether it is time.
+func (s *stream) keep(chunk []byte, end bool) ([]byte, bool) {
 	s.sendMu.Lock()
 	defer s.sendMu.Unlock()
 	s.body = append(s.body, chunk...)
 	s.bodyComplete = end
+	if !end && len(s.body)-s.forwarded < s.relay.flushBytes {
+		return nil, false
+	}
+	unsent := s.body[s.forwarded:]
+	s.forwarded = len(s.body)
+	return unsent, true
 }
 
 func continueResponseHeaders() *extprocv3.ProcessingResponse {
