@@ -97,10 +97,14 @@ class LinkProtocol(asyncio.Protocol):
         if out and self.transport is not None:
             self.transport.write(out)
 
-    def _too_large(self, stream_id: int) -> bytes:
+    def _stream(self, stream_id: int) -> PickerStream:
         stream = self.streams.get(stream_id)
         if stream is None:
             stream = self.streams[stream_id] = PickerStream(self.picker)
+        return stream
+
+    def _too_large(self, stream_id: int) -> bytes:
+        stream = self._stream(stream_id)
         if stream.refused:
             return b""
         return frame(stream_id, MESSAGE, stream.too_large().SerializeToString())
@@ -111,9 +115,7 @@ class LinkProtocol(asyncio.Protocol):
             if stream is not None:
                 stream.close()
             return frame(stream_id, END)  # every answer of the stream is written before it
-        stream = self.streams.get(stream_id)
-        if stream is None:
-            stream = self.streams[stream_id] = PickerStream(self.picker)
+        stream = self._stream(stream_id)
         try:
             answers = stream.handle(pb.ProcessingRequest.FromString(payload))
         except Exception as exc:  # one stream's failure must not end the others'
