@@ -21,8 +21,7 @@ token. Where the replay charges them (`cluster.ReplayCluster`):
 `IDEAL` (all zero) is the replay of an H200 service whose hops are below the cost model's resolution (the main
 scenarios of `bench/autoscaler_bench.py`: a TTFT target of 800 ms against hops of milliseconds). `LOOPBACK` is the
 path of the closed loop's processes on this machine's loopback, measured by `bench/path_costs.py` (one request at
-a time, so no queue or contention adds: the hops' own cost); `LOOPBACK.scaled(k)` is the same path on CPUs that
-each process gets a 1/k share of.
+a time, so no queue or contention adds: the hops' own cost).
 """
 
 from __future__ import annotations
@@ -41,9 +40,6 @@ class Hop:
 
     def seconds(self, tokens: int) -> float:
         return max(0.0, self.fixed_s + self.per_token_s * tokens)
-
-    def scaled(self, factor: float) -> Hop:
-        return Hop(self.fixed_s * factor, self.per_token_s * factor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,16 +60,6 @@ class PathCosts:
     def handoff_s(self, tokens: int) -> float:
         """PD route: seconds from prefill's end to the decode engine's arrival (the second engine request)."""
         return self.engine_requests.seconds(tokens) / 2
-
-    def scaled(self, factor: float) -> PathCosts:
-        """Every hop `factor` times as long (the same work on a CPU share 1/`factor` of the one measured)."""
-        return PathCosts(
-            self.router.scaled(factor),
-            self.engine_requests.scaled(factor),
-            self.decode_request.scaled(factor),
-            self.kv_transfer.scaled(factor),
-            self.client.scaled(factor),
-        )
 
 
 IDEAL = PathCosts()
