@@ -143,15 +143,20 @@ class RouterControlSource(_Model):
 
 
 class RouterControl(_Model):
-    """The content of the router control ConfigMap (key `control.json`): decided by the operator's autoscaler
-    (issue 19: the PD threshold is an output), applied by every router replica as soon as it sees it. Absent or
-    malformed: the router uses its configured `policy.disaggregationThresholdTokens`. Unknown members are ignored, so
-    the operator may publish more controls before every router reads them."""
+    """The content of the router control ConfigMap (key `control.json`), applied by every router replica as soon as
+    it sees it, without a restart: the disaggregation threshold the operator's autoscaler decided (issue 19: the PD
+    threshold is an output) and the service's TTFT target (`spec.slo`, which therefore never rolls the routers).
+    A member absent, or the whole ConfigMap absent or malformed: the router uses its configured value
+    (`policy.disaggregationThresholdTokens`, `admission.ttftTargetSeconds`). Unknown members are ignored, so the
+    operator may publish more controls before every router reads them."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
 
-    disaggregation_threshold: int = Field(
-        ge=0, description="Uncached prompt tokens at or above which a request goes through prefill."
+    disaggregation_threshold: int | None = Field(
+        default=None, ge=0, description="Uncached prompt tokens at or above which a request goes through prefill."
+    )
+    ttft_target_seconds: float | None = Field(
+        default=None, gt=0, description="The service's time-to-first-token target (`admission.ttftTargetSeconds`)."
     )
     reason: str = Field(default="", max_length=1024, description="Why the autoscaler chose it (for logs).")
     decided_at: str = Field(default="", max_length=64, description="When it was decided (RFC 3339).")

@@ -13,6 +13,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,28 @@ def test_router_follows_a_replaced_decode_pod(cluster: ClusterHelper, namespace:
     up = series(scrape_sync(f"{metrics}/metrics"), "pdserve_router_endpoint_up", role="decode")
     table = sorted((labels["endpoint"], value) for labels, value in up)
     assert table == [("demo-decode-0", 1.0), ("demo-decode-1", 1.0)]
+
+
+def test_a_change_of_the_slo_reaches_the_router_without_rolling_it(
+    cluster: ClusterHelper, namespace: str, demo: str
+) -> None:
+    """The TTFT target (the router's queue deadlines) travels in the router control ConfigMap, which the router
+    watches: changing `spec.slo` must not restart the routers (it did, through the config hash, while the target was
+    in their configuration), and each new value shows in the router's own gauge."""
+    [before] = cluster.pods(namespace, "pdserve.io/role=router")
+    metrics = f"{demo.rsplit(':', 1)[0]}:{METRICS_PORT}"
+
+    def target_is(seconds: float) -> bool:
+        return metric_value(scrape_sync(f"{metrics}/metrics"), "pdserve_router_ttft_target_seconds") == seconds
+
+    try:
+        for milliseconds in (900, 450):
+            patch = {"spec": {"slo": {"ttftMilliseconds": milliseconds}}}
+            cluster.kubectl("patch", "pds/demo", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+            wait_for(partial(target_is, milliseconds / 1000), timeout=60, message=f"the router uses {milliseconds} ms")
+    finally:
+        remove = '[{"op": "remove", "path": "/spec/slo"}]'
+        cluster.kubectl("patch", "pds/demo", "-n", namespace, "--type=json", "-p", remove)
+    wait_for(partial(target_is, 0.0), timeout=60, message="no target once the SLO is gone")  # the gauge is absent
+    [after] = cluster.pods(namespace, "pdserve.io/role=router")
+    assert after["metadata"]["uid"] == before["metadata"]["uid"], "the router pod was replaced"

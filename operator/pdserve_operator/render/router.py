@@ -71,16 +71,16 @@ def router_endpoint(pds: PDService, spec: EffectiveSpec) -> str:
 
 
 def admission(pds: PDService, spec: EffectiveSpec) -> AdmissionConfig:
-    """Late binding (`routing.lateBinding`): budgets from the pools' engine limits, deadlines from the SLO, the
-    replicas from the Service. Off, both budgets are 0: the gate lets every request through to the engines."""
+    """Late binding (`routing.lateBinding`): budgets from the pools' engine limits, the replicas from the Service.
+    Off, both budgets are 0: the gate lets every request through to the engines. The deadlines' TTFT target is
+    published in the router control ConfigMap (`control_config_map`), not here: a change of `spec.slo` reaches the
+    routers without rolling them."""
     late = spec.router.routing.late_binding
     step = spec.prefill.max_num_batched_tokens or VLLM_MAX_NUM_BATCHED_TOKENS
-    ttft = spec.slo.ttft_milliseconds
     return AdmissionConfig(
         prefill_budget_tokens=step * 3 // 2 if late else 0,
         # Only when the spec states it: a guess below the engine's own limit would cap decode throughput.
         decode_budget_sequences=(spec.decode.max_num_seqs or 0) if late else 0,
-        ttft_target_seconds=ttft / 1000 if ttft is not None else None,
         peers=RouterPeers(
             namespace=pds.metadata.namespace, label_selector=f"{SERVICE_NAME_LABEL}={child_name(pds, 'router')}"
         ),
@@ -139,29 +139,37 @@ def config_map(pds: PDService, spec: EffectiveSpec) -> dict[str, Any]:
 
 
 def control_config_map(pds: PDService, spec: EffectiveSpec, observed: discovery.Observed) -> dict[str, Any] | None:
-    """The router control ConfigMap (`<name>-router-control`, key control.json) while the spec lets the autoscaler
-    choose the disaggregation threshold (spec.autoscaling.disaggregationThreshold with lowest < highest): what it
-    decided last (`observed.router_control`), else the configured threshold kept within the bounds. None
-    otherwise: the routers use their configured threshold, and a ConfigMap published before is pruned."""
+    """The router control ConfigMap (`<name>-router-control`, key control.json), what every router replica applies
+    without a restart: the TTFT target of `spec.slo`, and, while the spec lets the autoscaler choose the
+    disaggregation threshold (spec.autoscaling.disaggregationThreshold with lowest < highest), what it decided last
+    (`observed.router_control`), else the configured threshold kept within the bounds. None when there is neither:
+    the routers use their configured threshold, and a ConfigMap published before is pruned."""
     configured, low, high = spec.disaggregation_threshold_bounds()
-    if low >= high:
-        return None
-    control = observed.router_control or RouterControl(
-        disaggregation_threshold=max(low, min(high, configured)),
-        reason="the configured threshold: the autoscaler has not decided yet",
-    )
-    if not low <= control.disaggregation_threshold <= high:
-        # Decided under other bounds (the spec changed since): never publish outside the ones the spec sets now.
-        control = RouterControl(
-            disaggregation_threshold=max(low, min(high, control.disaggregation_threshold)),
-            reason=f"{control.reason} (kept within [{low}, {high}])"[:1024],
-            decided_at=control.decided_at,
+    ttft = spec.slo.ttft_milliseconds
+    control: RouterControl | None = None
+    if low < high:
+        control = observed.router_control or RouterControl(
+            disaggregation_threshold=max(low, min(high, configured)),
+            reason="the configured threshold: the autoscaler has not decided yet",
         )
+        decided = control.disaggregation_threshold
+        if decided is None or not low <= decided <= high:
+            # Decided under other bounds (the spec changed since): never publish outside the ones the spec sets now.
+            kept = max(low, min(high, configured if decided is None else decided))
+            control = control.model_copy(
+                update={
+                    "disaggregation_threshold": kept,
+                    "reason": f"{control.reason} (kept within [{low}, {high}])"[:1024],
+                }
+            )
+    if ttft is None and control is None:
+        return None
+    control = (control or RouterControl()).model_copy(update={"ttft_target_seconds": ttft / 1000 if ttft else None})
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(pds, router_control_name(pds), "router"),
-        "data": {ROUTER_CONTROL_KEY: control.model_dump_json(by_alias=True)},
+        "data": {ROUTER_CONTROL_KEY: control.model_dump_json(by_alias=True, exclude_none=True)},
     }
 
 

@@ -20,7 +20,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.api.router_config import RouterConfig
-from pdserve_runtime.router.control import ControlWatch, Threshold, ThresholdCollector
+from pdserve_runtime.router.control import Controls, ControlsCollector, ControlWatch
 from pdserve_runtime.router.discovery import Discovery
 from pdserve_runtime.router.discovery.peers import PeerWatch
 from pdserve_runtime.router.discovery.static import StaticDiscovery
@@ -139,8 +139,8 @@ class RouterApp:
             retry_after_s=config.retry_after_seconds,
         )
         control = config.router_control
-        self.threshold = Threshold(self.scheduler, control.owner_uid if control is not None else None)
-        self.metrics.registry.register(ThresholdCollector(self.scheduler))
+        self.controls = Controls(self.scheduler, control.owner_uid if control is not None else None, gate=self.gate)
+        self.metrics.registry.register(ControlsCollector(self.scheduler, self.gate))
         self.client = EngineClient(connect_timeout=config.connect_timeout_seconds)
         self.proxy = proxy_class(config, self.scheduler, self.tracker, self.metrics, self.client, gate=self.gate)
         self.discovery = discovery or default_discovery(config, self.table, self.client)
@@ -224,7 +224,7 @@ class RouterApp:
         if peers is not None:
             self._watches.append(PeerWatch(peers, self._set_replicas, api))
         if control is not None:
-            self._watches.append(ControlWatch(control, self.threshold, api))
+            self._watches.append(ControlWatch(control, self.controls, api))
         for watch in self._watches:
             watch.start()
 

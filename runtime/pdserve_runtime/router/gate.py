@@ -29,7 +29,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import monotonic
 
 from prometheus_client import CollectorRegistry, Counter
@@ -232,6 +232,18 @@ class Gate:
             log.info("Updated router replicas before=%d after=%d", self._replicas, count)
             self._replicas = count
             self.dispatch()
+
+    # -- the TTFT target ----------------------------------------------------------------------------------------
+
+    @property
+    def ttft_target_s(self) -> float | None:
+        """The TTFT target that gives each new request its deadline (None: no deadline order)."""
+        return self.queue.config.ttft_target_s
+
+    @ttft_target_s.setter
+    def ttft_target_s(self, seconds: float | None) -> None:
+        # Published by the operator (`control.Controls`) and changed while requests wait: those keep their deadline.
+        self.queue.config = replace(self.queue.config, ttft_target_s=seconds)
 
     # -- admitting ----------------------------------------------------------------------------------------------
 

@@ -124,10 +124,11 @@ def test_without_prometheus_pools_hold_and_say_so(cluster: ClusterHelper, namesp
 def test_the_threshold_bounds_publish_a_router_control_the_operator_owns(
     cluster: ClusterHelper, namespace: str, tmp_path: Path
 ) -> None:
-    """Bounds on the disaggregation threshold make the operator publish the router control ConfigMap (its child:
-    an edit is undone, and removing the bounds prunes it) and report the threshold in status, which the CRD's
-    schema keeps (an unknown status field would be pruned by the API server), and in `kubectl get pds -o wide`.
-    No Prometheus here, so nothing is decided: the configured 512 kept within the bounds, 1024."""
+    """Bounds on the disaggregation threshold make the operator publish the threshold in the router control
+    ConfigMap (its child: an edit is undone, and removing the bounds withdraws the threshold) and report the
+    threshold in status, which the CRD's schema keeps (an unknown status field would be pruned by the API server),
+    and in `kubectl get pds -o wide`. No Prometheus here, so nothing is decided: the configured 512 kept within the
+    bounds, 1024."""
     name = "bounds"
     document = example(name, namespace, prefill={"enabled": True, "minReplicas": 1, "maxReplicas": 2})
     document["spec"]["autoscaling"] = {"disaggregationThreshold": {"minTokens": 1024, "maxTokens": 8192}}
@@ -137,7 +138,8 @@ def test_the_threshold_bounds_publish_a_router_control_the_operator_owns(
         found = cluster.kubectl("get", "configmap", control, f"--namespace={namespace}", "-o", "json", check=False)
         if found.returncode != 0:
             return None
-        return int(json.loads(json.loads(found.stdout)["data"]["control.json"])["disaggregationThreshold"])
+        threshold = json.loads(json.loads(found.stdout)["data"]["control.json"]).get("disaggregationThreshold")
+        return None if threshold is None else int(threshold)
 
     with operator(cluster, namespace, tmp_path / "bounds.log") as op:
         op.wait_ready()
@@ -164,7 +166,8 @@ def test_the_threshold_bounds_publish_a_router_control_the_operator_owns(
         edited = json.dumps({"data": {"control.json": json.dumps({"disaggregationThreshold": 1})}})
         cluster.kubectl("patch", "configmap", control, f"--namespace={namespace}", "--type=merge", f"--patch={edited}")
         wait_for(lambda: published() == 1024, 60, message=lambda: op.log_tail(20))
-        # The bounds removed: nothing is published (the routers use their configured threshold), nothing reported.
+        # The bounds removed: no threshold is published (the routers use their configured one; the ConfigMap, there
+        # for the SLO's TTFT target, stays), nothing reported.
         unbound = json.dumps({"spec": {"autoscaling": None}})
         cluster.kubectl("patch", "pds", name, f"--namespace={namespace}", "--type=merge", f"--patch={unbound}")
         wait_for(lambda: published() is None, 60, message=lambda: op.log_tail(20))

@@ -421,11 +421,12 @@ async def test_the_threshold_it_chooses_reaches_the_routers_status_events_and_me
     assert world.metric("pdserve_autoscaler_disaggregation_threshold_tokens", **labels) == 256
     [_, back] = [e for e in world.kube.events if e["reason"] == "DisaggregationThreshold"]
     assert back["message"].startswith("Disaggregation threshold 512 -> 256 tokens: prefill has capacity again")
-    # Bounds removed from the spec: the ConfigMap is pruned (routers go back to their configured value), and so is
-    # the status field.
+    # Bounds removed from the spec: the ConfigMap publishes no threshold (routers go back to their configured
+    # value), only the SLO's TTFT target; the status field goes.
     world.put_spec(document())
     world.reconcile()
-    assert control not in world.kube.objects
+    ttft = document()["spec"]["slo"]["ttftMilliseconds"] / 1000
+    assert (published().disaggregation_threshold, published().ttft_target_seconds) == (None, ttft)
     assert "disaggregationThreshold" not in world.status()
 
 

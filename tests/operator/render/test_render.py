@@ -262,14 +262,31 @@ def test_router_objects() -> None:
         yaml.safe_load(by_kind(tuned, "ConfigMap", "svc-router")["data"]["router.yaml"])
     ).admission
     assert (admission.prefill_budget_tokens, admission.decode_budget_sequences) == (6144, 128)
-    assert admission.ttft_target_seconds == 0.8
-    # A routing change rolls the router through the config hash annotation.
+    # The deadlines' TTFT target is published in the router control ConfigMap, which every replica applies at once.
+    assert admission.ttft_target_seconds is None
+    control = control_of(tuned)
+    assert control is not None
+    assert (control.ttft_target_seconds, control.disaggregation_threshold) == (0.8, None)  # the threshold is static
+
+    def config_hash(objects: list[dict[str, Any]]) -> str:
+        template = by_kind(objects, "Deployment", "svc-router")["spec"]["template"]
+        return str(template["metadata"]["annotations"]["pdserve.io/config-hash"])
+
+    # A routing change rolls the router through the config hash annotation; a change of the SLO does not.
     other = render(validate(pds(router={"port": 9000, "replicas": 3, "routing": {"disaggregationThreshold": 200}})))
-    annotation = "pdserve.io/config-hash"
-    assert (
-        by_kind(other, "Deployment", "svc-router")["spec"]["template"]["metadata"]["annotations"][annotation]
-        != deployment["spec"]["template"]["metadata"]["annotations"][annotation]
+    assert config_hash(other) != config_hash(objects)
+    faster = render(
+        validate(
+            pds(
+                prefill={"maxNumBatchedTokens": 4096},
+                decode={"maxNumSeqs": 128},
+                slo={"ttftMilliseconds": 400, "itlMilliseconds": 20},
+                router={"routing": {"lateBinding": True}},
+            )
+        )
     )
+    assert config_hash(faster) == config_hash(tuned)
+    assert (control := control_of(faster)) is not None and control.ttft_target_seconds == 0.4
 
 
 @pytest.mark.parametrize(("port", "metrics_port"), [(8080, 9090), (9090, 9091)])
