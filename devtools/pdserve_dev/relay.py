@@ -12,9 +12,6 @@ two); `path()` only says where it will be (the process node's image map names it
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,27 +39,5 @@ def path() -> Path:
 
 def binary(log: Callable[[str], None] = print) -> Path:
     """The relay built from this checkout's sources (built now if it is not yet)."""
-    target = path()
-    if os.access(target, os.X_OK):
-        return target
-    go, _ = build.check_go()
-    with build._locked(target.parent / ".build.lock"):
-        if os.access(target, os.X_OK):
-            return target
-        partial = target.parent / f".{BINARY}.partial"
-        log(f"  {BINARY:<24} building runtime/picker-relay ...")
-        started = time.monotonic()
-        proc = subprocess.run(
-            [str(go), "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), "."],
-            cwd=SOURCE,
-            env={**build.go_env(), "GOFLAGS": "-mod=readonly -buildvcs=false"},
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise build.BuildError(build._explain_failure(BINARY, "runtime/picker-relay", proc.stderr))
-        partial.replace(target)
-        log(f"  {BINARY:<24} built in {time.monotonic() - started:6.1f}s")
-    return target
+    env = {**build.go_env(), "GOFLAGS": "-mod=readonly -buildvcs=false"}
+    return build.go_binary(path(), source=SOURCE, what="runtime/picker-relay", env=env, log=log)

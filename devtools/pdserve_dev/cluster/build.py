@@ -221,6 +221,50 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def go_binary(
+    target: Path,
+    *,
+    source: Path,
+    what: str,
+    package: str = ".",
+    lock: Path | None = None,
+    env: dict[str, str] | None = None,
+    prepare: Callable[[], None] | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """`target`, built now by `go build <package>` in `source` unless it is there (the dev tools that are one Go
+    binary each: kstatus-check, lwepp, the picker relay). Under a lock (`lock`, else one beside `target`): another
+    builder waits, then finds it built. Into a partial file renamed into place: a killed build leaves nothing that
+    looks built. `prepare` writes the sources first, under the lock; `what` names the package in the log and in a
+    failure (`BuildError`, saying which module the proxy refused when it did)."""
+    if os.access(target, os.X_OK):
+        return target
+    go, _ = check_go()
+    with _locked(lock or target.parent / ".build.lock"):
+        if os.access(target, os.X_OK):  # another builder finished while we waited
+            return target
+        if prepare is not None:
+            prepare()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.parent / f".{target.name}.partial"
+        log(f"  {target.name:<24} building {what} ...")
+        started = time.monotonic()
+        proc = subprocess.run(
+            [str(go), "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), package],
+            cwd=source,
+            env=env if env is not None else go_env(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise BuildError(_explain_failure(target.name, what, proc.stderr))
+        partial.replace(target)
+        log(f"  {target.name:<24} built in {time.monotonic() - started:6.1f}s")
+    return target
+
+
 def _explain_failure(name: str, package: str, stderr: str) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     refused = [line for line in lines if _REFUSED.search(line)]

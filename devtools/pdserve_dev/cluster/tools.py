@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import string
 import subprocess
-import time
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -93,14 +91,9 @@ def tools_dir() -> Path:
 def kstatus_binary(log: Callable[[str], None] = print) -> Path:
     """Path of kstatus-check, built on first use (about a minute cold; k8s.io packages come from the shared
     build cache when the cluster was built)."""
-    target = tools_dir() / "bin" / KSTATUS_BINARY
-    if os.access(target, os.X_OK):
-        return target
-    go, _ = build.check_go()
-    with build._locked(tools_dir() / ".build.lock"):
-        if os.access(target, os.X_OK):  # another builder finished while we waited
-            return target
-        src = tools_dir() / "src" / "kstatus"
+    src = tools_dir() / "src" / "kstatus"
+
+    def prepare() -> None:
         src.mkdir(parents=True, exist_ok=True)
         template = string.Template(_kstatus_source("go.mod.tmpl"))
         (src / "go.mod").write_text(template.substitute(cli_utils_version=versions.CLI_UTILS_VERSION))
@@ -108,24 +101,15 @@ def kstatus_binary(log: Callable[[str], None] = print) -> Path:
         known_sums = _kstatus_source("go.sum")
         if known_sums:
             (src / "go.sum").write_text(known_sums)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.parent / f".{KSTATUS_BINARY}.partial"
-        log(f"  {KSTATUS_BINARY:<24} building sigs.k8s.io/cli-utils {versions.CLI_UTILS_VERSION} kstatus ...")
-        started = time.monotonic()
-        proc = subprocess.run(
-            [str(go), "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), "."],
-            cwd=src,
-            env=build.go_env(),
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise build.BuildError(build._explain_failure(KSTATUS_BINARY, "sigs.k8s.io/cli-utils", proc.stderr))
-        partial.replace(target)
-        log(f"  {KSTATUS_BINARY:<24} built in {time.monotonic() - started:6.1f}s")
-    return target
+
+    return build.go_binary(
+        tools_dir() / "bin" / KSTATUS_BINARY,
+        source=src,
+        what=f"sigs.k8s.io/cli-utils {versions.CLI_UTILS_VERSION} kstatus",
+        lock=tools_dir() / ".build.lock",
+        prepare=prepare,
+        log=log,
+    )
 
 
 def prometheus_operator_crds(log: Callable[[str], None] = print) -> list[Path]:
@@ -192,17 +176,12 @@ def inference_pool_crd(log: Callable[[str], None] = print) -> Path:
 
 def lwepp_binary(log: Callable[[str], None] = print) -> Path:
     """Path of lwepp, the extension's reference endpoint picker, built on first use (a few minutes cold)."""
-    target = tools_dir() / "bin" / LWEPP_BINARY
-    if os.access(target, os.X_OK):
-        return target
-    go, _ = build.check_go()
-    with build._locked(tools_dir() / ".build.lock"):
-        if os.access(target, os.X_OK):
-            return target
+    src = tools_dir() / "src" / "lwepp"
+
+    def prepare() -> None:
         _download(
             f"{INFERENCE_EXTENSION_MODULE}@{versions.INFERENCE_EXTENSION_VERSION}", versions.INFERENCE_EXTENSION_SUM
         )
-        src = tools_dir() / "src" / "lwepp"
         src.mkdir(parents=True, exist_ok=True)
         template = string.Template(_gomod_source("lwepp", "go.mod.tmpl"))
         (src / "go.mod").write_text(
@@ -210,25 +189,17 @@ def lwepp_binary(log: Callable[[str], None] = print) -> Path:
         )
         (src / "tools.go").write_text(_gomod_source("lwepp", "tools.go"))
         (src / "go.sum").write_text(_gomod_source("lwepp", "go.sum"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.parent / f".{LWEPP_BINARY}.partial"
-        package = f"{INFERENCE_EXTENSION_MODULE}/cmd/lwepp"
-        log(f"  {LWEPP_BINARY:<24} building {package} {versions.INFERENCE_EXTENSION_VERSION} ...")
-        started = time.monotonic()
-        proc = subprocess.run(
-            [str(go), "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), package],
-            cwd=src,
-            env=build.go_env(),
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise build.BuildError(build._explain_failure(LWEPP_BINARY, INFERENCE_EXTENSION_MODULE, proc.stderr))
-        partial.replace(target)
-        log(f"  {LWEPP_BINARY:<24} built in {time.monotonic() - started:6.1f}s")
-    return target
+
+    package = f"{INFERENCE_EXTENSION_MODULE}/cmd/lwepp"
+    return build.go_binary(
+        tools_dir() / "bin" / LWEPP_BINARY,
+        source=src,
+        what=f"{package} {versions.INFERENCE_EXTENSION_VERSION}",
+        package=package,
+        lock=tools_dir() / ".build.lock",
+        prepare=prepare,
+        log=log,
+    )
 
 
 def ensure_all(log: Callable[[str], None] = print) -> None:
