@@ -1,6 +1,6 @@
 """Benchmark scenario ``gateway``: what does the GIE gateway path add over pdserve's router, at the realistic shape?
 
-Run: ``.venv/bin/python bench/router_bench.py --scenario gateway --levels 64 [--seconds 8] [--rounds 3]``
+Run: ``.venv/bin/python bench/router_bench.py --scenario gateway --levels 1,64 [--seconds 5] [--rounds 9]``
 
 Backends: the fast mock engines of ``pd_mock.py`` (a prefill mock answering at once with NixlConnector-shaped
 ``kv_transfer_params``, a decode mock streaming every ``--gateway-itl`` seconds, 0.02 by default), on loopback: the
@@ -21,7 +21,10 @@ backends, interleaved round by round (medians reported):
 
 Reported: TTFT p50/p99 and the added TTFT over direct-pd; path CPU per request (ms of CPU of the router, or of
 Envoy + picker + sidecar, per completed request). Floor (issue 22): gateway-pd's TTFT p50 at most 2 ms above
-pdserve-pd's. The exit status is 0 when it holds at every level.
+pdserve-pd's, judged on the median of the per-round differences (each round runs the router, then the gateway,
+back to back: on the shared two-core machine a round's p50 moves by 8-19 ms at 64 streams, for both targets alike,
+so the pairs cancel what the rounds share); the difference of the two medians is printed beside it. The exit status
+is 0 when it holds at every level.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -168,6 +172,10 @@ def run_gateway(args: argparse.Namespace) -> int:
                         rounds[target.name][level].append(result)
                         print(f"# {target.name} c={level} round={index}: {json.dumps(result)}", flush=True)
             results = {t.name: {lv: _median(rounds[t.name][lv]) for lv in levels} for t in targets}
+            for level in levels:
+                results["gateway-pd"][level]["paired_extra_ms"] = paired_extra(
+                    rounds["pdserve-pd"][level], rounds["gateway-pd"][level]
+                )
             shares = _cpu_by_process(gateway.pid)
             print("gateway path CPU over the whole run, by process: "
                   + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in shares.items()), flush=True)  # fmt: skip
@@ -175,6 +183,11 @@ def run_gateway(args: argparse.Namespace) -> int:
         for proc in reversed(procs):
             proc.stop()
     return _report(results, levels, args)
+
+
+def paired_extra(router: list[dict[str, Any]], gateway: list[dict[str, Any]]) -> list[float]:
+    """Gateway minus router TTFT p50 of each round, in ms."""
+    return [g["ttft_p50_ms"] - r["ttft_p50_ms"] for r, g in zip(router, gateway, strict=True)]
 
 
 def _report(results: dict[str, dict[int, dict[str, Any]]], levels: list[int], args: argparse.Namespace) -> int:
@@ -194,12 +207,16 @@ def _report(results: dict[str, dict[int, dict[str, Any]]], levels: list[int], ar
                   f"{added99:>8.2f}{r['requests_per_s']:>8.1f}{r['cpu_ms_per_request']:>12.2f}"
                   f"{r['errors']:>5}")  # fmt: skip
         router, gateway = results["pdserve-pd"][level], results["gateway-pd"][level]
-        extra = gateway["ttft_p50_ms"] - router["ttft_p50_ms"]
+        pairs = sorted(gateway["paired_extra_ms"])
+        extra = statistics.median(pairs)
         cpu = gateway["cpu_ms_per_request"] / max(1e-9, router["cpu_ms_per_request"])
         met = extra <= FLOOR_MS and not gateway["errors"]
         ok &= met
-        print(f"gateway-pd vs pdserve-pd at c={level}: TTFT p50 {extra:+.2f} ms (floor <= +{FLOOR_MS:g} ms: "
-              f"{'met' if met else 'MISSED'}), p99 {gateway['ttft_p99_ms'] - router['ttft_p99_ms']:+.2f} ms, "
+        print(f"gateway-pd vs pdserve-pd at c={level}: TTFT p50 {extra:+.2f} ms, the median of {len(pairs)} rounds' "
+              f"differences (floor <= +{FLOOR_MS:g} ms: {'met' if met else 'MISSED'}; rounds, sorted: "
+              f"{', '.join(f'{value:+.1f}' for value in pairs)}; the medians' difference "
+              f"{gateway['ttft_p50_ms'] - router['ttft_p50_ms']:+.2f} ms), "
+              f"p99 {gateway['ttft_p99_ms'] - router['ttft_p99_ms']:+.2f} ms, "
               f"path CPU per request x{cpu:.2f} ({gateway['cpu_ms_per_request']:.2f} vs "
               f"{router['cpu_ms_per_request']:.2f} ms)")  # fmt: skip
     return 0 if ok else 1
