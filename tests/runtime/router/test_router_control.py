@@ -60,7 +60,7 @@ def test_a_malformed_control_says_why(obj: dict[str, Any], why: str) -> None:
 
 def test_the_threshold_follows_the_control_and_falls_back_to_the_static_one() -> None:
     plans = scheduler(static=256)
-    threshold = Controls(plans)
+    controls = Controls(plans)
     registry = CollectorRegistry()
     registry.register(ControlsCollector(plans))
 
@@ -70,17 +70,17 @@ def test_the_threshold_follows_the_control_and_falls_back_to_the_static_one() ->
         return metric_value(generate_latest(registry).decode(), "pdserve_router_disaggregation_threshold")
 
     assert (plans.threshold, shown()) == (256, 256)
-    threshold.apply({"llm-router-control": control(disaggregationThreshold=2048, reason="decode has headroom")})
-    assert (plans.threshold, threshold.source, shown()) == (2048, "control", 2048)
-    threshold.apply({"llm-router-control": control(disaggregationThreshold="x")})  # malformed: static
-    assert (plans.threshold, threshold.source) == (256, "static")
-    threshold.apply({"llm-router-control": control(disaggregationThreshold=0)})
+    controls.apply({"llm-router-control": control(disaggregationThreshold=2048, reason="decode has headroom")})
+    assert (plans.threshold, controls.source, shown()) == (2048, "control", 2048)
+    controls.apply({"llm-router-control": control(disaggregationThreshold="x")})  # malformed: static
+    assert (plans.threshold, controls.source) == (256, "static")
+    controls.apply({"llm-router-control": control(disaggregationThreshold=0)})
     assert plans.threshold == 0
-    threshold.apply({"llm-router-control": control(ttftTargetSeconds=0.5)})  # no threshold published: static
-    assert (plans.threshold, threshold.source) == (256, "static")
-    threshold.apply({"llm-router-control": control(disaggregationThreshold=0)})
-    threshold.apply({})  # deleted: static
-    assert (plans.threshold, threshold.source, shown()) == (256, "static", 256)
+    controls.apply({"llm-router-control": control(ttftTargetSeconds=0.5)})  # no threshold published: static
+    assert (plans.threshold, controls.source) == (256, "static")
+    controls.apply({"llm-router-control": control(disaggregationThreshold=0)})
+    controls.apply({})  # deleted: static
+    assert (plans.threshold, controls.source, shown()) == (256, "static", 256)
 
 
 def queue_gate(plans: Scheduler, configured_ttft: float | None = None) -> Gate:
@@ -115,9 +115,9 @@ def test_the_ttft_target_follows_the_control_and_gives_new_requests_their_deadli
     assert (gate.ttft_target_s, deadline_in(0.0), plans.threshold) == (0.4, 0.4, 256)
     controls.apply({})
     assert (gate.ttft_target_s, shown()) == (None, None)
-    configured = Controls(plans, gate=queue_gate(plans, configured_ttft=1.5))  # a router configured by hand
-    configured.apply({"llm-router-control": control(reason="nothing published")})
-    assert configured._gate is not None and configured._gate.ttft_target_s == 1.5
+    by_hand = queue_gate(plans, configured_ttft=1.5)  # a router configured by hand
+    Controls(plans, gate=by_hand).apply({"llm-router-control": control(reason="nothing published")})
+    assert by_hand.ttft_target_s == 1.5
 
 
 def owned_by(obj: dict[str, Any], kind: str, uid: str, *, controller: bool = True) -> dict[str, Any]:
@@ -130,7 +130,7 @@ def test_only_the_pdservices_own_control_moves_the_threshold() -> None:
     controller reference (its UID) it is ignored, as if absent."""
     plans = scheduler(static=256)
     gate = queue_gate(plans, configured_ttft=2.0)
-    threshold = Controls(plans, owner_uid="pds-uid", gate=gate)
+    controls = Controls(plans, owner_uid="pds-uid", gate=gate)
     published = control(disaggregationThreshold=4096, ttftTargetSeconds=0.1, reason="prefill short")
     for forged in (
         published,
@@ -138,12 +138,12 @@ def test_only_the_pdservices_own_control_moves_the_threshold() -> None:
         owned_by(published, "PDService", "pds-uid", controller=False),
         owned_by(published, "Deployment", "pds-uid"),
     ):
-        threshold.apply({"llm-router-control": forged})
-        assert (plans.threshold, threshold.source, gate.ttft_target_s) == (256, "static", 2.0), forged["metadata"]
-    threshold.apply({"llm-router-control": owned_by(published, "PDService", "pds-uid")})
-    assert (plans.threshold, threshold.source, gate.ttft_target_s) == (4096, "control", 0.1)
-    threshold.apply({"llm-router-control": published})  # replaced by someone else: static again
-    assert (plans.threshold, threshold.source, gate.ttft_target_s) == (256, "static", 2.0)
+        controls.apply({"llm-router-control": forged})
+        assert (plans.threshold, controls.source, gate.ttft_target_s) == (256, "static", 2.0), forged["metadata"]
+    controls.apply({"llm-router-control": owned_by(published, "PDService", "pds-uid")})
+    assert (plans.threshold, controls.source, gate.ttft_target_s) == (4096, "control", 0.1)
+    controls.apply({"llm-router-control": published})  # replaced by someone else: static again
+    assert (plans.threshold, controls.source, gate.ttft_target_s) == (256, "static", 2.0)
 
 
 def endpoint(address: str, **conditions: bool) -> dict[str, Any]:
