@@ -500,9 +500,10 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     # ... and its demand in uncached prompt tokens per second: the prompt tokens the engine computed over the same
     # window, per second of the window, within x3 (the window's ends are skewed by the scrape and the tick), and at
     # most twice what the clients sent.
-    demand = re.search(r"prefill demand ([\d.]+)(k?) uncached prompt tok/s", events[0])
+    demand = re.search(r"prefill demand ([\d.]+)(k?) uncached prompt tok/s at ([\d.]+)(k?) per replica", events[0])
     assert demand, events[0]
     stated_demand = float(demand.group(1)) * (1000 if demand.group(2) else 1)
+    stated_capacity = float(demand.group(3)) * (1000 if demand.group(4) else 1)
     computed = metric_value(after, by_source, source="local_compute") - metric_value(
         window_start, by_source, source="local_compute"
     )
@@ -515,10 +516,15 @@ def test_a_ttft_breach_with_real_long_prompts_scales_prefill(deployment: Deploym
     )
     offered = sent * (tokens / max(prompts, 1.0)) / seconds
     assert window_rate / 3 <= stated_demand <= max(window_rate * 3, offered * 2), (events[0], window_rate, offered)
-    # The breach is the prefill engine's TTFT over its budget (the target less a KV transfer and two decode steps),
-    # as the Event says; the clients' TTFT in the status may still be under the target: scaling before the clients'
-    # target breaks is the point (a run of this test had the router's p90 at 250 ms with the engine's at 344).
-    assert event_ms > budget_ms and status["observedMilliseconds"] > 0, (events[0], status)
+    # Why 2: the model's demand over the capacity one replica holds at the target (learned from this engine's own
+    # (load, TTFT) pairs), or the prefill engine's TTFT over its budget (the target less a KV transfer and two
+    # decode steps: the "+1 beyond the model"). Either is stated by the Event; the clients' TTFT in the status may
+    # still be under the target: scaling before the clients' target breaks is the point (one run had the router's
+    # p90 at 250 ms with the engine's at 344; two CI runs scaled on demand x1.3 and x1.8 the learned capacity with
+    # the engine's TTFT still within budget, 206 and 242 ms against 255).
+    # (The Event's figures are rounded to 2-3 digits: a demand just over the capacity may print equal to it.)
+    assert stated_demand >= stated_capacity > 0 or event_ms > budget_ms, (events[0], status)
+    assert status["observedMilliseconds"] > 0, status
     # Back to a target no idle engine breaches. The second prefill engine is not waited for: the decision is the
     # product's, a start-up is vLLM's (and the lifecycle tests set the sizes they need).
     deployment.patch({"spec": {"slo": CALM_SLO}})
