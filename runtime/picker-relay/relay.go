@@ -14,7 +14,10 @@ package main
 //	                              so the picker never serialises the body a second time (its "continue" answers
 //	                              to those messages are dropped)
 //	request body (other modes) -> forwarded chunk by chunk (the gateway expects one answer per chunk)
-//	request trailers           -> forwarded (their answer must follow the pick's)
+//	request trailers           -> forwarded (their answer must follow the pick's); in full duplex a body that
+//	                              ends with trailers has no chunk with end_of_stream, so the trailers complete
+//	                              it: the rest of the body goes to the picker first, and the body sent back to
+//	                              Envoy leaves the stream open for the trailers' answer
 //	response headers           -> forwarded, and continued by the relay at once: the picker reads the served
 //	                              endpoint and the status from them, off the time to first token
 //	response body, trailers    -> answered by the relay (echoed in full duplex, continued otherwise); the end of
@@ -116,6 +119,7 @@ type stream struct {
 	forwarded    int
 	bodyComplete bool
 	bodyEchoed   bool
+	trailers     bool // the request's trailers ended its body (end_of_stream comes with them, not the body)
 	picked       bool // the picker's answer to the request headers went to Envoy
 }
 
@@ -183,7 +187,7 @@ func (s *stream) relayAnswer(answer *extprocv3.ProcessingResponse) error {
 			s.bodyEchoed = true
 			body := s.body
 			s.body = nil
-			return s.envoy.Send(echoRequestBody(body))
+			return s.envoy.Send(echoRequestBody(body, !s.trailers))
 		}
 		return nil
 	}
@@ -276,7 +280,12 @@ func (s *stream) handle(message *extprocv3.ProcessingRequest) error {
 			return err
 		}
 		s.closePicker()
-	default: // request headers and trailers
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		if s.requestDuplex {
+			s.trailersEndBody(message)
+		}
+		s.toPicker(message)
+	default: // request headers
 		s.toPicker(message)
 	}
 	return nil
@@ -292,6 +301,26 @@ func (s *stream) requestBody(message *extprocv3.ProcessingRequest, body *extproc
 	}
 	out := withContext(message, message.GetProtocolConfig())
 	out.Request = &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: unsent, EndOfStream: end}}
+	s.toPicker(out)
+}
+
+// trailersEndBody completes a full-duplex body that trailers end: the picker gets what it has not had yet, with
+// end_of_stream unset as a buffering gateway sends a body before its trailers, and decides on the trailers.
+func (s *stream) trailersEndBody(message *extprocv3.ProcessingRequest) {
+	s.sendMu.Lock()
+	if s.bodyComplete {
+		s.sendMu.Unlock()
+		return
+	}
+	s.bodyComplete, s.trailers = true, true
+	unsent := s.body[s.forwarded:]
+	s.forwarded = len(s.body)
+	s.sendMu.Unlock()
+	if len(unsent) == 0 {
+		return
+	}
+	out := withContext(message, message.GetProtocolConfig())
+	out.Request = &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: unsent}}
 	s.toPicker(out)
 }
 
@@ -343,8 +372,8 @@ func echoResponseBody(chunk []byte, end bool) *extprocv3.ProcessingResponse {
 	}}
 }
 
-func echoRequestBody(body []byte) *extprocv3.ProcessingResponse {
+func echoRequestBody(body []byte, end bool) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
-		RequestBody: streamedBody(body, true),
+		RequestBody: streamedBody(body, end),
 	}}
 }

@@ -72,8 +72,12 @@ def gateway_bootstrap(
     failure_mode: FailureMode = "FailClose",
     picker_timeout_seconds: float = 10.0,
     body_mode: BodyMode = "full-duplex",
+    http1_trailers: bool = False,
 ) -> dict[str, Any]:
-    """Envoy's bootstrap for one gateway listener in front of one InferencePool (`pool`: its target endpoints)."""
+    """Envoy's bootstrap for one gateway listener in front of one InferencePool (`pool`: its target endpoints).
+
+    `http1_trailers`: the listener keeps an HTTP/1.1 client's chunked trailers (`enable_trailers`; Envoy Gateway's
+    ClientTrafficPolicy `http1.enableTrailers`), so they reach the picker as HTTP/2 clients' trailers always do."""
     processing_mode = {
         "request_header_mode": "SEND",
         "response_header_mode": "SEND",
@@ -111,6 +115,7 @@ def gateway_bootstrap(
         "@type": f"{_TYPES}.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
         "stream_idle_timeout": "0s",
+        **({"http_protocol_options": {"enable_trailers": True}} if http1_trailers else {}),
         "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
         "http_filters": [
             *filters,

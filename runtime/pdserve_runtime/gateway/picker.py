@@ -220,15 +220,13 @@ class PickerStream:
                 return [self.too_large()]
             if not chunk.end_of_stream:
                 return []
-            answer = self._decide(bytes(self.body))
-            if answer.WhichOneof("response") == "immediate_response":
-                return [answer]
-            if self.request_duplex:
-                return [answer, protocol.request_body_response(bytes(self.body), True)]
-            # The gateway kept the body: one "continue" per chunk it sent, after the headers' answer.
-            return [answer, *(protocol.continue_body("request_body") for _ in range(self.request_chunks))]
+            return self._body_complete(end_of_stream=True)
         if kind == "request_trailers":
-            return [protocol.continue_trailers("request_trailers")]
+            trailers = protocol.continue_trailers("request_trailers")
+            if self.pick is not None or self.refused:
+                return [trailers]
+            # No body chunk carried end_of_stream: the trailers end the request, so its body is complete now.
+            return [*self._body_complete(end_of_stream=False), trailers]
         if kind == "response_headers":
             self._served(message, protocol.headers_of(message.response_headers))
             return [protocol.continue_headers("response_headers")]
@@ -243,6 +241,19 @@ class PickerStream:
             self.close()
             return [protocol.continue_trailers("response_trailers")]
         return []
+
+    def _body_complete(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        """The pick and the body's answers once the whole body is in. `end_of_stream` is false when trailers end
+        the request: the body sent back must leave the stream open for their answer."""
+        answer = self._decide(bytes(self.body))
+        if answer.WhichOneof("response") == "immediate_response":
+            return [answer]
+        if self.request_duplex:
+            if not self.request_chunks and not end_of_stream:
+                return [answer]  # headers, then trailers: there is no body to send back
+            return [answer, protocol.request_body_response(bytes(self.body), end_of_stream)]
+        # The gateway kept the body: one "continue" per chunk it sent, after the headers' answer.
+        return [answer, *(protocol.continue_body("request_body") for _ in range(self.request_chunks))]
 
     def too_large(self) -> pb.ProcessingResponse:
         """The 413 for a body over the limit (from here, or from a link frame too long to read)."""

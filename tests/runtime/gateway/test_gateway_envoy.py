@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ async def gateway(
     picker: bool = True,
     body_mode: BodyMode = "full-duplex",
     relay: bool = True,
+    http1_trailers: bool = False,
     **picker_settings: Any,
 ) -> AsyncIterator[Gateway]:
     """The gateway path; `relay`: Envoy talks to pdserve-picker-relay, which talks to the picker's link (what the
@@ -104,6 +106,7 @@ async def gateway(
             pool=[(h, sidecar_port) for h in DECODE_HOSTS],
             failure_mode=failure_mode,
             body_mode=body_mode,
+            http1_trailers=http1_trailers,
         )
         envoy = await stack.enter_async_context(run_envoy(bootstrap, tmp_path / "envoy"))
         yield Gateway(envoy, app_picker, prefill, decodes, sidecars, servers)
@@ -130,6 +133,57 @@ async def test_long_prompts_take_pd_through_the_sidecar_and_short_ones_go_decode
             assert response.status == 200, await response.text()
             assert response.headers["X-Pdserve-Route"] == "decode-only"
         assert await requests_seen(gw.prefill.url) == 1
+
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "picker-grpc"])
+async def test_a_request_whose_body_ends_with_trailers_is_picked_and_served(tmp_path: Path, relay: bool) -> None:
+    """In full duplex (GIE's mode) a body that ends with trailers never carries end_of_stream: the trailers end it,
+    and the pick follows them (before, the relay and the picker answered the trailers alone, and Envoy sent the
+    request on unpicked with an empty body: a 400). The buffered modes cannot do this (docs/gateway.md): Envoy
+    holds the trailers until the body chunk is answered."""
+    async with gateway(tmp_path, relay=relay, http1_trailers=True) as gw:
+        body = json.dumps({"model": "sim-model", "prompt": LONG, "max_tokens": 4}).encode()
+        status, headers, text = await asyncio.wait_for(_post_with_trailers(gw.envoy.url, body), timeout=8.0)
+        assert status == 200, text
+        assert headers["x-pdserve-route"] == "pd"
+        assert json.loads(text)["usage"]["completion_tokens"] == 4
+        assert await requests_seen(gw.prefill.url) == 1
+
+
+async def _post_with_trailers(url: str, body: bytes) -> tuple[int, dict[str, str], str]:
+    """POST /v1/completions as HTTP/1.1 chunked with a trailer field (aiohttp's client cannot send trailers)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\nTrailer: x-body-digest\r\nConnection: close\r\n\r\n"
+        )
+        half = len(body) // 2
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:half], body[half:]))
+        writer.write(head.encode() + chunks + b"0\r\nx-body-digest: 0123\r\n\r\n")
+        await writer.drain()
+        raw = await reader.read()
+    finally:
+        writer.close()
+    head_text, _, payload = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head_text.decode().split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    if headers.get("transfer-encoding") == "chunked":
+        payload = _unchunk(payload)
+    return int(status_line.split()[1]), headers, payload.decode(errors="replace")
+
+
+def _unchunk(payload: bytes) -> bytes:
+    out = bytearray()
+    while payload:
+        size_line, _, rest = payload.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        payload = rest[size + 2 :]
+    return bytes(out)
 
 
 async def test_client_supplied_prefill_header_and_kv_params_are_never_trusted(tmp_path: Path) -> None:
