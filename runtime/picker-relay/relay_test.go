@@ -473,6 +473,39 @@ func TestFullDuplexRequestBodyReachesThePickerOnceAndIsEchoedAfterThePick(t *tes
 	expectAnswers(t, answers, responseHeadersContinue())
 }
 
+// A full-duplex body that trailers end has no chunk with end_of_stream: the trailers complete it. The picker gets
+// the body (end_of_stream unset) before the trailers and picks on them; Envoy gets the pick, the body echoed with
+// the stream left open, then the trailers' answer.
+func TestFullDuplexTrailersCompleteTheBodyAndFollowItsEcho(t *testing.T) {
+	picker := startFakePicker(t)
+	envoy := openStream(t, startRelay(t, picker.addr(), 1<<20))
+	envoy.send(requestHeaders("/v1/completions", false, fullDuplex))
+	for _, chunk := range completionChunks {
+		envoy.send(requestBody(chunk, false))
+	}
+	trailers := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{
+		RequestTrailers: &extprocv3.HttpTrailers{Trailers: headerMap("x-body-digest", "0123")},
+	}}
+	envoy.send(trailers)
+
+	id, _ := picker.nextMessage(t)
+	_, body := picker.nextMessage(t)
+	expectRequest(t, body, requestBody(completion, false))
+	_, seen := picker.nextMessage(t)
+	expectRequest(t, seen, trailers)
+
+	trailersAnswer := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
+		RequestTrailers: &extprocv3.TrailersResponse{},
+	}}
+	picker.write(t, answerFrame(t, id, pick("10.0.0.7:8100")), answerFrame(t, id, markedRequestBodyContinue("picker")),
+		answerFrame(t, id, trailersAnswer))
+	envoy.expect(pick("10.0.0.7:8100"))
+	envoy.expect(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
+		RequestBody: streamed(completion, false),
+	}})
+	envoy.expect(trailersAnswer)
+}
+
 func TestTheRelayAnswersTheResponseAndItsEndHalfClosesThePickersStream(t *testing.T) {
 	picker := startFakePicker(t)
 	envoy := openStream(t, startRelay(t, picker.addr(), 1<<20))
