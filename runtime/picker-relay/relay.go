@@ -313,6 +313,8 @@ func (s *stream) trailersEndBody(message *extprocv3.ProcessingRequest) {
 		return
 	}
 	s.bodyComplete, s.trailers = true, true
+	// Headers, then trailers, no body: there is nothing to send back (Envoy sent no body to answer).
+	s.bodyEchoed = len(s.body) == 0
 	unsent := s.body[s.forwarded:]
 	s.forwarded = len(s.body)
 	s.sendMu.Unlock()

@@ -401,6 +401,18 @@ func responseBodyEcho(chunk string, end bool) *extprocv3.ProcessingResponse {
 	}}
 }
 
+func requestTrailers() *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{
+		RequestTrailers: &extprocv3.HttpTrailers{Trailers: headerMap("x-body-digest", "0123")},
+	}}
+}
+
+func trailersContinue() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
+		RequestTrailers: &extprocv3.TrailersResponse{},
+	}}
+}
+
 func responseHeadersContinue() *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
 		ResponseHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}},
@@ -483,27 +495,35 @@ func TestFullDuplexTrailersCompleteTheBodyAndFollowItsEcho(t *testing.T) {
 	for _, chunk := range completionChunks {
 		envoy.send(requestBody(chunk, false))
 	}
-	trailers := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{
-		RequestTrailers: &extprocv3.HttpTrailers{Trailers: headerMap("x-body-digest", "0123")},
-	}}
-	envoy.send(trailers)
+	envoy.send(requestTrailers())
 
 	id, _ := picker.nextMessage(t)
 	_, body := picker.nextMessage(t)
 	expectRequest(t, body, requestBody(completion, false))
 	_, seen := picker.nextMessage(t)
-	expectRequest(t, seen, trailers)
+	expectRequest(t, seen, requestTrailers())
 
-	trailersAnswer := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
-		RequestTrailers: &extprocv3.TrailersResponse{},
-	}}
 	picker.write(t, answerFrame(t, id, pick("10.0.0.7:8100")), answerFrame(t, id, markedRequestBodyContinue("picker")),
-		answerFrame(t, id, trailersAnswer))
+		answerFrame(t, id, trailersContinue()))
 	envoy.expect(pick("10.0.0.7:8100"))
 	envoy.expect(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
 		RequestBody: streamed(completion, false),
 	}})
-	envoy.expect(trailersAnswer)
+	envoy.expect(trailersContinue())
+}
+
+// Headers, then trailers, with no body between them: the picker picks on the trailers and Envoy gets no body back.
+func TestFullDuplexTrailersWithoutABodySendNoBodyBack(t *testing.T) {
+	picker := startFakePicker(t)
+	envoy := openStream(t, startRelay(t, picker.addr(), 1<<20))
+	envoy.send(requestHeaders("/v1/models", false, fullDuplex), requestTrailers())
+	id, _ := picker.nextMessage(t)
+	_, seen := picker.nextMessage(t)
+	expectRequest(t, seen, requestTrailers())
+
+	picker.write(t, answerFrame(t, id, pick("10.0.0.7:8100")), answerFrame(t, id, trailersContinue()))
+	envoy.expect(pick("10.0.0.7:8100"))
+	envoy.expect(trailersContinue())
 }
 
 func TestTheRelayAnswersTheResponseAndItsEndHalfClosesThePickersStream(t *testing.T) {

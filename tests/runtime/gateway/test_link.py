@@ -146,8 +146,13 @@ def request_headers(path: str = "/v1/completions", subset: Iterable[str] = ()) -
     return request
 
 
-def request_body(body: bytes = COMPLETION) -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+def request_body(body: bytes = COMPLETION, end: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end))
+
+
+def request_trailers() -> pb.ProcessingRequest:
+    trailers = pb.HeaderMap(headers=[pb.HeaderValue(key="x-body-digest", raw_value=b"0123")])
+    return pb.ProcessingRequest(request_trailers=pb.HttpTrailers(trailers=trailers))
 
 
 def response_headers(status: int = 200) -> pb.ProcessingRequest:
@@ -213,6 +218,25 @@ async def test_a_completion_is_picked_over_the_link_and_end_releases_its_decode_
     # An END for a stream the link does not hold (already ended, or never opened) is answered all the same.
     await relay.write(encode(1, END))
     assert await relay.frame() == Frame(1, END)
+
+
+async def test_trailers_end_a_body_and_the_pick_follows_them(app: PickerApp, relay: Relay) -> None:
+    """A body that trailers end carries no end_of_stream: the trailers complete it (the pick, the body's continue,
+    the trailers' answer, in that order); with no body at all, the pick and the trailers' answer alone."""
+    await relay.write(message(7, request_headers()), message(7, request_body(end=False)))
+    await relay.nothing_more()
+    await relay.write(message(7, request_trailers()))
+    pick, body, trailers = await relay.frames(3)
+    assert destination(pick.answer()) in {f"{host}:{TARGET_PORT}" for host in DECODES}
+    assert body.answer() == pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse()))
+    assert trailers.answer().WhichOneof("response") == "request_trailers"
+    await relay.write(message(8, request_headers("/v1/models")), message(8, request_trailers()))
+    pick, trailers = await relay.frames(2)
+    assert pick.answer().WhichOneof("response") == "request_headers"
+    assert trailers.answer().WhichOneof("response") == "request_trailers"
+    await relay.write(encode(7, END), encode(8, END))
+    assert await relay.frames(2) == [Frame(7, END), Frame(8, END)]
+    await released(app)
 
 
 async def test_end_follows_every_answer_written_before_it(app: PickerApp, relay: Relay) -> None:
