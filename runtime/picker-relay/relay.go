@@ -295,12 +295,15 @@ func (s *stream) handle(message *extprocv3.ProcessingRequest) error {
 // and each message it reads costs it far more than the bytes do.
 func (s *stream) requestBody(message *extprocv3.ProcessingRequest, body *extprocv3.HttpBody) {
 	end := body.GetEndOfStream()
-	unsent, due := s.keep(body.GetBody(), end)
-	if !due {
-		return
+	if unsent, due := s.keep(body.GetBody(), end); due {
+		s.bodyToPicker(message, unsent, end)
 	}
+}
+
+// bodyToPicker sends the picker part of a kept body, with message's metadata and attributes.
+func (s *stream) bodyToPicker(message *extprocv3.ProcessingRequest, body []byte, end bool) {
 	out := withContext(message, message.GetProtocolConfig())
-	out.Request = &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: unsent, EndOfStream: end}}
+	out.Request = &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: end}}
 	s.toPicker(out)
 }
 
@@ -318,12 +321,9 @@ func (s *stream) trailersEndBody(message *extprocv3.ProcessingRequest) {
 	unsent := s.body[s.forwarded:]
 	s.forwarded = len(s.body)
 	s.sendMu.Unlock()
-	if len(unsent) == 0 {
-		return
+	if len(unsent) > 0 {
+		s.bodyToPicker(message, unsent, false)
 	}
-	out := withContext(message, message.GetProtocolConfig())
-	out.Request = &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: unsent}}
-	s.toPicker(out)
 }
 
 // keep appends a chunk to the kept body and returns the part the picker has not had yet when it is time to send

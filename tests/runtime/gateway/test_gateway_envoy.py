@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from pdserve.api.router_config import PickerConfig, RouterConfig
+from pdserve_dev.testing import rawhttp
 from pdserve_dev.testing.envoy import BodyMode, EnvoyProcess, FailureMode, gateway_bootstrap, run_envoy, run_relay
 from pdserve_dev.testing.metrics import metric_value, scrape
 from pdserve_dev.testing.net import free_port, free_ports
@@ -143,47 +144,23 @@ async def test_a_request_whose_body_ends_with_trailers_is_picked_and_served(tmp_
     holds the trailers until the body chunk is answered."""
     async with gateway(tmp_path, relay=relay, http1_trailers=True) as gw:
         body = json.dumps({"model": "sim-model", "prompt": LONG, "max_tokens": 4}).encode()
-        status, headers, text = await asyncio.wait_for(_post_with_trailers(gw.envoy.url, body), timeout=8.0)
-        assert status == 200, text
+        status, headers, answer = await rawhttp.send(gw.envoy.url, _chunked_with_trailers(body), within=8.0)
+        assert status == 200, answer
         assert headers["x-pdserve-route"] == "pd"
-        assert json.loads(text)["usage"]["completion_tokens"] == 4
+        assert json.loads(answer)["usage"]["completion_tokens"] == 4
         assert await requests_seen(gw.prefill.url) == 1
 
 
-async def _post_with_trailers(url: str, body: bytes) -> tuple[int, dict[str, str], str]:
-    """POST /v1/completions as HTTP/1.1 chunked with a trailer field (aiohttp's client cannot send trailers)."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        head = (
-            "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-            "Transfer-Encoding: chunked\r\nTrailer: x-body-digest\r\nConnection: close\r\n\r\n"
-        )
-        half = len(body) // 2
-        chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:half], body[half:]))
-        writer.write(head.encode() + chunks + b"0\r\nx-body-digest: 0123\r\n\r\n")
-        await writer.drain()
-        raw = await reader.read()
-    finally:
-        writer.close()
-    head_text, _, payload = raw.partition(b"\r\n\r\n")
-    status_line, *lines = head_text.decode().split("\r\n")
-    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
-    if headers.get("transfer-encoding") == "chunked":
-        payload = _unchunk(payload)
-    return int(status_line.split()[1]), headers, payload.decode(errors="replace")
-
-
-def _unchunk(payload: bytes) -> bytes:
-    out = bytearray()
-    while payload:
-        size_line, _, rest = payload.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        payload = rest[size + 2 :]
-    return bytes(out)
+def _chunked_with_trailers(body: bytes) -> bytes:
+    """POST /v1/completions as HTTP/1.1 chunked, in two chunks, ended by a trailer field (aiohttp's client cannot
+    send trailers)."""
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\nTrailer: x-body-digest\r\nConnection: close\r\n\r\n"
+    )
+    half = len(body) // 2
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:half], body[half:]))
+    return head + chunks + b"0\r\nx-body-digest: 0123\r\n\r\n"
 
 
 async def test_client_supplied_prefill_header_and_kv_params_are_never_trusted(tmp_path: Path) -> None:
