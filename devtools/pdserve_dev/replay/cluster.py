@@ -232,6 +232,7 @@ class ReplayCluster:
         if self.gate is None:
             self._to_decode(job, now, handoff)
             return
+        self.gate.prefilled(job, now)
         replica = self.gate.decode_replica(job)
         if replica is None:
             self._to_decode(job, now, handoff)
@@ -253,6 +254,8 @@ class ReplayCluster:
 
     def _first_token(self, job: Job, now: float) -> None:
         self.observer.router_ttft(job, now - job.arrival)
+        if self.gate is not None:
+            self.gate.first_chunk(job, now)
 
     def _finished(self, job: Job, now: float) -> None:
         self.request_done()

@@ -37,12 +37,14 @@ Algorithm, per pool and per tick:
    informative a sample is, blended with the prior at `prior_weight` pseudo-samples and clamped to [1/4, 4] x
    the prior: thin data leaves the prior in charge, and a profile that is wrong for the hardware shows up as a
    larger S or k.
-4. Demand. Prefill: uncached prompt tokens computed per second (prefix hits discount prefill work), plus the
-   growth of the queued prompts since the last tick (arrivals the pool did not serve), plus the queue spread
-   over the horizon (queued prompts wait in the engines that hold them, which new replicas cannot take over,
-   and keep those engines busy until drained). With late binding the queue waits in the routers instead
-   (`RouterSignals.queued_*`): it is the same backlog, and a client-visible TTFT breach while the routers hold
-   requests for prefill is prefill's, though the engines' own TTFT (which starts at dispatch) is within budget.
+4. Demand. Prefill: uncached prompt tokens arriving per second (prefix hits discount prefill work): those
+   computed plus the change of the queued prompts since the last tick (a growing queue is arrivals the pool did
+   not serve; a shrinking one was computed on top of arrivals); plus, for this tick only, the queue spread over
+   the horizon (queued prompts keep the engines busy until drained). Only arrivals feed the forecast below: a
+   backlog is a one-off amount of work, and folded in as a rate it set the peak that bounds the reserve. With
+   late binding the queue waits in the routers instead (`RouterSignals.queued_*`): it is the same backlog, and a
+   client-visible TTFT breach while the routers hold requests for prefill is prefill's, though the engines' own
+   TTFT (which starts at dispatch) is within budget.
    Decode: tokens generated per second plus, for each request waiting for a sequence slot or KV blocks (in the
    engines, or in the routers for a decode engine with a free sequence), the rate
    it would generate at the target, and at least what prefill is being sent (decode's load is prefill's output a
@@ -404,6 +406,9 @@ class PoolEstimate:
     steady_demand: float | None = None
     #: Requests per second arriving at the pool, served or not (prefill: what decode will see next).
     arrival_rate: float | None = None
+    #: Load arriving at the pool, served or not, in `load`'s unit (None: `load` is that). Prefill's differs from its
+    #: computed tokens while a backlog grows or drains; the policy's burst memory reads this one.
+    offered: float | None = None
 
     @property
     def steady_required(self) -> float | None:
@@ -491,23 +496,31 @@ def _prefill(
 
     load = pool.uncached_tokens_rate
     demand_now: float | None = None
+    drain = 0.0
     arrivals: float | None = None
     backlog_now: tuple[float, float] | None = state.prefill_backlog
     if load is not None:
-        # Computed tokens understate arrivals while the pool is short: what it did not serve piles up in the
-        # queues, and the queue's growth since the last tick is that unserved arrival rate. The queue itself
-        # sits in the engines that hold it (new replicas cannot take it over) and keeps them busy until it has
-        # drained: over the horizon it takes backlog / horizon of the pool's capacity away from new arrivals.
+        # Computed tokens are not arrivals while a backlog moves: what the pool did not serve piles up in the
+        # queues (arrivals above the computed tokens), and a backlog being worked off is computed on top of them
+        # (below). Arrivals are the computed tokens plus the backlog's change since the last tick, either sign.
+        # The backlog itself is a one-off amount of work, not a rate: it sits in the engines that hold it (or in
+        # the routers) and takes backlog / horizon of the pool's capacity until drained. It is added to what
+        # this tick sizes for, never folded into the forecast: there it read as a lasting rate, and after the
+        # synthetic trace's step the drain's spike set the remembered peak (and the policy's burst memory), which
+        # held the prefill pool at 14-16 replicas for ten minutes where arrivals needed 9.
         per_request = _ratio(pool.uncached_tokens_rate, pool.request_rate) or uncached_q
         # With late binding the backlog waits in the routers, not in the engines: both are the pool's.
         backlog = (pool.waiting or 0.0) * per_request + (signals.router.queued_prefill_tokens or 0.0)
-        growth = 0.0
+        change = 0.0
         if state.prefill_backlog is not None and now > state.prefill_backlog[0]:
-            growth = max(0.0, backlog - state.prefill_backlog[1]) / (now - state.prefill_backlog[0])
-        demand_now = load + growth + backlog / config.horizon_s
+            change = (backlog - state.prefill_backlog[1]) / (now - state.prefill_backlog[0])
+        demand_now = max(0.0, load + change)
+        drain = backlog / config.horizon_s
         backlog_now = (now, backlog)
-        arrivals = (load + growth) / per_request
-    forecast, demand, steady = _predict(config, state.prefill_demand, demand_now, now, config.prefill_surprise)
+        arrivals = demand_now / per_request
+    forecast, demand, steady = _predict(
+        config, state.prefill_demand, demand_now, now, config.prefill_surprise, drain=drain
+    )
     latency = pool.engine_ttft_s
     breach = latency is not None and latency > budget
     held = signals.router.queued_prefill_requests or 0.0
@@ -531,6 +544,7 @@ def _prefill(
         notes=tuple(notes),
         steady_demand=steady,
         arrival_rate=arrivals,
+        offered=demand_now,
     )
     return fit, forecast, backlog_now, estimate
 
@@ -710,9 +724,16 @@ def _learn(
 
 
 def _predict(
-    config: ModelConfig, forecast: Forecast, demand_now: float | None, now: float, surprise: float
+    config: ModelConfig,
+    forecast: Forecast,
+    demand_now: float | None,
+    now: float,
+    surprise: float,
+    *,
+    drain: float = 0.0,
 ) -> tuple[Forecast, float | None, float | None]:
-    """(forecast, demand for scaling up, steady demand for scaling down)."""
+    """(forecast, demand for scaling up, steady demand for scaling down). `demand_now` is the arrival rate the
+    forecast follows; `drain` a backlog's share of capacity this tick, added to both demands but never forecast."""
     if demand_now is None:
         return forecast, None, None
     forecast = forecast.update(demand_now, now, config.level_gain, config.trend_gain, config.peak_half_life_s)
@@ -727,7 +748,8 @@ def _predict(
         # Scaling up still adds the whole headroom to the latest window (below): on a burst's ramp it is what
         # keeps the pool ahead of the load while replicas start.
         steady = max(ahead, min(steady, forecast.peak))
-    return forecast, max(demand_now + headroom, steady), steady
+    steady += drain
+    return forecast, max(demand_now + headroom + drain, steady), steady
 
 
 def _basis(fit: CapacityFit, prior_weight: float) -> str:

@@ -187,8 +187,11 @@ def _pool(
     consolidated = _consolidated(config, estimate, max(math.ceil(steady - 1e-9), 0))
     if estimate.breach and starting == 0:
         consolidated = max(consolidated, current + 1)
-    if estimate.load is not None and config.burst_memory_s > 0:
-        state = state.observe(role, now, estimate.load / estimate.capacity_per_replica, config.burst_memory_s)
+    # Arrivals, not computed tokens: new replicas working off a backlog compute far more than arrives, and that
+    # spike read as a burst to hold for the whole memory.
+    offered = estimate.offered if estimate.offered is not None else estimate.load
+    if offered is not None and config.burst_memory_s > 0:
+        state = state.observe(role, now, offered / estimate.capacity_per_replica, config.burst_memory_s)
     floor = burst_floor(state.loads.get(role, ()), now=now, memory_s=config.burst_memory_s, horizon_s=horizon_s)
     why = _why(slo, estimates, estimate)
     if floor > consolidated and floor >= current:

@@ -43,6 +43,7 @@ from pdserve_runtime.router.admission import (
     AdmissionQueue,
     Budget,
     EngineLoad,
+    PathEstimate,
     Pool,
     QueueConfig,
     Shed,
@@ -128,25 +129,6 @@ class _Want:
     route: Route
     tokens: int
     future: asyncio.Future[Binding | Shed]
-
-
-@dataclass(slots=True)
-class PathEstimate:
-    """Moving averages of what a request's path costs once dispatched (for lateness, `admission.Ticket.late`):
-    prefill seconds per uncached token, and the seconds from decode's start to its first chunk."""
-
-    prefill_per_token: float = 0.0
-    decode_first: float = 0.0
-
-    def prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            self.prefill_per_token += _EWMA * (seconds / tokens - self.prefill_per_token)
-
-    def first_chunk(self, seconds: float) -> None:
-        self.decode_first += _EWMA * (seconds - self.decode_first)
-
-    def seconds(self, pool: Pool, tokens: int) -> float:
-        return (self.prefill_per_token * tokens if pool == "prefill" else 0.0) + self.decode_first
 
 
 class Gate:

@@ -292,6 +292,24 @@ def test_a_growing_prefill_queue_is_arriving_demand_a_standing_one_only_drains()
     assert stood.prefill.demand == pytest.approx(100_000.0 + drain)
 
 
+def test_a_draining_prefill_queue_is_computed_on_top_of_arrivals_and_leaves_no_peak() -> None:
+    raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0)
+    piled = signals(at=100.0, p=prefill(waiting=300.0))
+    # New replicas work the 300 queued prompts off within a tick: the pool computes 120 prompts (120k tokens) a
+    # second, 20 of them the backlog's, so 100 arrived.
+    draining = signals(at=115.0, p=prefill(waiting=0.0, uncached_tokens_rate=120_000.0, request_rate=120.0))
+    state, est = run(piled, draining, config=raw)
+    assert est.prefill.offered == pytest.approx(100_000.0)
+    assert est.prefill.arrival_rate == pytest.approx(100.0)
+    assert est.prefill.demand == pytest.approx(100_000.0)
+    # The backlog counted in the first tick's demand (what to drain), never in the forecast or its peak: once it
+    # has drained, the reserve is bounded by what arrived, not by arrivals plus a spread backlog.
+    assert state.prefill_demand.peak == pytest.approx(100_000.0)
+    _, first = run(piled, config=raw)
+    assert first.prefill.demand == pytest.approx(100_000.0 + 300_000.0 / raw.horizon_s)
+    assert first.prefill.steady_demand == first.prefill.demand
+
+
 def test_a_prefill_queue_in_the_routers_is_the_same_backlog_as_one_in_the_engines() -> None:
     # Late binding moves the queue from the engines (vllm:num_requests_waiting) to the routers
     # (pdserve_router_queue_prompt_tokens): the pool must be sized for it all the same.

@@ -48,6 +48,8 @@ class Tick:
     steady: float | None = None
     freshness_s: float | None = 5.0
     completeness: float = 1.0
+    #: Load arriving, where it differs from the load computed (a backlog growing or being worked off).
+    offered: float | None = None
 
 
 def pool_estimate(role: Role, tick: Tick) -> PoolEstimate:
@@ -65,6 +67,7 @@ def pool_estimate(role: Role, tick: Tick) -> PoolEstimate:
         breach=tick.breach,
         basis="prior",
         steady_demand=None if demand is None else steady,
+        offered=None if tick.offered is None else tick.offered * CAPACITY,
     )
 
 
@@ -251,6 +254,19 @@ def test_burst_floor_explains_itself() -> None:
         current = decision.prefill.desired
     assert current == 12
     assert "12 replica(s) kept for a burst like those of the last 300 s" in decision.prefill.message
+
+
+def test_a_backlog_worked_off_is_not_a_burst_to_keep() -> None:
+    # Two ticks compute 12 replicas' worth (new replicas working off a queue) while 1 replica's worth arrives:
+    # the burst memory reads arrivals, so the pool goes back to 1 once the window has passed.
+    state = PolicyState()
+    current = 2
+    for i, need in enumerate([1.0] * 4 + [12.0] * 2 + [1.0] * 8):
+        tick = Tick(need=need, current=current, offered=1.0)
+        decision, state = step(state, 15.0 * i, tick, config=BURST_CONFIG)
+        current = decision.prefill.desired
+    assert current == 1
+    assert "kept for a burst" not in decision.prefill.message
 
 
 def test_no_scale_down_before_a_whole_window_was_observed() -> None:

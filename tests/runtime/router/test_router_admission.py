@@ -14,6 +14,7 @@ from pdserve_runtime.router.admission import (
     AdmissionQueue,
     Budget,
     EngineLoad,
+    PathEstimate,
     Pool,
     QueueConfig,
     Ticket,
@@ -132,6 +133,62 @@ def test_requests_that_can_still_meet_their_deadline_go_first() -> None:
     heads = queue.candidates(0.7)
     assert [ticket.item for ticket in heads] == ["new"]  # "old" can no longer make 1.0 s
     assert drain_order(queue, 0.7) == ["new", "old"]
+
+
+def busy_engine_prefills(path: PathEstimate, count: int, wait_s: float, per_token_s: float) -> None:
+    """Prefills of 500 and 5000 tokens, alternately, each behind `wait_s` of work a busy engine already holds."""
+    for index in range(count):
+        tokens = 500 if index % 2 else 5000
+        path.prefill(tokens, wait_s + per_token_s * tokens)
+
+
+def test_the_prefill_path_is_the_wait_every_prompt_pays_plus_its_own_compute() -> None:
+    path = PathEstimate()
+    busy_engine_prefills(path, 200, wait_s=0.4, per_token_s=0.0001)
+    fixed, per_token = path.prefill_line()
+    assert fixed == pytest.approx(0.4, rel=0.01)
+    assert per_token == pytest.approx(0.0001, rel=0.01)
+    # A long prompt's path is the wait and its compute: 0.4 + 0.8 s. Seconds per token averaged over short and
+    # long prompts (the short ones wait as long) read 0.44 ms per token, 3.5 s for this one.
+    assert path.seconds("prefill", 8000) == pytest.approx(1.2, rel=0.01)
+    assert path.seconds("decode", 8000) == 0.0
+
+
+def test_a_long_prompt_that_can_make_its_deadline_is_not_late() -> None:
+    path = PathEstimate()
+    busy_engine_prefills(path, 200, wait_s=0.4, per_token_s=0.0001)
+    queue: AdmissionQueue[str] = AdmissionQueue(
+        config(ttft_target_s=2.0), service_s=lambda ticket: path.seconds(ticket.pool, ticket.tokens)
+    )
+    queue.push("long", client="A", pool="prefill", tokens=8000, now=0.0)
+    queue.push("short", client="A", pool="prefill", tokens=500, now=0.5)
+    # At 0.7 s the long prompt still has 1.3 s for its 1.2 s path: it goes first, in arrival order.
+    assert [ticket.item for ticket in queue.candidates(0.7)] == ["long"]
+    assert not queue.candidates(0.7)[0].late
+
+
+def test_the_path_is_judged_with_the_spread_of_what_prefills_took() -> None:
+    steady, noisy = PathEstimate(), PathEstimate()
+    for index in range(400):
+        tokens = 500 if index % 2 else 5000
+        steady.prefill(tokens, 0.4 + 0.0001 * tokens)
+        noisy.prefill(tokens, 0.4 + 0.0001 * tokens + (0.1 if index % 4 < 2 else -0.1))
+    assert steady.seconds("prefill", 2000) == pytest.approx(0.6, rel=0.01)
+    # Half the prefills took 0.1 s more than the line, half 0.1 s less: a request is given 0.1 s more than the
+    # mean, or half of those taken with only the mean's slack left would miss.
+    assert noisy.seconds("prefill", 2000) == pytest.approx(0.7, rel=0.05)
+
+
+def test_prompts_of_one_length_read_as_fixed_cost_and_nothing_seen_as_none() -> None:
+    path = PathEstimate()
+    assert path.prefill_line() == (0.0, 0.0)
+    for _ in range(50):
+        path.prefill(1000, 0.3)
+    assert path.prefill_line() == pytest.approx((0.3, 0.0))
+    path.first_chunk(0.05)
+    assert path.seconds("decode", 10) == pytest.approx(0.005)
+    path.prefill(0, 5.0)  # nothing computed (a full prefix hit) teaches nothing
+    assert path.prefill_line() == pytest.approx((0.3, 0.0))
 
 
 def test_each_pool_has_its_head_and_the_earlier_tag_is_tried_first() -> None:
