@@ -350,8 +350,9 @@ class ModelState:
     decode_fit: CapacityFit = field(default_factory=CapacityFit)
     prefill_demand: Forecast = field(default_factory=Forecast)
     decode_demand: Forecast = field(default_factory=Forecast)
-    #: (time, queued prompt tokens) at the last tick: the backlog's growth is arrivals the pool did not serve.
-    prefill_backlog: tuple[float, float] | None = None
+    #: (time, queued prompt tokens) of the ticks of the last rate window, oldest first: the backlog's change over
+    #: the window the rates are read over, with the computed tokens, is what arrived.
+    prefill_backlog: tuple[tuple[float, float], ...] = ()
 
     def fit(self, role: Role) -> CapacityFit:
         return self.prefill_fit if role == "prefill" else self.decode_fit
@@ -472,7 +473,7 @@ def prefill_budget_s(config: ModelConfig, prompt_tokens: float) -> float:
 
 def _prefill(
     config: ModelConfig, state: ModelState, signals: ServiceSignals, now: float
-) -> tuple[CapacityFit, Forecast, tuple[float, float] | None, PoolEstimate]:
+) -> tuple[CapacityFit, Forecast, tuple[tuple[float, float], ...], PoolEstimate]:
     pool = signals.prefill
     profile = config.prefill_profile
     notes: list[str] = []
@@ -498,7 +499,7 @@ def _prefill(
     demand_now: float | None = None
     drain = 0.0
     arrivals: float | None = None
-    backlog_now: tuple[float, float] | None = state.prefill_backlog
+    backlog_now = state.prefill_backlog
     if load is not None:
         # Computed tokens are not arrivals while a backlog moves: what the pool did not serve piles up in the
         # queues (arrivals above the computed tokens), and a backlog being worked off is computed on top of them
@@ -511,12 +512,9 @@ def _prefill(
         per_request = _ratio(pool.uncached_tokens_rate, pool.request_rate) or uncached_q
         # With late binding the backlog waits in the routers, not in the engines: both are the pool's.
         backlog = (pool.waiting or 0.0) * per_request + (signals.router.queued_prefill_tokens or 0.0)
-        change = 0.0
-        if state.prefill_backlog is not None and now > state.prefill_backlog[0]:
-            change = (backlog - state.prefill_backlog[1]) / (now - state.prefill_backlog[0])
+        change, backlog_now = _backlog_change(state.prefill_backlog, now, backlog, signals.window_s)
         demand_now = max(0.0, load + change)
         drain = backlog / config.horizon_s
-        backlog_now = (now, backlog)
         arrivals = demand_now / per_request
     forecast, demand, steady = _predict(
         config, state.prefill_demand, demand_now, now, config.prefill_surprise, drain=drain
@@ -547,6 +545,26 @@ def _prefill(
         offered=demand_now,
     )
     return fit, forecast, backlog_now, estimate
+
+
+def _backlog_change(
+    history: tuple[tuple[float, float], ...], now: float, backlog: float, window_s: float
+) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """The backlog's change per second over the rate window (from the latest tick at or before its start, else the
+    oldest kept), and the ticks to keep. Over one tick instead, a tick shorter than the window sets a queue
+    drained within the tick (all of it) against computed tokens averaged over the window (a part of it): arrivals
+    read low, then high."""
+    start = now - window_s
+    anchor: tuple[float, float] | None = None
+    for sample in history:
+        if sample[0] >= now:
+            break
+        if anchor is None or sample[0] <= start + 1e-6:
+            anchor = sample
+    if anchor is None:
+        return 0.0, ((now, backlog),)
+    kept = tuple(sample for sample in history if anchor[0] <= sample[0] < now)
+    return (backlog - anchor[1]) / (now - anchor[0]), (*kept, (now, backlog))
 
 
 def _decode(

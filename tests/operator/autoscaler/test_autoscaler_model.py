@@ -310,6 +310,19 @@ def test_a_draining_prefill_queue_is_computed_on_top_of_arrivals_and_leaves_no_p
     assert first.prefill.steady_demand == first.prefill.demand
 
 
+def test_the_backlog_change_is_read_over_the_rate_window_not_one_tick() -> None:
+    # Ticks every 2 s, rates over the last 6 s: 60 prompts queued within the last tick are 60k tokens over the
+    # window the computed tokens are averaged over (10k tokens/s), not 30k/s over the tick.
+    raw = replace(CONFIG, level_gain=1.0, trend_gain=0.0, prefill_surprise=0.0)
+    ticks = [
+        replace(signals(at=100.0 + 2 * i, p=prefill(waiting=60.0 if i == 4 else 0.0)), window_s=6.0) for i in range(5)
+    ]
+    state, est = run(*ticks, config=raw)
+    assert est.prefill.offered == pytest.approx(100_000.0 + 10_000.0)
+    # Only the ticks of the last window are kept (from the one at its start).
+    assert [at for at, _ in state.prefill_backlog] == [102.0, 104.0, 106.0, 108.0]
+
+
 def test_a_prefill_queue_in_the_routers_is_the_same_backlog_as_one_in_the_engines() -> None:
     # Late binding moves the queue from the engines (vllm:num_requests_waiting) to the routers
     # (pdserve_router_queue_prompt_tokens): the pool must be sized for it all the same.
