@@ -16,6 +16,8 @@ from pathlib import Path
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # How many ports below that range to choose from, and the lowest port ever chosen.
 _SPAN, _LOWEST = 12_000, 10_000
+# Tries in that range before the kernel chooses (bind(0)): a range whose ports are all taken must not spin forever.
+_TRIES = 64
 _random = random.Random()  # its own generator: a test that seeds `random` must not make every run pick the same
 
 
@@ -35,18 +37,22 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     Chosen below the kernel's ephemeral port range: a port from bind(0) is one the kernel also hands out as the
     source port of outgoing connections, and in the gap before the server binds it one of the suite's thousands of
     connections took it (a store server could not listen on its port and the test waited 30 s for its /health).
-    Below that range only another listener that chose the same port can take it."""
+    Below that range only another listener that chose the same port can take it; after `_TRIES` taken ports
+    there, the kernel chooses."""
     sockets: list[socket.socket] = []
     chosen = _chosen_range()
+    misses = 0
     try:
         while len(sockets) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            in_range = chosen is not None and misses < _TRIES
             try:
-                sock.bind((host, _random.choice(chosen) if chosen is not None else 0))
+                sock.bind((host, _random.choice(chosen) if chosen is not None and in_range else 0))
             except OSError as exc:
                 sock.close()
-                if chosen is None or exc.errno != errno.EADDRINUSE:
+                if not in_range or exc.errno != errno.EADDRINUSE:
                     raise
+                misses += 1
                 continue
             sockets.append(sock)
         return [int(s.getsockname()[1]) for s in sockets]
