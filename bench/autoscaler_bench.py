@@ -68,6 +68,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -647,6 +648,22 @@ def check_agreement(replayed: dict[str, Any], live: dict[str, Any], start: tuple
     return [("PASS " if ok else "FAIL ") + text for ok, text in lines]
 
 
+def tick_phase(ticks: Sequence[tuple[float, str]], interval_s: float) -> float | None:
+    """When the operator's first tick came after the load's start (seconds, in [0, interval)): its loop keeps a
+    fixed cadence from a start of its own, so the ticks' phase against the load is the cluster's, not the
+    replay's. None without a tick seen."""
+    after = [at for at, _ in ticks if at >= 0]
+    return min(after) % interval_s if after else None
+
+
+def control_delay(ticks: Sequence[tuple[float, str]], used: Sequence[tuple[float, int]]) -> float:
+    """Median seconds from a tick to the router using the threshold it chose: for each change the router showed
+    (after its first value), the time since the last tick before it. 0 when none is seen."""
+    times = sorted(at for at, _ in ticks)
+    delays = [at - max(t for t in times if t <= at) for at, _ in used[1:] if any(t <= at for t in times)]
+    return statistics.median(delays) if delays else 0.0
+
+
 def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
     """The slice `name` (`LIVE_SLICES`) through the discrete-event replay (every policy) and through the product on
     the local cluster (pdserve-threshold); the result dict of the JSON output's `closed_loop`."""
@@ -668,6 +685,33 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         f"{live_slice.prefill[0]}-{live_slice.prefill[1]}, decode {live_slice.decode[0]}-{live_slice.decode[1]}, "
         f"threshold {THRESHOLD}-{THRESHOLD_MAX}; static-peak {peak_p}+{peak_d}"
     )
+    live_began = time.perf_counter()
+    live = run_live(
+        requests,
+        LiveConfig(
+            ttft_s=LIVE_SLO.ttft_s,
+            itl_s=LIVE_SLO.itl_s,
+            percentile=LIVE_SLO.percentile,
+            prefill=live_slice.prefill,
+            decode=live_slice.decode,
+            initial=start,
+            threshold=THRESHOLD,
+            threshold_bounds=(THRESHOLD, THRESHOLD_MAX),
+            interval_s=LIVE_INTERVAL_S,
+            window_s=LIVE_WINDOW_S,
+            warmup_s=LIVE_WARMUP_S,
+            scale_down_s=LIVE_SCALE_DOWN_S,
+        ),
+        log,
+    )
+    live_elapsed = time.perf_counter() - live_began
+    # The replay's control ticks at the operator's phase against the load's start, and its router uses a new
+    # threshold as long after the tick as the cluster's routers did: both are the cluster's, measured above.
+    phase, delay = tick_phase(live.ticks, LIVE_INTERVAL_S), control_delay(live.ticks, live.router_thresholds)
+    log(
+        f"   operator ticks at {'?' if phase is None else f'{phase:.2f}'} s + k x {LIVE_INTERVAL_S:.0f} s after the "
+        f"first arrival; its routers used a new threshold {delay:.2f} s after the tick (median): the replay's too"
+    )
     results: list[dict[str, Any]] = []
     static_gpu = 0.0
     replayed_jobs: list[Job] = []
@@ -688,6 +732,8 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             disaggregation_threshold=THRESHOLD,
             late_binding=None if policy == "pdserve-on-arrival" else LATE_BINDING,
             path=LIVE_PATH,
+            tick_phase_s=phase,
+            control_delay_s=delay,
         )
         began = time.perf_counter()
         outcome = ReplayCluster(replay, requests, scaler).run()
@@ -699,25 +745,6 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             replayed_jobs = outcome.jobs
             replayed_thresholds = outcome.thresholds
 
-    began = time.perf_counter()
-    live = run_live(
-        requests,
-        LiveConfig(
-            ttft_s=LIVE_SLO.ttft_s,
-            itl_s=LIVE_SLO.itl_s,
-            percentile=LIVE_SLO.percentile,
-            prefill=live_slice.prefill,
-            decode=live_slice.decode,
-            initial=start,
-            threshold=THRESHOLD,
-            threshold_bounds=(THRESHOLD, THRESHOLD_MAX),
-            interval_s=LIVE_INTERVAL_S,
-            window_s=LIVE_WINDOW_S,
-            warmup_s=LIVE_WARMUP_S,
-            scale_down_s=LIVE_SCALE_DOWN_S,
-        ),
-        log,
-    )
     cluster = _row(
         LIVE_POLICY,
         attainment=live.attainment(LIVE_SLO.ttft_s, LIVE_SLO.itl_s),
@@ -729,7 +756,7 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         ttft=[a.ttft_s for a in live.answers],
         tpot=[a.tpot_s for a in live.answers if a.output_tokens > 1],
         threshold=_threshold_steps_summary(live.thresholds or [(0.0, THRESHOLD)], live.seconds),
-        elapsed=time.perf_counter() - began,
+        elapsed=live_elapsed,
     )
     cluster.update(mode="cluster", failed=live.failed)
     results.append(cluster)
@@ -799,6 +826,8 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             hop: {"p50": p50, "p90": p90, "mean": mean} for hop, (p50, p90, mean) in modelled.items()
         },
         "cluster_events": live.events,
+        "operator_ticks": live.ticks,
+        "replay_control": {"tick_phase_s": phase, "control_delay_s": delay},
         "per_request": per_request(requests, live.answers, replayed_jobs),
     }
 

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.api.validation import validate
 from pdserve_dev.replay.engines import Job
-from pdserve_dev.replay.live import BREAKDOWN, LiveConfig, manifest, startup_delays
+from pdserve_dev.replay.live import BREAKDOWN, LiveConfig, TickLog, manifest, startup_delays
 from pdserve_dev.replay.scalers import PdserveScaler
 from pdserve_dev.replay.trace import Request, windows
 from pdserve_dev.testing.load import Answer
@@ -152,3 +152,27 @@ def test_each_requests_outcome_is_set_beside_its_replay(bench: ModuleType) -> No
     assert [row[8] for row in rows] == ["pd", "decode-only"]
     # A failed request leaves one answer fewer: no cluster column rather than a wrong one.
     assert all(row[3] is None for row in bench.per_request(requests, answers[:1], replayed))
+
+
+def test_the_replay_takes_the_operators_tick_phase_and_control_delay(bench: ModuleType) -> None:
+    # Ticks from before the load (negative times) do not count; the phase is the first tick after time 0.
+    ticks = [(-0.7, "Configured"), (1.3, "Configured"), (3.3, "PrefillShort"), (5.31, "PrefillShort")]
+    assert bench.tick_phase(ticks, 2.0) == pytest.approx(1.3)
+    assert bench.tick_phase([(2.5, "")], 2.0) == pytest.approx(0.5)
+    assert bench.tick_phase([], 2.0) is None
+    # The router's first value is where it started; each change after it is timed from the last tick before it.
+    used = [(0.0, 256), (3.6, 512), (5.9, 1024)]
+    assert bench.control_delay(ticks, used) == pytest.approx((0.3 + 0.59) / 2)
+    assert bench.control_delay(ticks, used[:1]) == 0.0
+
+
+def test_the_operators_ticks_are_read_from_its_metrics() -> None:
+    log = TickLog()
+    stamp = TickLog.TICK + 'namespace="replay",pdservice="live"}'
+    shortly = 'pdserve_autoscaler_threshold_decisions_total{namespace="replay",pdservice="live",reason="%s"}'
+    log.see({stamp: 1000.5, shortly % "Configured": 3.0}, 1000.0)
+    log.see({stamp: 1000.5, shortly % "Configured": 3.0}, 1000.0)  # no new tick between two reads
+    log.see({stamp: 1002.5, shortly % "Configured": 3.0, shortly % "PrefillShort": 1.0}, 1000.0)
+    log.see({stamp: 1004.5, shortly % "Configured": 4.0, shortly % "PrefillShort": 1.0}, 1000.0)
+    log.see({}, 1000.0)  # the loop's series gone: no tick
+    assert log.ticks == [(0.5, "Configured"), (2.5, "PrefillShort"), (4.5, "Configured")]

@@ -164,6 +164,19 @@ def test_the_router_routes_by_the_threshold_a_scaler_published_at_its_last_tick(
     assert {job.route for job in outcome.jobs if job.prompt == 3000} == {"pd"}
 
 
+def test_ticks_come_at_the_given_phase_and_the_router_uses_a_threshold_after_the_control_delay() -> None:
+    # The closed loop's operator ticks at a phase of its own, and its routers see a new threshold a moment later:
+    # the replay takes both. Ticks at 7, 22, 37, 52, 67 s; the one at 67 s publishes 1000, used from 67.4 s.
+    requests = steady(20.0, 120.0)
+    replay = config((2, 2), tick_phase_s=7.0, control_delay_s=0.4)
+    outcome = ReplayCluster(replay, requests, Publishing((2, 2), 60.0, 1000)).run()
+    assert [at for at, *_ in outcome.timeline][:3] == [7.0, 22.0, 37.0]
+    assert outcome.thresholds == [(0.0, 256), (pytest.approx(67.4), 1000)]
+    middling = [job for job in outcome.jobs if job.prompt == 600]
+    assert {job.route for job in middling if job.arrival < 67.4} == {"pd"}
+    assert {job.route for job in middling if job.arrival > 67.4} == {"decode-only"}
+
+
 def test_pdserve_with_threshold_bounds_moves_short_prompts_to_decode_while_prefill_is_short() -> None:
     # Prefill held at one replica (bounds 1-1) under more long prompts than it computes: the autoscaler's only
     # lever is the threshold, which it raises while decode's ITL has room for the local prefills.

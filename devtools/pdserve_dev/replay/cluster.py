@@ -76,6 +76,12 @@ class ReplayConfig:
     late_binding: LateBinding | None = None
     #: What the hops of a request's path cost beyond the engines' steps (`path`); IDEAL: nothing.
     path: PathCosts = IDEAL
+    #: When the first control tick comes (then every `interval_s`); None: at `interval_s`. A real operator's loop
+    #: ticks at a phase of its own against the load's start; the closed loop measures it and replays it.
+    tick_phase_s: float | None = None
+    #: Seconds from the tick that chose a threshold to the router using it (the operator's publishing: status,
+    #: the router-control ConfigMap, the routers' watch); 0: at once.
+    control_delay_s: float = 0.0
 
 
 class Replica:
@@ -150,6 +156,8 @@ class ReplayCluster:
         #: The threshold the router uses now: the configured one until a scaler publishes another.
         self.threshold = config.disaggregation_threshold
         self.thresholds: list[tuple[float, int]] = [(0.0, self.threshold)]
+        #: The threshold the scaler chose last (the router uses it `control_delay_s` after that tick).
+        self._chosen = self.threshold
 
     # --------------------------------------------------------------------------------------------- events
 
@@ -165,7 +173,8 @@ class ReplayCluster:
         self._unfinished = len(self.requests)
         if self.requests:
             self.schedule(self.requests[0].arrival, self._arrive)
-        self.schedule(self.config.interval_s, self._tick)
+        phase = self.config.tick_phase_s
+        self.schedule(self.config.interval_s if phase is None else phase, self._tick)
         events = self._events
         while events and self._unfinished > 0:
             at, _, callback = heapq.heappop(events)
@@ -341,12 +350,23 @@ class ReplayCluster:
 
     # ---------------------------------------------------------------------------------------------- ticks
 
+    def _publish(self, now: float, tokens: int) -> None:
+        def use(at: float) -> None:
+            self.threshold = tokens
+            self.thresholds.append((at, tokens))
+
+        delay = self.config.control_delay_s
+        if delay > 0:
+            self.schedule(now + delay, use)
+        else:
+            use(now)
+
     def _tick(self, now: float) -> None:
         observation = self.observer.tick(now)
         prefill, decode = self.scaler.tick(observation)
-        if isinstance(self.scaler, ThresholdPublisher) and self.scaler.threshold != self.threshold:
-            self.threshold = self.scaler.threshold
-            self.thresholds.append((now, self.threshold))
+        if isinstance(self.scaler, ThresholdPublisher) and self.scaler.threshold != self._chosen:
+            self._chosen = self.scaler.threshold
+            self._publish(now, self._chosen)
         for role, wanted in (("prefill", prefill), ("decode", decode)):
             if wanted != len(self.active(role)):  # type: ignore[arg-type]
                 self.actions += 1

@@ -108,6 +108,10 @@ class LiveOutcome:
     latencies: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
     #: time.monotonic() at the replay's time 0 (an answer's `started` less this is its arrival in the trace).
     began: float = 0.0
+    #: (seconds since the first arrival, threshold reason) of every autoscaler tick the operator made during the
+    #: replay: its `pdserve_autoscaler_last_tick_timestamp_seconds` and the reason its
+    #: `pdserve_autoscaler_threshold_decisions_total` counted, read every 0.2 s.
+    ticks: list[tuple[float, str]] = field(default_factory=list)
 
     def attainment(self, ttft_s: float, itl_s: float) -> float:
         total = len(self.answers) + self.failed
@@ -202,7 +206,7 @@ def run_live(
         prometheus.wait_for_targets(f'namespace="{NAMESPACE}"', sum(config.initial) + 1, timeout=60)
         router = wait_for(lambda: helper.pod_ips(NAMESPACE, "pdserve.io/role=router"), timeout=60)[0]
         log(f"   live: PDService ready, replaying {len(requests)} requests through the router at {router}")
-        outcome = asyncio.run(_replay(helper, f"http://{router}:8080", requests, log))
+        outcome = asyncio.run(_replay(helper, f"http://{router}:8080", requests, log, operator.metrics))
         time.sleep(2.0)  # the last answers' metrics: one more scrape (every second)
         outcome.latencies = latency_breakdown(prometheus, outcome.seconds)
         returned = True
@@ -218,13 +222,18 @@ def run_live(
 
 
 async def _replay(
-    helper: ClusterHelper, base: str, requests: Sequence[Request], log: Callable[[str], None]
+    helper: ClusterHelper,
+    base: str,
+    requests: Sequence[Request],
+    log: Callable[[str], None],
+    operator_metrics: Callable[[], dict[str, float]],
 ) -> LiveOutcome:
     timeline: list[tuple[float, int, int]] = []
     thresholds: list[tuple[float, int]] = []
     ready_timeline: list[tuple[float, int, int]] = []
     stop = threading.Event()
     began = time.monotonic()
+    began_unix = time.time()
 
     def sample() -> None:
         # Pods that exist (starting, serving or draining) are what GPUs are held for.
@@ -243,6 +252,7 @@ async def _replay(
             stop.wait(1.0)
 
     routed: list[tuple[float, int, int]] = []
+    ticks = TickLog()
     router_thresholds: list[tuple[float, int]] = []
     metrics_url = base.rsplit(":", 1)[0] + ":9090/metrics"
 
@@ -261,6 +271,8 @@ async def _replay(
                 used = [int(value) for _, value in series(text, "pdserve_router_disaggregation_threshold")]
                 if used and (not router_thresholds or router_thresholds[-1][1] != used[0]):
                     router_thresholds.append((at, used[0]))
+            with contextlib.suppress(OSError, ValueError):
+                ticks.see(operator_metrics(), began_unix)
             stop.wait(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -300,7 +312,35 @@ async def _replay(
         startups=startup_delays(timeline, ready_timeline),
         routable=startup_delays(timeline, routed),
         router_thresholds=router_thresholds,
+        ticks=[(at, reason) for at, reason in ticks.ticks if at >= 0],
     )
+
+
+class TickLog:
+    """The operator's autoscaler ticks, from its metrics read now and then (`see`): a new value of
+    `pdserve_autoscaler_last_tick_timestamp_seconds` is a tick, and the `pdserve_autoscaler_threshold_decisions_total`
+    reason that grew since the last read is its threshold decision ("" when none grew)."""
+
+    TICK = "pdserve_autoscaler_last_tick_timestamp_seconds{"
+    REASONS = "pdserve_autoscaler_threshold_decisions_total{"
+
+    def __init__(self) -> None:
+        self.ticks: list[tuple[float, str]] = []
+        self._last: float | None = None
+        self._counts: dict[str, float] = {}
+
+    def see(self, metrics: dict[str, float], began_unix: float) -> None:
+        """One read of the operator's metrics (`OperatorProcess.metrics`); times are kept as seconds since
+        `began_unix` (the replay's time 0 on the wall clock)."""
+        stamps = [value for key, value in metrics.items() if key.startswith(self.TICK)]
+        counts = {key: value for key, value in metrics.items() if key.startswith(self.REASONS)}
+        grew = [key for key, value in counts.items() if value > self._counts.get(key, 0.0)]
+        self._counts = counts
+        if not stamps or stamps[0] == self._last:
+            return
+        self._last = stamps[0]
+        reason = grew[0].split('reason="', 1)[1].split('"', 1)[0] if grew and 'reason="' in grew[0] else ""
+        self.ticks.append((round(stamps[0] - began_unix, 3), reason))
 
 
 def startup_delays(existing: Sequence[tuple[float, int, int]], ready: Sequence[tuple[float, int, int]]) -> list[float]:

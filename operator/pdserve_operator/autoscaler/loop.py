@@ -5,7 +5,10 @@ every PDService in the informer cache with a pool whose autoscaling is enabled i
 replica is the leader and has a Prometheus (`--prometheus-url`). A PDService deleted, its autoscaling turned off
 or handed to an external scaler, leadership lost: its loop is cancelled, its metrics removed, its report dropped.
 
-A `ServiceLoop` ticks every `interval_s` on its own task, never blocking the event loop or the reconciles. A tick
+A `ServiceLoop` ticks every `interval_s` on its own task, never blocking the event loop or the reconciles. Ticks
+start on a fixed cadence (start to start, on the monotonic clock): the time a tick takes (its queries, its writes)
+does not stretch the period, so the model's interval is the one the user set, and a tick that took longer than the
+interval is followed at once by the next, never by a burst of catch-up ticks. A tick
 reads its service from the cache, then runs collect -> decide -> actuate -> report, each a method of its own:
 
 0. read (pure, `read_service`): the spec's validation result from the operator's shared `SpecViews` (the one the
@@ -166,11 +169,15 @@ class Autoscalers:
         actuator: Actuator | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`views`: each PDService's validation result, shared with the reconcile (`view.SpecViews`)."""
+        """`views`: each PDService's validation result, shared with the reconcile (`view.SpecViews`). `clock`: the
+        wall clock the reports' times and the signals' windows are read on; `monotonic`: the one the ticks' cadence
+        is kept on."""
         self.store, self.api, self.board, self.sources = store, api, board, sources
         self.views, self.metrics, self.executor, self.settings = views, metrics, executor, settings
         self.is_leader, self.enqueue, self.clock, self.sleep = is_leader, enqueue, clock, sleep
+        self.monotonic = monotonic
         self.actuator = actuator or StatefulSetScaler(api, executor)
         self.loops: dict[OwnerKey, ServiceLoop] = {}
         self._tasks: dict[OwnerKey, asyncio.Task[None]] = {}
@@ -252,6 +259,7 @@ class ServiceLoop:
     async def _ticks(self) -> None:
         settings = self.owner.settings
         while True:
+            started = self.owner.monotonic()
             try:
                 healthy = await self.tick()
             except NotLeaderError:
@@ -270,7 +278,8 @@ class ServiceLoop:
                     self.failures,
                     delay,
                 )
-            await self.owner.sleep(delay)
+            # Start to start: the tick's own time is taken from the wait (never below zero: no catch-up burst).
+            await self.owner.sleep(max(0.0, started + delay - self.owner.monotonic()))
 
     async def tick(self) -> bool:
         """One tick (module docstring); True when it was clean (no query error, no refused write)."""

@@ -15,6 +15,8 @@ Names are a contract (dashboards and alerts read them); every per-service series
 - `pdserve_autoscaler_disaggregation_threshold_tokens` {namespace, pdservice}: the threshold the autoscaler
   publishes to the routers (only while spec.autoscaling.disaggregationThreshold lets it choose one).
 - `pdserve_autoscaler_threshold_decisions_total` {.., reason}: one per tick while it chooses, by reason.
+- `pdserve_autoscaler_last_tick_timestamp_seconds` {namespace, pdservice}: Unix time the last tick read its
+  signals at (an alert on its age finds a stalled loop; its steps show the ticks' cadence).
 - `pdserve_autoscaler_query_errors_total` {.., query}: PromQL queries that failed (`queries.py` names).
 - `pdserve_autoscaler_errors_total` {.., stage}: ticks that failed (`collect`, `decide`) and /scale writes the API
   server refused (`scale`); each is retried with backoff.
@@ -102,6 +104,12 @@ class AutoscalerMetrics:
             [*SERVICE_LABELS, "reason"],
             registry=registry,
         )
+        self.last_tick = Gauge(
+            "pdserve_autoscaler_last_tick_timestamp_seconds",
+            "Unix time the last tick read its signals at.",
+            list(SERVICE_LABELS),
+            registry=registry,
+        )
         self.query_errors = Counter(
             "pdserve_autoscaler_query_errors_total",
             "PromQL queries of the collector that failed.",
@@ -137,6 +145,7 @@ class AutoscalerMetrics:
             _set(self.latency, (namespace, name, kind), value)
         for query in signals.failed_queries:
             self.query_errors.labels(namespace, name, query).inc()
+        self.last_tick.labels(namespace, name).set(signals.at)
         if decision.threshold is None:
             _remove(self.threshold, (namespace, name))
         else:
@@ -162,6 +171,7 @@ class AutoscalerMetrics:
         for kind in LATENCY_KINDS:
             _remove(self.latency, (namespace, name, kind))
         _remove(self.threshold, (namespace, name))
+        _remove(self.last_tick, (namespace, name))
         for reason in ThresholdReason:
             _remove(self.threshold_decisions, (namespace, name, str(reason)))
         for stage in ERROR_STAGES:

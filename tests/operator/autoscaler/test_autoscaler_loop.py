@@ -76,11 +76,17 @@ class Scripted:
     crash: bool = False
     seen: list[tuple[Target, list[PodState], list[str]]] = field(default_factory=list)
     closed: int = 0
+    #: The `now` of every collect (the tick's time on the loops' wall clock).
+    nows: list[float] = field(default_factory=list)
+    #: Called on every collect: a test moves the world's monotonic clock with it (a tick that takes time).
+    on_collect: Callable[[], None] = lambda: None
 
     async def collect(
         self, target: Target, pods: Sequence[PodState], now: float, routers: Sequence[str] = ()
     ) -> ServiceSignals:
         self.seen.append((target, list(pods), list(routers)))
+        self.nows.append(now)
+        self.on_collect()
         if self.crash:
             raise RuntimeError("collector bug")
         if self.broken:
@@ -134,6 +140,8 @@ class World:
         self.queued: list[tuple[str, str]] = []
         self.leader = True
         self._clock = itertools.count(1_800_000_000, 15)
+        #: The loops' monotonic clock (their cadence): still unless a test moves it.
+        self.mono = 0.0
         self.delays: list[float] = []
         self.budget = 1_000_000
         self.views = SpecViews(DEFAULT_POLICY)
@@ -149,6 +157,7 @@ class World:
             enqueue=self.queued.append,
             clock=lambda: float(next(self._clock)),
             sleep=self.sleep,
+            monotonic=lambda: self.mono,
         )
         self.put_spec(doc or document())
         self.reconcile()
@@ -264,6 +273,7 @@ async def test_loops_run_on_the_leader_for_scaled_services_and_stop_when_that_en
     for stage in ("collect", "decide", "scale"):
         assert world.metric("pdserve_autoscaler_errors_total", **service, stage=stage) == 0
     assert world.metric("pdserve_autoscaler_query_errors_total", **service, query="router_ttft_pd") == 0
+    assert world.metric("pdserve_autoscaler_last_tick_timestamp_seconds", **service) == world.source.nows[0]
     assert (
         world.metric("pdserve_autoscaler_errors_total", namespace=NAMESPACE, pdservice="external-only", stage="scale")
         is None
@@ -279,6 +289,7 @@ async def test_loops_run_on_the_leader_for_scaled_services_and_stop_when_that_en
     )
     assert world.metric("pdserve_autoscaler_errors_total", **service, stage="scale") is None
     assert world.metric("pdserve_autoscaler_query_errors_total", **service, query="router_ttft_pd") is None
+    assert world.metric("pdserve_autoscaler_last_tick_timestamp_seconds", **service) is None
 
     # Leader again: the loop comes back; the PDService handed to an external scaler stops it.
     world.leader = True
@@ -343,6 +354,7 @@ async def test_a_breach_scales_prefill_through_its_statefulset_scale_and_says_wh
     assert world.metric("pdserve_autoscaler_decisions_total", **labels, pool="prefill", reason="ScaledUp") == 1
     assert world.metric("pdserve_autoscaler_decisions_total", **labels, pool="decode", reason="AutoscalingDisabled")
     assert world.metric("pdserve_autoscaler_observed_latency_seconds", **labels, kind="ttft") == 1.2
+    assert world.metric("pdserve_autoscaler_last_tick_timestamp_seconds", **labels) == world.source.nows[-1]
     assert (world.metric("pdserve_autoscaler_capacity_per_replica", **labels, pool="prefill") or 0) > 0
     assert (world.metric("pdserve_autoscaler_demand", **labels, pool="prefill") or 0) >= 100_000
     # The report changed: the PDService is queued, and its reconcile writes the report into status.
@@ -640,6 +652,23 @@ async def test_a_crashing_collector_never_stops_the_loop() -> None:
     assert world.metric("pdserve_autoscaler_errors_total", **labels, stage="collect") == 4
     world.source.crash = False
     assert await run_ticks(world, loop, 1) == [pytest.approx(0.01)]
+
+
+async def test_ticks_start_on_a_fixed_cadence_whatever_a_tick_takes() -> None:
+    # The wait after a tick is the interval less the tick's own time (start to start); a tick longer than the
+    # interval is followed at once (no negative wait, no catch-up); a failed tick's backoff counts the same way.
+    world = World(settings=loop_settings(interval_s=2.0))
+    busy = iter([0.3, 0.5, 2.5, 0.0])
+
+    def take_time() -> None:
+        world.mono += next(busy)
+
+    world.source.on_collect = take_time
+    loop = world.loop()
+    assert await run_ticks(world, loop, 4) == [pytest.approx(d) for d in (1.7, 1.5, 0.0, 2.0)]
+    world.source.crash = True
+    world.source.on_collect = lambda: setattr(world, "mono", world.mono + 1.0)
+    assert await run_ticks(world, loop, 1) == [pytest.approx(3.0)]  # backoff: 2 intervals, start to start
 
 
 async def test_leadership_lost_mid_tick_ends_the_loop() -> None:
