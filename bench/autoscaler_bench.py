@@ -79,6 +79,7 @@ from typing import Any
 from pdserve.api.defaults import EffectiveServiceAutoscaling
 from pdserve.api.settings import OperatorSettings
 from pdserve_dev.cluster import netns
+from pdserve_dev.cluster.prometheus import SCRAPE_INTERVAL
 from pdserve_dev.replay.cluster import Outcome, ReplayCluster, ReplayConfig, Scaler, met
 from pdserve_dev.replay.dynamo import DynamoPlannerScaler
 from pdserve_dev.replay.engines import Job
@@ -519,6 +520,8 @@ LIVE_AGREEMENT = 0.03
 #: The hops of the closed loop's path that the engines' cost model leaves out (the router, the PD route's two
 #: engine requests, the simulator's KV socket, the client), measured on loopback by `bench/path_costs.py`.
 LIVE_PATH = LOOPBACK
+#: The local cluster's Prometheus scrapes every target this often (`SCRAPE_INTERVAL`).
+LIVE_SCRAPE_S = float(SCRAPE_INTERVAL.removesuffix("s"))
 #: The policy the closed loop runs: pdserve choosing replicas and the disaggregation threshold.
 LIVE_POLICY = "pdserve-threshold"
 #: The closed loop reports attainment per this many seconds of arrivals, cluster beside replay.
@@ -664,6 +667,19 @@ def control_delay(ticks: Sequence[tuple[float, str]], used: Sequence[tuple[float
     return statistics.median(delays) if delays else 0.0
 
 
+def metrics_lag(
+    ticks: Sequence[tuple[float, str]], began_unix: float, scrapes: dict[str, float], scrape_s: float
+) -> float:
+    """How old the data the operator's ticks read was: from the first prefill engine's last scrape before a tick
+    to the tick (scrapes and ticks keep their own fixed cadences, so it is the same at every tick). Prefill's
+    engine, because its TTFT is what the opening burst's first decisions read. Without a tick or that scrape: half
+    a scrape interval, the mean over a random phase."""
+    scraped = scrapes.get("prefill")
+    if not ticks or scraped is None:
+        return scrape_s / 2
+    return (began_unix + ticks[0][0] - scraped) % scrape_s
+
+
 def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
     """The slice `name` (`LIVE_SLICES`) through the discrete-event replay (every policy) and through the product on
     the local cluster (pdserve-threshold); the result dict of the JSON output's `closed_loop`."""
@@ -705,12 +721,15 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
         log,
     )
     live_elapsed = time.perf_counter() - live_began
-    # The replay's control ticks at the operator's phase against the load's start, and its router uses a new
-    # threshold as long after the tick as the cluster's routers did: both are the cluster's, measured above.
+    # The replay's control ticks at the operator's phase against the load's start, reads what was as old as the
+    # operator's Prometheus data was, and its router uses a new threshold as long after the tick as the cluster's
+    # routers did: all three are the cluster's, measured above.
     phase, delay = tick_phase(live.ticks, LIVE_INTERVAL_S), control_delay(live.ticks, live.router_thresholds)
+    lag = metrics_lag(live.ticks, live.began_unix, live.scrapes, LIVE_SCRAPE_S)
     log(
         f"   operator ticks at {'?' if phase is None else f'{phase:.2f}'} s + k x {LIVE_INTERVAL_S:.0f} s after the "
-        f"first arrival; its routers used a new threshold {delay:.2f} s after the tick (median): the replay's too"
+        f"first arrival, reading data {lag:.2f} s old (the prefill engine's last scrape); its routers used a new "
+        f"threshold {delay:.2f} s after the tick (median): the replay's too"
     )
     results: list[dict[str, Any]] = []
     static_gpu = 0.0
@@ -734,6 +753,7 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             path=LIVE_PATH,
             tick_phase_s=phase,
             control_delay_s=delay,
+            metrics_lag_s=lag,
         )
         began = time.perf_counter()
         outcome = ReplayCluster(replay, requests, scaler).run()
@@ -826,8 +846,9 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             hop: {"p50": p50, "p90": p90, "mean": mean} for hop, (p50, p90, mean) in modelled.items()
         },
         "cluster_events": live.events,
-        "operator_ticks": live.ticks,
-        "replay_control": {"tick_phase_s": phase, "control_delay_s": delay},
+        "operator_ticks": [[at, reason, seen] for (at, reason), seen in zip(live.ticks, live.tick_gauges, strict=True)],
+        "replay_control": {"tick_phase_s": phase, "control_delay_s": delay, "metrics_lag_s": lag},
+        "cluster_scrapes_unix": live.scrapes,
         "per_request": per_request(requests, live.answers, replayed_jobs),
     }
 

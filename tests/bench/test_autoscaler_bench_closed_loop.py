@@ -173,6 +173,18 @@ def test_the_operators_ticks_are_read_from_its_metrics() -> None:
     log.see({stamp: 1000.5, shortly % "Configured": 3.0}, 1000.0)
     log.see({stamp: 1000.5, shortly % "Configured": 3.0}, 1000.0)  # no new tick between two reads
     log.see({stamp: 1002.5, shortly % "Configured": 3.0, shortly % "PrefillShort": 1.0}, 1000.0)
-    log.see({stamp: 1004.5, shortly % "Configured": 4.0, shortly % "PrefillShort": 1.0}, 1000.0)
+    latency = 'pdserve_autoscaler_observed_latency_seconds{kind="prefill_ttft",namespace="replay",pdservice="live"}'
+    log.see({stamp: 1004.5, shortly % "Configured": 4.0, shortly % "PrefillShort": 1.0, latency: 0.4}, 1000.0)
     log.see({}, 1000.0)  # the loop's series gone: no tick
     assert log.ticks == [(0.5, "Configured"), (2.5, "PrefillShort"), (4.5, "Configured")]
+    assert log.gauges == [{}, {}, {"observed_latency_seconds:prefill_ttft": 0.4}]
+
+
+def test_the_replay_reads_data_as_old_as_the_operators_last_scrape(bench: ModuleType) -> None:
+    # Ticks at 1000.3 + 2k (Unix), the prefill engine scraped at ...0.8 every second: each tick reads data 0.5 s old.
+    ticks = [(0.3, "Configured"), (2.3, "PrefillShort")]
+    assert bench.metrics_lag(ticks, 1000.0, {"prefill": 1131.8, "router": 1131.1}, 1.0) == pytest.approx(0.5)
+    assert bench.metrics_lag(ticks, 1000.0, {"prefill": 1131.2}, 1.0) == pytest.approx(0.1)
+    # Nothing to go by: half a scrape interval (the mean over a random phase).
+    assert bench.metrics_lag([], 1000.0, {"prefill": 1131.8}, 1.0) == 0.5
+    assert bench.metrics_lag(ticks, 1000.0, {}, 2.0) == 1.0

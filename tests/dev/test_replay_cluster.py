@@ -177,6 +177,20 @@ def test_ticks_come_at_the_given_phase_and_the_router_uses_a_threshold_after_the
     assert {job.route for job in middling if job.arrival > 67.4} == {"decode-only"}
 
 
+def test_a_tick_reads_what_prometheus_holds_a_moment_before_it() -> None:
+    # A tick decides at its time from data metrics_lag_s old (the latest scrapes). Ticks at 7, 22, ... observe at
+    # 6.5, 21.5, ...; a tick whose lag would reach before time 0 observes at 0.
+    requests = steady(20.0, 60.0)
+    script = Script([(0.0, (2, 2))])
+    outcome = ReplayCluster(config((2, 2), tick_phase_s=7.0, metrics_lag_s=0.5), requests, script).run()
+    assert [o.at for o in script.seen][:3] == [6.5, 21.5, 36.5]
+    assert [at for at, *_ in outcome.timeline][:3] == [7.0, 22.0, 37.0]
+    assert script.seen[1].signals.at == 21.5
+    early = Script([(0.0, (2, 2))])
+    ReplayCluster(config((2, 2), tick_phase_s=0.2, metrics_lag_s=0.5), requests, early).run()
+    assert [o.at for o in early.seen][:2] == [0.0, 14.7]
+
+
 def test_pdserve_with_threshold_bounds_moves_short_prompts_to_decode_while_prefill_is_short() -> None:
     # Prefill held at one replica (bounds 1-1) under more long prompts than it computes: the autoscaler's only
     # lever is the threshold, which it raises while decode's ITL has room for the local prefills.

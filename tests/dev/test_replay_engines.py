@@ -163,3 +163,34 @@ def test_decode_kv_transfer_takes_the_modelled_link_time() -> None:
     first = pull + timing.step_seconds(1, 0, 0)
     assert jobs[0].first_token == pytest.approx(first)
     assert jobs[0].finished == pytest.approx(first + timing.step_seconds(0, 1, 4000))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_requests_reach_an_engine_in_the_order_they_were_sent(role: str) -> None:
+    # A 636-token prompt sent 1 ms after a 2275-token one costs fewer hop milliseconds, yet reaches the engine after
+    # it, as on the closed loop's engines (one event loop reads and tokenizes them in turn). Both stay in transit
+    # until they arrive; a request due later than the last one keeps its own time.
+    events: list[tuple[float, int, Callable[[float], None]]] = []
+    seq = itertools.count()
+
+    def schedule(at: float, callback: Callable[[float], None]) -> None:
+        heapq.heappush(events, (at, next(seq), callback))
+
+    arrived: list[tuple[int, float]] = []
+    engine: PrefillEngine | DecodeEngine
+    if role == "prefill":
+        engine = PrefillEngine(TIMING, schedule, lambda job, now: None)
+        engine._arrive = lambda job, now: arrived.append((job.prompt, now))  # type: ignore[method-assign]
+    else:
+        engine = DecodeEngine(TIMING, schedule, lambda j, n: None, lambda j, n: None, _itl)
+        engine.add = lambda job, now: arrived.append((job.prompt, now))  # type: ignore[method-assign]
+    long, short, later = (Job(Request(at, tokens, 8), "pd") for at, tokens in ((0.0, 2275), (0.001, 636), (1.0, 100)))
+    engine.send(long, 0.0, 0.010)
+    engine.send(short, 0.001, 0.004)
+    engine.send(later, 1.0, 0.002)
+    assert engine.in_transit == 3
+    while events:
+        at, _, callback = heapq.heappop(events)
+        callback(at)
+    assert arrived == [(2275, pytest.approx(0.010)), (636, pytest.approx(0.010)), (100, pytest.approx(1.002))]
+    assert engine.in_transit == 0

@@ -82,6 +82,10 @@ class ReplayConfig:
     #: Seconds from the tick that chose a threshold to the router using it (the operator's publishing: status,
     #: the router-control ConfigMap, the routers' watch); 0: at once.
     control_delay_s: float = 0.0
+    #: Age of what a tick reads: the autoscaler queries Prometheus, whose latest scrape of a target is up to a
+    #: scrape interval old when the tick comes (half of it on average). The tick's observation is taken this much
+    #: before the tick, which decides at its own time; 0: the tick sees the service at its instant.
+    metrics_lag_s: float = 0.0
 
 
 class Replica:
@@ -174,7 +178,7 @@ class ReplayCluster:
         if self.requests:
             self.schedule(self.requests[0].arrival, self._arrive)
         phase = self.config.tick_phase_s
-        self.schedule(self.config.interval_s if phase is None else phase, self._tick)
+        self._schedule_tick(self.config.interval_s if phase is None else phase)
         events = self._events
         while events and self._unfinished > 0:
             at, _, callback = heapq.heappop(events)
@@ -361,8 +365,20 @@ class ReplayCluster:
         else:
             use(now)
 
-    def _tick(self, now: float) -> None:
-        observation = self.observer.tick(now)
+    def _schedule_tick(self, at: float) -> None:
+        """The tick at `at`, observing `metrics_lag_s` before it (not before time 0)."""
+        lag = min(self.config.metrics_lag_s, at)
+
+        def observe(seen_at: float) -> None:
+            observation = self.observer.tick(seen_at)
+            self.schedule(at, lambda now: self._tick(now, observation))
+
+        if lag > 0:
+            self.schedule(at - lag, observe)
+        else:
+            self.schedule(at, lambda now: self._tick(now, self.observer.tick(now)))
+
+    def _tick(self, now: float, observation: Observation) -> None:
         prefill, decode = self.scaler.tick(observation)
         if isinstance(self.scaler, ThresholdPublisher) and self.scaler.threshold != self._chosen:
             self._chosen = self.scaler.threshold
@@ -380,4 +396,4 @@ class ReplayCluster:
                 sum(r.state == "ready" for r in self.replicas["decode"]),
             )
         )
-        self.schedule(now + self.config.interval_s, self._tick)
+        self._schedule_tick(now + self.config.interval_s)

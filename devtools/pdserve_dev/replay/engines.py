@@ -126,7 +126,20 @@ class EngineCounters:
         self.prompt_tokens_hist = Histogram(build_1_2_5_buckets(max_model_len))  # vllm:request_prompt_tokens
 
 
-class PrefillEngine:
+class InOrderArrivals:
+    """Requests the router sends one engine arrive in the order they were sent: a real engine reads, parses and
+    tokenizes them one at a time on its event loop, so a shorter prompt sent a moment after a longer one does not
+    overtake it, although its own hops (`path`) cost less (the closed loop shows the longer one first every time)."""
+
+    _last_arrival: float
+
+    def _arrival(self, at: float) -> float:
+        """When a request due at `at` arrives: not before the one sent before it."""
+        self._last_arrival = max(at, self._last_arrival)
+        return self._last_arrival
+
+
+class PrefillEngine(InOrderArrivals):
     """A PD prefill engine."""
 
     def __init__(self, timing: TimingParams, schedule: Schedule, done: Callable[[Job, float], None]) -> None:
@@ -139,6 +152,7 @@ class PrefillEngine:
         self.outstanding_tokens = 0
         #: Requests the router has sent that have not arrived yet (`send`).
         self.in_transit = 0
+        self._last_arrival = 0.0
         self.counters = EngineCounters(timing.max_model_len)
         self._step: list[tuple[Job, int]] = []
         #: Called when the engine runs out of work (the cluster sets it on a draining replica).
@@ -169,7 +183,7 @@ class PrefillEngine:
             self.in_transit -= 1
             self._arrive(job, at)
 
-        self._schedule(now + delay, arrive)
+        self._schedule(self._arrival(now + delay), arrive)
 
     def _arrive(self, job: Job, now: float) -> None:
         job.prefill_arrival = now
@@ -234,7 +248,7 @@ class PrefillEngine:
         self._plan(now)
 
 
-class DecodeEngine:
+class DecodeEngine(InOrderArrivals):
     """A PD decode engine (also serves short prompts routed straight to it)."""
 
     def __init__(
@@ -259,6 +273,7 @@ class DecodeEngine:
         self.pulling = 0
         #: Requests the router has sent that have not arrived yet (`send`).
         self.in_transit = 0
+        self._last_arrival = 0.0
         self.batch = 0
         self.context = 0
         #: KV tokens held by requests outside the batch (pulling, pulled, joining this step).
@@ -317,7 +332,7 @@ class DecodeEngine:
             self.in_transit -= 1
             self.add(job, at)
 
-        self._schedule(now + delay, arrive)
+        self._schedule(self._arrival(now + delay), arrive)
 
     def _kv_seconds(self, job: Job) -> float:
         timing = self.timing

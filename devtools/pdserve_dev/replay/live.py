@@ -112,6 +112,13 @@ class LiveOutcome:
     #: replay: its `pdserve_autoscaler_last_tick_timestamp_seconds` and the reason its
     #: `pdserve_autoscaler_threshold_decisions_total` counted, read every 0.2 s.
     ticks: list[tuple[float, str]] = field(default_factory=list)
+    #: Beside each of `ticks`: what it observed and wanted (`TickLog.gauges`).
+    tick_gauges: list[dict[str, float]] = field(default_factory=list)
+    #: time.time() at the replay's time 0.
+    began_unix: float = 0.0
+    #: Unix time of the cluster's Prometheus' last scrape of the first engine of each pool and of the router, read
+    #: after the replay (`last_scrapes`): with the scrape interval, when every scrape of that target came.
+    scrapes: dict[str, float] = field(default_factory=dict)
 
     def attainment(self, ttft_s: float, itl_s: float) -> float:
         total = len(self.answers) + self.failed
@@ -209,6 +216,7 @@ def run_live(
         outcome = asyncio.run(_replay(helper, f"http://{router}:8080", requests, log, operator.metrics))
         time.sleep(2.0)  # the last answers' metrics: one more scrape (every second)
         outcome.latencies = latency_breakdown(prometheus, outcome.seconds)
+        outcome.scrapes = last_scrapes(prometheus)
         returned = True
         return outcome
     finally:
@@ -236,20 +244,25 @@ async def _replay(
     began_unix = time.time()
 
     def sample() -> None:
-        # Pods that exist (starting, serving or draining) are what GPUs are held for.
-        while not stop.is_set():
-            items = helper.get_json("statefulsets,pdservices", f"--namespace={NAMESPACE}")["items"]
-            at = time.monotonic() - began
-            sets = {s["metadata"]["name"]: s.get("status") or {} for s in items if s["kind"] == "StatefulSet"}
-            pods = [int(sets.get(f"{NAME}-{role}", {}).get("replicas", 0)) for role in ROLES]
-            ready = [int(sets.get(f"{NAME}-{role}", {}).get("readyReplicas", 0)) for role in ROLES]
-            timeline.append((at, pods[0], pods[1]))
-            ready_timeline.append((at, ready[0], ready[1]))
-            for pds in (i for i in items if i["kind"] == "PDService"):
-                tokens = ((pds.get("status") or {}).get("disaggregationThreshold") or {}).get("tokens")
-                if isinstance(tokens, int) and (not thresholds or thresholds[-1][1] != tokens):
-                    thresholds.append((at, tokens))
-            stop.wait(1.0)
+        # Pods that exist (starting, serving or draining) are what GPUs are held for. One API client for the
+        # whole replay (not a kubectl process a second, whose start-up CPU the product under test would pay).
+        with helper.api_client() as api:
+            while not stop.is_set():
+                _sample_once(api)
+                stop.wait(1.0)
+
+    def _sample_once(api: Any) -> None:
+        items = _list_json(api)
+        at = time.monotonic() - began
+        sets = {s["metadata"]["name"]: s.get("status") or {} for s in items if s["kind"] == "StatefulSet"}
+        pods = [int(sets.get(f"{NAME}-{role}", {}).get("replicas", 0)) for role in ROLES]
+        ready = [int(sets.get(f"{NAME}-{role}", {}).get("readyReplicas", 0)) for role in ROLES]
+        timeline.append((at, pods[0], pods[1]))
+        ready_timeline.append((at, ready[0], ready[1]))
+        for pds in (i for i in items if i["kind"] == "PDService"):
+            tokens = ((pds.get("status") or {}).get("disaggregationThreshold") or {}).get("tokens")
+            if isinstance(tokens, int) and (not thresholds or thresholds[-1][1] != tokens):
+                thresholds.append((at, tokens))
 
     routed: list[tuple[float, int, int]] = []
     ticks = TickLog()
@@ -309,23 +322,33 @@ async def _replay(
         thresholds=thresholds,
         threshold_events=threshold_messages,
         began=began,
+        began_unix=began_unix,
         startups=startup_delays(timeline, ready_timeline),
         routable=startup_delays(timeline, routed),
         router_thresholds=router_thresholds,
         ticks=[(at, reason) for at, reason in ticks.ticks if at >= 0],
+        tick_gauges=[seen for (at, _), seen in zip(ticks.ticks, ticks.gauges, strict=True) if at >= 0],
     )
 
 
 class TickLog:
     """The operator's autoscaler ticks, from its metrics read now and then (`see`): a new value of
     `pdserve_autoscaler_last_tick_timestamp_seconds` is a tick, and the `pdserve_autoscaler_threshold_decisions_total`
-    reason that grew since the last read is its threshold decision ("" when none grew)."""
+    reason that grew since the last read is its threshold decision ("" when none grew). Beside each tick, what
+    it saw and wanted (`gauges`): the latencies it observed by kind, each pool's demand and desired replicas."""
 
     TICK = "pdserve_autoscaler_last_tick_timestamp_seconds{"
     REASONS = "pdserve_autoscaler_threshold_decisions_total{"
+    #: Gauge families kept per tick, with the label that names the value.
+    GAUGES = (
+        ("pdserve_autoscaler_observed_latency_seconds{", "kind"),
+        ("pdserve_autoscaler_demand{", "pool"),
+        ("pdserve_autoscaler_desired_replicas{", "pool"),
+    )
 
     def __init__(self) -> None:
         self.ticks: list[tuple[float, str]] = []
+        self.gauges: list[dict[str, float]] = []
         self._last: float | None = None
         self._counts: dict[str, float] = {}
 
@@ -339,8 +362,40 @@ class TickLog:
         if not stamps or stamps[0] == self._last:
             return
         self._last = stamps[0]
-        reason = grew[0].split('reason="', 1)[1].split('"', 1)[0] if grew and 'reason="' in grew[0] else ""
+        reason = _label(grew[0], "reason") if grew else ""
         self.ticks.append((round(stamps[0] - began_unix, 3), reason))
+        self.gauges.append(
+            {
+                f"{family.split('{')[0].removeprefix('pdserve_autoscaler_')}:{_label(key, label)}": value
+                for family, label in self.GAUGES
+                for key, value in metrics.items()
+                if key.startswith(family)
+            }
+        )
+
+
+def _label(key: str, name: str) -> str:
+    """The value of label `name` in a sample key (`name{a="x",...}`), "" when it has none."""
+    marker = f'{name}="'
+    return key.split(marker, 1)[1].split('"', 1)[0] if marker in key else ""
+
+
+def _list_json(api: Any) -> list[dict[str, Any]]:
+    """The replay namespace's StatefulSets and PDServices as JSON (no generated models), each item with its `kind`
+    (a list's items carry none)."""
+    from kubernetes import client  # lazy, as `ClusterHelper.api_client`: slow to import
+
+    apps: Any = client.AppsV1Api(api)
+    custom: Any = client.CustomObjectsApi(api)
+    sets = apps.list_namespaced_stateful_set(NAMESPACE, _preload_content=False, _request_timeout=10)
+    services = custom.list_namespaced_custom_object(
+        "pdserve.io", "v1alpha1", NAMESPACE, "pdservices", _preload_content=False, _request_timeout=10
+    )
+    return [
+        {**item, "kind": kind}
+        for kind, response in (("StatefulSet", sets), ("PDService", services))
+        for item in json.loads(response.data)["items"]
+    ]
 
 
 def startup_delays(existing: Sequence[tuple[float, int, int]], ready: Sequence[tuple[float, int, int]]) -> list[float]:
@@ -393,6 +448,19 @@ def latency_breakdown(
         mean = prometheus.value(f"{total} / {count}")
         out[name] = (quantiles[0], quantiles[1], mean)
     return out
+
+
+def last_scrapes(prometheus: PrometheusHelper) -> dict[str, float]:
+    """When Prometheus last scraped the first prefill engine, the first decode engine and a router (pool -> Unix
+    time, `timestamp(up)`): a scrape's data is what a tick reads until the next, so its phase against the ticks' is
+    how old what the autoscaler saw was. Pools it finds no target of are left out."""
+    pods = {"prefill": f"{NAME}-prefill-0", "decode": f"{NAME}-decode-0", "router": f"{NAME}-router-.+"}
+    found: dict[str, float] = {}
+    for pool, pod in pods.items():
+        stamp = prometheus.value(f'max(timestamp(up{{namespace="{NAMESPACE}",pod=~"{pod}"}}))')
+        if stamp is not None:
+            found[pool] = stamp
+    return found
 
 
 def _events(helper: ClusterHelper, reason: str) -> list[str]:
