@@ -48,7 +48,12 @@ cluster's Prometheus beside the replay's: where the two differ (the JSON has eve
 closed loop's replay charges the hops of the loop's own path beyond the engines' cost model (the router, the PD
 route's two engine requests, the simulator's KV socket, the client: `pdserve_dev.replay.path.LOOPBACK`, measured on
 loopback by `bench/path_costs.py`); the scenarios' replays model an H200 service and charge none (`IDEAL`).
-It runs in real time (about four minutes with the cluster's start) and on this machine's CPUs,
+The closed loop runs first and its replay takes three timings of the loop it measured: the phase of the operator's
+ticks against the load's start (its loop keeps a fixed 2 s cadence from a start of its own), the age of the data
+they read (from the prefill engine's last scrape before a tick: Prometheus scrapes every second at a phase of its
+own) and how long after a tick the routers used a new threshold (status, ConfigMap, watch). Each moved the first
+threshold raise of the opening burst by a tick in some runs and not in others; the replay at a fixed phase
+disagreed with the cluster on those prompts' routes. It runs in real time (about four minutes with the cluster's start) and on this machine's CPUs,
 which also run every engine, the router and the load: a check that the loop in the product behaves as the model of
 it does, not a measurement at scale.
 

@@ -10,7 +10,9 @@ client's). What it measures is what `Outcome` measures in the discrete-event rep
   (failed requests count as misses);
 - GPU-seconds: the pools' existing pods (StatefulSet `status.replicas`: starting, serving or draining) sampled every
   second over the replay, x GPUs per pod (1 here);
-- scaling actions: the autoscaler's `Scaled` Events.
+- scaling actions: the autoscaler's `Scaled` Events;
+- the loop's timing, for the replay to take: the operator's ticks (`TickLog`, from its metrics), when the router
+  used each threshold, and when Prometheus last scraped the first engines and the router (`last_scrapes`).
 
 It is slow (real time) and small (one machine's CPUs run every engine, the router and the load): a slice of a
 trace at a rate of a few requests per second, with pods that start in seconds. The benchmark prints it beside the
