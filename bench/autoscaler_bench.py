@@ -53,9 +53,9 @@ ticks against the load's start (its loop keeps a fixed 2 s cadence from a start 
 they read (from the prefill engine's last scrape before a tick: Prometheus scrapes every second at a phase of its
 own) and how long after a tick the routers used a new threshold (status, ConfigMap, watch). Each moved the first
 threshold raise of the opening burst by a tick in some runs and not in others; the replay at a fixed phase
-disagreed with the cluster on those prompts' routes. It runs in real time (about four minutes with the cluster's start) and on this machine's CPUs,
-which also run every engine, the router and the load: a check that the loop in the product behaves as the model of
-it does, not a measurement at scale.
+disagreed with the cluster on those prompts' routes. It runs in real time (about four minutes with the cluster's
+start) and on this machine's CPUs, which also run every engine, the router and the load: a check that the loop in
+the product behaves as the model of it does, not a measurement at scale.
 
 Reported per policy: attainment (share of requests with TTFT <= target and mean time per output token <=
 target; TTFT is the client's, from the request's arrival at the router, so every wait on the way counts; a shed
