@@ -656,25 +656,22 @@ def check_agreement(replayed: dict[str, Any], live: dict[str, Any], start: tuple
     return [("PASS " if ok else "FAIL ") + text for ok, text in lines]
 
 
-def tick_phase(ticks: Sequence[tuple[float, str]], interval_s: float) -> float | None:
-    """When the operator's first tick came after the load's start (seconds, in [0, interval)): its loop keeps a
-    fixed cadence from a start of its own, so the ticks' phase against the load is the cluster's, not the
-    replay's. None without a tick seen."""
-    after = [at for at, _ in ticks if at >= 0]
+def tick_phase(ticks: Sequence[float], interval_s: float) -> float | None:
+    """When the operator's first tick (`ticks`: their times) came after the load's start (seconds, in
+    [0, interval)): its loop keeps a fixed cadence from a start of its own, so the ticks' phase against the load is
+    the cluster's, not the replay's. None without a tick seen."""
+    after = [at for at in ticks if at >= 0]
     return min(after) % interval_s if after else None
 
 
-def control_delay(ticks: Sequence[tuple[float, str]], used: Sequence[tuple[float, int]]) -> float:
-    """Median seconds from a tick to the router using the threshold it chose: for each change the router showed
-    (after its first value), the time since the last tick before it. 0 when none is seen."""
-    times = sorted(at for at, _ in ticks)
-    delays = [at - max(t for t in times if t <= at) for at, _ in used[1:] if any(t <= at for t in times)]
+def control_delay(ticks: Sequence[float], used: Sequence[tuple[float, int]]) -> float:
+    """Median seconds from a tick (`ticks`: their times) to the router using the threshold it chose: for each change
+    the router showed (after its first value), the time since the last tick before it. 0 when none is seen."""
+    delays = [at - max(t for t in ticks if t <= at) for at, _ in used[1:] if any(t <= at for t in ticks)]
     return statistics.median(delays) if delays else 0.0
 
 
-def metrics_lag(
-    ticks: Sequence[tuple[float, str]], began_unix: float, scrapes: dict[str, float], scrape_s: float
-) -> float:
+def metrics_lag(ticks: Sequence[float], began_unix: float, scrapes: dict[str, float], scrape_s: float) -> float:
     """How old the data the operator's ticks read was: from the first prefill engine's last scrape before a tick
     to the tick (scrapes and ticks keep their own fixed cadences, so it is the same at every tick). Prefill's
     engine, because its TTFT is what the opening burst's first decisions read. Without a tick or that scrape: half
@@ -682,7 +679,7 @@ def metrics_lag(
     scraped = scrapes.get("prefill")
     if not ticks or scraped is None:
         return scrape_s / 2
-    return (began_unix + ticks[0][0] - scraped) % scrape_s
+    return (began_unix + ticks[0] - scraped) % scrape_s
 
 
 def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
@@ -729,8 +726,9 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
     # The replay's control ticks at the operator's phase against the load's start, reads what was as old as the
     # operator's Prometheus data was, and its router uses a new threshold as long after the tick as the cluster's
     # routers did: all three are the cluster's, measured above.
-    phase, delay = tick_phase(live.ticks, LIVE_INTERVAL_S), control_delay(live.ticks, live.router_thresholds)
-    lag = metrics_lag(live.ticks, live.began_unix, live.scrapes, LIVE_SCRAPE_S)
+    times = [tick.at for tick in live.ticks]
+    phase, delay = tick_phase(times, LIVE_INTERVAL_S), control_delay(times, live.router_thresholds)
+    lag = metrics_lag(times, live.began_unix, live.scrapes, LIVE_SCRAPE_S)
     log(
         f"   operator ticks at {'?' if phase is None else f'{phase:.2f}'} s + k x {LIVE_INTERVAL_S:.0f} s after the "
         f"first arrival, reading data {lag:.2f} s old (the prefill engine's last scrape); its routers used a new "
@@ -851,7 +849,7 @@ def run_closed_loop(name: str, log: Callable[[str], None]) -> dict[str, Any]:
             hop: {"p50": p50, "p90": p90, "mean": mean} for hop, (p50, p90, mean) in modelled.items()
         },
         "cluster_events": live.events,
-        "operator_ticks": [[at, reason, seen] for (at, reason), seen in zip(live.ticks, live.tick_gauges, strict=True)],
+        "operator_ticks": [list(tick) for tick in live.ticks],
         "replay_control": {"tick_phase_s": phase, "control_delay_s": delay, "metrics_lag_s": lag},
         "cluster_scrapes_unix": live.scrapes,
         "per_request": per_request(requests, live.answers, replayed_jobs),

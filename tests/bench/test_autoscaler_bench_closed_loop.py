@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from pdserve.api.validation import validate
 from pdserve_dev.replay.engines import Job
@@ -156,9 +157,9 @@ def test_each_requests_outcome_is_set_beside_its_replay(bench: ModuleType) -> No
 
 def test_the_replay_takes_the_operators_tick_phase_and_control_delay(bench: ModuleType) -> None:
     # Ticks from before the load (negative times) do not count; the phase is the first tick after time 0.
-    ticks = [(-0.7, "Configured"), (1.3, "Configured"), (3.3, "PrefillShort"), (5.31, "PrefillShort")]
+    ticks = [-0.7, 1.3, 3.3, 5.31]
     assert bench.tick_phase(ticks, 2.0) == pytest.approx(1.3)
-    assert bench.tick_phase([(2.5, "")], 2.0) == pytest.approx(0.5)
+    assert bench.tick_phase([2.5], 2.0) == pytest.approx(0.5)
     assert bench.tick_phase([], 2.0) is None
     # The router's first value is where it started; each change after it is timed from the last tick before it.
     used = [(0.0, 256), (3.6, 512), (5.9, 1024)]
@@ -166,23 +167,40 @@ def test_the_replay_takes_the_operators_tick_phase_and_control_delay(bench: Modu
     assert bench.control_delay(ticks, used[:1]) == 0.0
 
 
+def operator_exposition(tick: float | None, reasons: dict[str, float], prefill_ttft: float | None = None) -> str:
+    """The operator's /metrics as prometheus_client writes them, with the autoscaler series TickLog reads."""
+    registry = CollectorRegistry()
+    labels = ["namespace", "pdservice"]
+    stamp = Gauge("pdserve_autoscaler_last_tick_timestamp_seconds", "tick", labels, registry=registry)
+    counted = Counter("pdserve_autoscaler_threshold_decisions", "decisions", [*labels, "reason"], registry=registry)
+    latency = Gauge("pdserve_autoscaler_observed_latency_seconds", "latency", [*labels, "kind"], registry=registry)
+    if tick is not None:
+        stamp.labels("replay", "live").set(tick)
+    for reason, count in reasons.items():
+        counted.labels("replay", "live", reason).inc(count)
+    if prefill_ttft is not None:
+        latency.labels("replay", "live", "prefill_ttft").set(prefill_ttft)
+    return generate_latest(registry).decode()
+
+
 def test_the_operators_ticks_are_read_from_its_metrics() -> None:
     log = TickLog()
-    stamp = TickLog.TICK + 'namespace="replay",pdservice="live"}'
-    shortly = 'pdserve_autoscaler_threshold_decisions_total{namespace="replay",pdservice="live",reason="%s"}'
-    log.see({stamp: 1000.5, shortly % "Configured": 3.0}, 1000.0)
-    log.see({stamp: 1000.5, shortly % "Configured": 3.0}, 1000.0)  # no new tick between two reads
-    log.see({stamp: 1002.5, shortly % "Configured": 3.0, shortly % "PrefillShort": 1.0}, 1000.0)
-    latency = 'pdserve_autoscaler_observed_latency_seconds{kind="prefill_ttft",namespace="replay",pdservice="live"}'
-    log.see({stamp: 1004.5, shortly % "Configured": 4.0, shortly % "PrefillShort": 1.0, latency: 0.4}, 1000.0)
-    log.see({}, 1000.0)  # the loop's series gone: no tick
-    assert log.ticks == [(0.5, "Configured"), (2.5, "PrefillShort"), (4.5, "Configured")]
-    assert log.gauges == [{}, {}, {"observed_latency_seconds:prefill_ttft": 0.4}]
+    log.see(operator_exposition(1000.5, {"Configured": 3.0}), 1000.0)
+    log.see(operator_exposition(1000.5, {"Configured": 3.0}), 1000.0)  # no new tick between two reads
+    log.see(operator_exposition(1002.5, {"Configured": 3.0, "PrefillShort": 1.0}), 1000.0)
+    log.see(operator_exposition(1004.5, {"Configured": 4.0, "PrefillShort": 1.0}, prefill_ttft=0.4), 1000.0)
+    log.see(operator_exposition(None, {}), 1000.0)  # the loop's series gone: no tick
+    assert [(tick.at, tick.reason) for tick in log.ticks] == [
+        (0.5, "Configured"),
+        (2.5, "PrefillShort"),
+        (4.5, "Configured"),
+    ]
+    assert [tick.seen for tick in log.ticks] == [{}, {}, {"observed_latency_seconds:prefill_ttft": 0.4}]
 
 
 def test_the_replay_reads_data_as_old_as_the_operators_last_scrape(bench: ModuleType) -> None:
     # Ticks at 1000.3 + 2k (Unix), the prefill engine scraped at ...0.8 every second: each tick reads data 0.5 s old.
-    ticks = [(0.3, "Configured"), (2.3, "PrefillShort")]
+    ticks = [0.3, 2.3]
     assert bench.metrics_lag(ticks, 1000.0, {"prefill": 1131.8, "router": 1131.1}, 1.0) == pytest.approx(0.5)
     assert bench.metrics_lag(ticks, 1000.0, {"prefill": 1131.2}, 1.0) == pytest.approx(0.1)
     # Nothing to go by: half a scrape interval (the mean over a random phase).

@@ -36,7 +36,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdserve.api.crdgen import custom_resource_definition
 from pdserve_dev.cluster.cluster import LocalCluster
@@ -44,7 +44,7 @@ from pdserve_dev.process_node.node import SELECTOR, TOLERATION
 from pdserve_dev.replay.trace import Request
 from pdserve_dev.testing.cluster import ClusterHelper
 from pdserve_dev.testing.load import Answer, Load
-from pdserve_dev.testing.metrics import series
+from pdserve_dev.testing.metrics import by_label, series
 from pdserve_dev.testing.operator import OperatorProcess
 from pdserve_dev.testing.prometheus import PrometheusHelper
 from pdserve_dev.testing.wait import wait_for
@@ -110,12 +110,8 @@ class LiveOutcome:
     latencies: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
     #: time.monotonic() at the replay's time 0 (an answer's `started` less this is its arrival in the trace).
     began: float = 0.0
-    #: (seconds since the first arrival, threshold reason) of every autoscaler tick the operator made during the
-    #: replay: its `pdserve_autoscaler_last_tick_timestamp_seconds` and the reason its
-    #: `pdserve_autoscaler_threshold_decisions_total` counted, read every 0.2 s.
-    ticks: list[tuple[float, str]] = field(default_factory=list)
-    #: Beside each of `ticks`: what it observed and wanted (`TickLog.gauges`).
-    tick_gauges: list[dict[str, float]] = field(default_factory=list)
+    #: Every autoscaler tick the operator made during the replay (`TickLog`, its metrics read every 0.2 s).
+    ticks: list[Tick] = field(default_factory=list)
     #: time.time() at the replay's time 0.
     began_unix: float = 0.0
     #: Unix time of the cluster's Prometheus' last scrape of the first engine of each pool and of the router, read
@@ -215,7 +211,7 @@ def run_live(
         prometheus.wait_for_targets(f'namespace="{NAMESPACE}"', sum(config.initial) + 1, timeout=60)
         router = wait_for(lambda: helper.pod_ips(NAMESPACE, "pdserve.io/role=router"), timeout=60)[0]
         log(f"   live: PDService ready, replaying {len(requests)} requests through the router at {router}")
-        outcome = asyncio.run(_replay(helper, f"http://{router}:8080", requests, log, operator.metrics))
+        outcome = asyncio.run(_replay(helper, f"http://{router}:8080", requests, log, operator.exposition))
         time.sleep(2.0)  # the last answers' metrics: one more scrape (every second)
         outcome.latencies = latency_breakdown(prometheus, outcome.seconds)
         outcome.scrapes = last_scrapes(prometheus)
@@ -236,7 +232,7 @@ async def _replay(
     base: str,
     requests: Sequence[Request],
     log: Callable[[str], None],
-    operator_metrics: Callable[[], dict[str, float]],
+    operator_metrics: Callable[[], str],
 ) -> LiveOutcome:
     timeline: list[tuple[float, int, int]] = []
     thresholds: list[tuple[float, int]] = []
@@ -328,58 +324,57 @@ async def _replay(
         startups=startup_delays(timeline, ready_timeline),
         routable=startup_delays(timeline, routed),
         router_thresholds=router_thresholds,
-        ticks=[(at, reason) for at, reason in ticks.ticks if at >= 0],
-        tick_gauges=[seen for (at, _), seen in zip(ticks.ticks, ticks.gauges, strict=True) if at >= 0],
+        ticks=[tick for tick in ticks.ticks if tick.at >= 0],
     )
+
+
+class Tick(NamedTuple):
+    """One autoscaler tick of the operator, as its metrics show it."""
+
+    #: Seconds since the replay's first arrival (its `pdserve_autoscaler_last_tick_timestamp_seconds`).
+    at: float
+    #: The threshold decision's reason (the one `pdserve_autoscaler_threshold_decisions_total` counted; "" if none).
+    reason: str
+    #: What it observed and wanted: `observed_latency_seconds:<kind>`, `demand:<pool>`, `desired_replicas:<pool>`.
+    seen: dict[str, float]
 
 
 class TickLog:
     """The operator's autoscaler ticks, from its metrics read now and then (`see`): a new value of
     `pdserve_autoscaler_last_tick_timestamp_seconds` is a tick, and the `pdserve_autoscaler_threshold_decisions_total`
-    reason that grew since the last read is its threshold decision ("" when none grew). Beside each tick, what
-    it saw and wanted (`gauges`): the latencies it observed by kind, each pool's demand and desired replicas."""
+    reason that grew since the last read is its threshold decision. Beside each tick, what it saw and wanted: the
+    latencies it observed by kind, each pool's demand and desired replicas."""
 
-    TICK = "pdserve_autoscaler_last_tick_timestamp_seconds{"
-    REASONS = "pdserve_autoscaler_threshold_decisions_total{"
-    #: Gauge families kept per tick, with the label that names the value.
+    TICK = "pdserve_autoscaler_last_tick_timestamp_seconds"
+    REASONS = "pdserve_autoscaler_threshold_decisions_total"
+    #: Gauges kept per tick, each with the label that names its values.
     GAUGES = (
-        ("pdserve_autoscaler_observed_latency_seconds{", "kind"),
-        ("pdserve_autoscaler_demand{", "pool"),
-        ("pdserve_autoscaler_desired_replicas{", "pool"),
+        ("pdserve_autoscaler_observed_latency_seconds", "kind"),
+        ("pdserve_autoscaler_demand", "pool"),
+        ("pdserve_autoscaler_desired_replicas", "pool"),
     )
 
     def __init__(self) -> None:
-        self.ticks: list[tuple[float, str]] = []
-        self.gauges: list[dict[str, float]] = []
+        self.ticks: list[Tick] = []
         self._last: float | None = None
         self._counts: dict[str, float] = {}
 
-    def see(self, metrics: dict[str, float], began_unix: float) -> None:
-        """One read of the operator's metrics (`OperatorProcess.metrics`); times are kept as seconds since
+    def see(self, exposition: str, began_unix: float) -> None:
+        """One read of the operator's metrics (`OperatorProcess.exposition`); times are kept as seconds since
         `began_unix` (the replay's time 0 on the wall clock)."""
-        stamps = [value for key, value in metrics.items() if key.startswith(self.TICK)]
-        counts = {key: value for key, value in metrics.items() if key.startswith(self.REASONS)}
-        grew = [key for key, value in counts.items() if value > self._counts.get(key, 0.0)]
+        stamps = [value for _, value in series(exposition, self.TICK)]
+        counts = by_label(exposition, self.REASONS, "reason")
+        grew = [reason for reason, value in counts.items() if value > self._counts.get(reason, 0.0)]
         self._counts = counts
         if not stamps or stamps[0] == self._last:
             return
         self._last = stamps[0]
-        reason = _label(grew[0], "reason") if grew else ""
-        self.ticks.append((round(stamps[0] - began_unix, 3), reason))
-        self.gauges.append(
-            {
-                f"{family.split('{')[0].removeprefix('pdserve_autoscaler_')}:{_label(key, label)}": value
-                for family, label in self.GAUGES
-                for key, value in metrics.items()
-                if key.startswith(family)
-            }
-        )
-
-
-def _label(key: str, name: str) -> str:
-    """The value of label `name` in a sample key (`name{a="x",...}`), "" when it has none."""
-    marker = f'{name}="'
-    return key.split(marker, 1)[1].split('"', 1)[0] if marker in key else ""
+        seen = {
+            f"{name.removeprefix('pdserve_autoscaler_')}:{key}": value
+            for name, label in self.GAUGES
+            for key, value in by_label(exposition, name, label).items()
+        }
+        self.ticks.append(Tick(round(stamps[0] - began_unix, 3), grew[0] if grew else "", seen))
 
 
 def _list_json(api: Any) -> list[dict[str, Any]]:

@@ -120,9 +120,13 @@ class OperatorProcess:
         except OSError:
             return False
 
+    def exposition(self) -> str:
+        """The operator's /metrics as Prometheus scrapes it (read it with `pdserve_dev.testing.metrics`)."""
+        return scrape_sync(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5)
+
     def metrics(self) -> dict[str, float]:
         """Every sample as `name{label="v",...}` -> value (labels sorted), e.g. `pdserve_operator_leader`."""
-        return samples(scrape_sync(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5))
+        return samples(self.exposition())
 
     def total(self, prefix: str) -> float:
         """Sum of every sample whose name starts with `prefix` (e.g. all label sets of a counter)."""
